@@ -1,0 +1,140 @@
+"""HF-layout checkpoints for Code2Wav: load a standalone or full Qwen3-Omni folder, save standalone.
+
+Layouts read:
+  (a) a full Qwen3-Omni folder: ``config.json`` with ``code2wav_config``; ``model.safetensors`` or a
+      ``model.safetensors.index.json`` whose shards hold ``code2wav.*`` beside thinker/talker tensors.
+      Only the shards that hold ``code2wav.*`` are opened, and only those tensors are read.
+  (b) a standalone folder: ``config.json`` (a Code2Wav config) + ``model.safetensors`` or an index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from omni_lightning.models.code2wav import Code2WavConfig
+
+if TYPE_CHECKING:
+    from omni_lightning.models.code2wav import Code2Wav
+
+FULL_MODEL_PREFIX = "code2wav."
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def _listing(title: str, items: list[str], limit: int = 20) -> str:
+    shown = ", ".join(items[:limit]) + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+    return f"{len(items)} {title}: {shown}"
+
+
+def _weight_files(folder: Path, prefix: str) -> dict[Path, list[str]]:
+    """Safetensors file -> the tensor names in it that start with ``prefix``."""
+    index_path = folder / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise ValueError(f"{index_path} is not a safetensors index ({err})") from err
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name, shard in weight_map.items():
+            if name.startswith(prefix):
+                by_file[folder / shard].append(name)
+        if not by_file:
+            raise ValueError(f"{index_path} lists no tensor starting with {prefix!r}")
+        return dict(by_file)
+    single = folder / WEIGHTS_FILE
+    if single.is_file():
+        return {single: []}  # names read from the file's own header
+    raise ValueError(f"no {WEIGHTS_FILE} or {INDEX_FILE} in {folder}")
+
+
+def read_state_dict(
+    folder: str | Path, prefix: str = "", device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Reads the tensors whose names start with ``prefix`` (prefix stripped) and nothing else."""
+    from safetensors import SafetensorError, safe_open
+
+    folder = Path(folder)
+    state: dict[str, torch.Tensor] = {}
+    for path, names in _weight_files(folder, prefix).items():
+        if not path.is_file():
+            raise ValueError(f"shard {path.name} named by {INDEX_FILE} is missing from {folder}")
+        try:
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in names or [k for k in f.keys() if k.startswith(prefix)]:  # noqa: SIM118
+                    state[name[len(prefix) :]] = f.get_tensor(name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"could not read {path}: {err}") from err
+    return state
+
+
+def load_pretrained(
+    cls: type[Code2Wav],
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> Code2Wav:
+    """``Code2Wav.from_pretrained``: weights in ``dtype`` (default float32) on ``device`` (default CPU)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"checkpoint folder {folder} does not exist")
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise ValueError(f"no config.json in {folder}")
+    try:
+        raw = json.loads(config_path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    config = Code2WavConfig.from_hf(raw)
+    prefix = FULL_MODEL_PREFIX if "code2wav_config" in raw else ""
+    device = torch.device(device or "cpu")
+    state = read_state_dict(folder, prefix, device)
+
+    with torch.device("meta"):
+        model = cls(config)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    misshaped = sorted(
+        f"{k} {tuple(state[k].shape)} != {tuple(shape)}"
+        for k, shape in expected.items()
+        if k in state and state[k].shape != shape
+    )
+    if missing or unexpected or misshaped:
+        parts = [
+            _listing(title, items)
+            for title, items in (
+                ("missing keys", missing),
+                ("unexpected keys", unexpected),
+                ("mis-shaped tensors (checkpoint != model)", misshaped),
+            )  # fmt: skip
+            if items
+        ]
+        raise ValueError(f"checkpoint {folder} does not match {config.name!r}: " + "; ".join(parts))
+    dtype = dtype or torch.float32
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    model.reset_buffers(device)
+    return model.eval()
+
+
+def save_pretrained(model: Code2Wav, path: str | Path) -> Path:
+    """Writes the standalone layout; files land atomically (temp name, then rename)."""
+    from safetensors.torch import save_file
+
+    folder = Path(path)
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    tmp = folder / f".{WEIGHTS_FILE}.tmp"
+    save_file(state, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    config = model.config.to_hf()
+    config["architectures"] = ["Qwen3OmniMoeCode2Wav"]
+    tmp = folder / ".config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(tmp, folder / "config.json")
+    return folder
