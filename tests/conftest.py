@@ -16,9 +16,7 @@ def random_model(config: Code2WavConfig | str = "tiny", seed: int = 0) -> Code2W
     return randomize_weights(Code2Wav(config), seed=seed).eval()
 
 
-def random_codes(
-    batch: int, frames: int, config: Code2WavConfig | None = None, seed: int = 0
-) -> torch.Tensor:
+def random_codes(batch: int, frames: int, config: Code2WavConfig | None = None, seed: int = 0) -> torch.Tensor:
     config = config or Code2WavConfig.from_name("tiny")
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.codebook_size, (batch, config.num_quantizers, frames), generator=gen)

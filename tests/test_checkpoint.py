@@ -38,9 +38,7 @@ def write_full_qwen3_omni(folder, model: Code2Wav, extra_code2wav=None, drop=Non
     (folder / "model-00001-of-00003.safetensors").write_bytes(b"\x00not a safetensors file" * 1000)
     weight_map.update(dict.fromkeys(["thinker.model.embed.weight", "thinker.lm_head.weight"],
                                     "model-00001-of-00003.safetensors"))  # fmt: skip
-    (folder / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map})
-    )
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return folder
 
 

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_lightning.models import fused
+
 # Presets are plain data. "qwen3-omni" is transformers' `Qwen3OmniMoeCode2WavConfig` defaults
 # (transformers/models/qwen3_omni_moe/configuration_qwen3_omni_moe.py), which is also the
 # `code2wav_config` of Qwen/Qwen3-Omni-30B-A3B-Instruct; 24 kHz from the Qwen3-Omni report.
@@ -260,11 +262,14 @@ class CausalConv1d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
                  groups: int = 1) -> None:  # fmt: skip
         super().__init__()
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.left_pad = (kernel_size - 1) * dilation
+        # padding both sides and dropping the right overhang saves the copy an F.pad would make
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups,
+                              padding=self.left_pad)  # fmt: skip
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.conv(F.pad(x, (self.left_pad, 0)))
+        y = self.conv(x)
+        return y[..., : x.shape[-1]] if self.left_pad else y
 
 
 class CausalConvTranspose1d(nn.Module):
@@ -287,12 +292,15 @@ class SnakeBeta(nn.Module):
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
+        self.fused = True  # one Triton pass on CUDA without autograd (models/fused.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         alpha = self.alpha.exp()[:, None]
         inv_beta = 1.0 / (self.beta.exp()[:, None] + 1e-9)
         if torch.is_grad_enabled():
             return x + inv_beta * torch.sin(x * alpha).pow(2)
+        if self.fused and x.is_cuda and fused.triton_available():
+            return fused.snake_beta(x, alpha[:, 0], inv_beta[:, 0])
         s = torch.mul(x, alpha).sin_()  # without autograd: two temporaries fewer per call
         return torch.addcmul(x, s.mul_(s), inv_beta)
 
@@ -358,9 +366,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads
-        )
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -487,6 +493,13 @@ class Code2Wav(nn.Module):
     @property
     def sample_rate(self) -> int:
         return self.config.sample_rate
+
+    def set_fused_kernels(self, enabled: bool) -> Code2Wav:
+        """Turns the fused CUDA inference kernels on or off (they are on by default)."""
+        for module in self.modules():
+            if isinstance(module, SnakeBeta):
+                module.fused = enabled
+        return self
 
     def output_length(self, n_frames: int) -> int:
         return self.config.output_length(n_frames)
