@@ -1,7 +1,24 @@
 """omni_lightning: the Code2Wav stage of omni speech models in PyTorch Lightning."""
 
+from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
 from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights, validate_codes
+from omni_lightning.module import Code2WavModule
+from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, Trainer, build_pooler_output
 
 __version__ = "0.1.0"
 
-__all__ = ["Code2Wav", "Code2WavConfig", "randomize_weights", "validate_codes"]
+__all__ = [
+    "Code2Wav",
+    "Code2WavConfig",
+    "Code2WavModule",
+    "CodesDataModule",
+    "CodesDataset",
+    "LengthBucketBatchSampler",
+    "OmniModelRunnerOutput",
+    "OmniPredictionLoop",
+    "Trainer",
+    "build_pooler_output",
+    "collate_codes",
+    "randomize_weights",
+    "validate_codes",
+]

@@ -26,7 +26,10 @@ def test_fused_snake_beta_matches_the_formula(dtype):
 
 
 @cuda
-def test_cuda_model_matches_transformers_and_unfused():
+def test_cuda_model_matches_transformers_and_unfused(monkeypatch):
+    # fp32 means fp32 here: cuDNN and cuBLAS would otherwise round inputs to TF32
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = random_model("tiny").cuda()
     ref = reference_model(model).cuda()
     lengths = [37, 5, 1]

@@ -531,13 +531,12 @@ class Code2Wav(nn.Module):
             lengths = validate_codes(codes, self.config, lengths, req_ids)
         elif lengths is None:
             lengths = torch.full((codes.shape[0],), codes.shape[-1], dtype=torch.long)
-        n = [int(x) for x in torch.as_tensor(lengths).tolist()]
+        n = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
         codes = codes[..., : max(n)]
         if min(n) < codes.shape[-1]:
-            # pad frames may hold anything (-1, say): make them a valid code, they are cut anyway
-            frame = torch.arange(codes.shape[-1], device=codes.device)
-            pad = frame[None, None, :] >= torch.as_tensor(n, device=codes.device)[:, None, None]
-            codes = codes.masked_fill(pad, 0)
+            # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
+            # into the codebook on the device (building a pad mask would wait for a host copy)
+            codes = codes.clamp(0, self.config.codebook_size - 1)
         wav = self(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 

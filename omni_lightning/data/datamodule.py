@@ -1,0 +1,97 @@
+"""``CodesDataModule``: datasets, length-bucketed loaders and the collate function in one place."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+
+from omni_lightning.data.collate import collate_codes
+from omni_lightning.data.dataset import CodesDataset
+from omni_lightning.data.sampler import LengthBucketBatchSampler
+from omni_lightning.models.code2wav import Code2WavConfig
+
+Source = str | Path | list
+
+
+class CodesDataModule(pl.LightningDataModule):
+    """Sources per stage (manifest, folder, tensors; ``predict`` may be a list of sources, one
+    dataloader each). The codebook geometry comes from ``config`` or from the trainer's module.
+
+    ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
+    ``"raise"`` stops before any compute. ``crop_frames``: random training crops.
+    """
+
+    def __init__(
+        self,
+        predict: Source | None = None,
+        train: Source | None = None,
+        val: Source | None = None,
+        test: Source | None = None,
+        batch_size: int = 8,
+        max_frames: int | None = None,
+        num_workers: int = 0,
+        on_bad_input: str = "skip",
+        crop_frames: int | None = None,
+        config: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
+        self.batch_size = batch_size
+        self.max_frames = max_frames
+        self.num_workers = num_workers
+        self.on_bad_input = on_bad_input
+        self.crop_frames = crop_frames
+        self.config = config
+        self.seed = seed
+        self.datasets: dict[str, Any] = {}
+
+    def _config(self) -> Code2WavConfig | str:
+        if self.config is not None:
+            return self.config
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
+
+    def _dataset(self, source: Any, train: bool = False) -> CodesDataset:
+        if isinstance(source, CodesDataset):
+            return source
+        return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input,
+                            crop_frames=self.crop_frames if train else None, seed=self.seed)  # fmt: skip
+
+    def setup(self, stage: str) -> None:
+        if stage == "predict" and self.sources["predict"] is not None:
+            sources = self.sources["predict"]
+            many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
+            self.datasets["predict"] = [self._dataset(s) for s in sources] if many else [self._dataset(sources)]
+        if stage == "fit" and self.sources["fit"] is not None:
+            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True)
+        if stage in ("fit", "validate") and self.sources["validate"] is not None:
+            self.datasets["validate"] = self._dataset(self.sources["validate"])
+        if stage == "test" and self.sources["test"] is not None:
+            self.datasets["test"] = self._dataset(self.sources["test"])
+
+    def _loader(self, dataset: CodesDataset, shuffle: bool = False) -> DataLoader:
+        sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
+        batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,
+                                           max_frames=self.max_frames, shuffle=shuffle, seed=self.seed)  # fmt: skip
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self.num_workers)
+
+    def _require(self, stage: str) -> Any:
+        if stage not in self.datasets:
+            raise ValueError(f"CodesDataModule has no {stage!r} data: pass it to the constructor")
+        return self.datasets[stage]
+
+    def predict_dataloader(self) -> list[DataLoader]:
+        return [self._loader(ds) for ds in self._require("predict")]
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._require("fit"), shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._require("validate"))
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self._require("test"))

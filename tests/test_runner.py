@@ -1,0 +1,262 @@
+"""trainer.predict through OmniPredictionLoop: vLLM-Omni runner semantics inside Lightning."""
+
+import json
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import torch
+from conftest import random_codes, random_model
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader
+
+from omni_lightning import (
+    Code2WavModule,
+    CodesDataModule,
+    CodesDataset,
+    LengthBucketBatchSampler,
+    OmniModelRunnerOutput,
+    OmniPredictionLoop,
+    Trainer,
+    build_pooler_output,
+    collate_codes,
+)
+
+LENGTHS = [9, 1, 23, 4, 17, 2, 30]
+
+
+def trainer_kwargs(**kw):
+    return dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
+
+
+class CountingModule(Code2WavModule):
+    """The real module, counting its forwards and profile runs."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.forwards, self.profile_runs = 0, 0
+        self.model.register_forward_pre_hook(lambda *_: setattr(self, "forwards", self.forwards + 1))
+
+    def profile_run(self):
+        self.profile_runs += 1
+        super().profile_run()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", seed=3)
+
+
+def requests(lengths=LENGTHS, seed=0):
+    return {f"utt{i:02d}": random_codes(1, n, seed=seed + i)[0] for i, n in enumerate(lengths)}
+
+
+def loader(reqs, batch_size=3, **kw):
+    ds = CodesDataset(reqs, "tiny", **kw)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collate_codes)
+
+
+def assert_payload_owned(wav):
+    assert wav.device.type == "cpu" and wav.is_contiguous() and wav.dtype == torch.float32
+    assert wav.storage_offset() == 0 and wav.untyped_storage().nbytes() == wav.nbytes
+
+
+def test_predictions_equal_solo_decodes_with_runner_structure(model):
+    reqs = requests()
+    module = CountingModule(model=model)
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs))
+    assert len(preds) == 3 and module.forwards == 3 and module.profile_runs == 1
+    seen = {}
+    for out in preds:
+        assert isinstance(out, OmniModelRunnerOutput)
+        assert out.req_id_to_index == {r: i for i, r in enumerate(out.req_ids)}
+        assert out.sampled_token_ids == [[] for _ in out.req_ids] and out.logprobs is None
+        assert len(out.pooler_output) == len(out.req_ids)
+        for req_id, payload in zip(out.req_ids, out.pooler_output):
+            assert set(payload) == {"model_outputs", "sr"} and payload["sr"] == 24000
+            assert_payload_owned(payload["model_outputs"])
+            seen[req_id] = payload["model_outputs"]
+    assert sorted(seen) == sorted(reqs)
+    with torch.inference_mode():
+        for req_id, codes in reqs.items():
+            alone = model(codes[None])[0]
+            assert seen[req_id].shape == (1, model.output_length(codes.shape[-1]))
+            assert (seen[req_id] - alone).abs().max() <= 1e-5
+
+
+def test_train_mode_restored_and_stock_trainer_takes_the_loop(model):
+    module = CountingModule(model=model)
+    module.train()
+    trainer = pl.Trainer(**trainer_kwargs())
+    trainer.predict_loop = OmniPredictionLoop(trainer)
+    preds = trainer.predict(module, loader(requests([5, 6])))
+    assert module.training and module.model.training
+    assert isinstance(preds[0], OmniModelRunnerOutput) and module.profile_runs == 1
+    module.eval()
+    Trainer(**trainer_kwargs()).predict(module, loader(requests([5])))
+    assert not module.training
+    model.eval()
+
+
+def test_multiple_dataloaders(model):
+    module = CountingModule(model=model)
+    a, b = requests([3, 8, 2]), requests([11, 4], seed=50)
+    preds = Trainer(**trainer_kwargs()).predict(module, [loader(a, 2), loader(b, 2)])
+    assert len(preds) == 2 and [len(p) for p in preds] == [2, 1]
+    assert sorted(r for out in preds[0] for r in out.req_ids) == sorted(a)
+    assert sorted(r for out in preds[1] for r in out.req_ids) == sorted(b)
+    assert module.forwards == 3
+
+
+class Collector(BasePredictionWriter):
+    def __init__(self, interval):
+        super().__init__(interval)
+        self.batches, self.epoch = [], None
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        assert isinstance(prediction, OmniModelRunnerOutput)
+        self.batches.append((list(batch_indices), prediction.req_ids, prediction.pooler_output))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.epoch = (predictions, batch_indices)
+
+
+@pytest.mark.parametrize("interval", ["batch", "epoch"])
+def test_writer_without_return_predictions(model, interval):
+    reqs = requests()
+    writer = Collector(interval)
+    trainer = Trainer(**trainer_kwargs(callbacks=[writer]))
+    assert trainer.predict(Code2WavModule(model=model), loader(reqs), return_predictions=False) is None
+    ids = list(reqs)
+    if interval == "batch":
+        assert [b[0] for b in writer.batches] == [[0, 1, 2], [3, 4, 5], [6]]
+        assert [r for b in writer.batches for r in b[1]] == ids
+        assert all(p["model_outputs"].shape[-1] > 0 for b in writer.batches for p in b[2])
+    else:
+        predictions, indices = writer.epoch
+        assert indices == [[[0, 1, 2], [3, 4, 5], [6]]]
+        # Lightning's own shapes: predictions flat for one dataloader, indices per dataloader
+        assert [r for out in predictions for r in out.req_ids] == ids
+        assert not any(out.in_flight for out in predictions)
+
+
+def test_long_requests_go_through_gap_free_chunked_decode(model):
+    reqs = requests([40, 6])
+    module = Code2WavModule(model=model, max_frames_per_request=16, chunk_size=16, left_context=8)
+    (out,) = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 2))
+    wav = out.pooler_output[out.req_id_to_index["utt00"]]["model_outputs"]
+    with torch.inference_mode():
+        want = model.chunked_decode(reqs["utt00"][None], 16, 8)[0]
+    assert wav.shape == (1, model.output_length(40)) and torch.equal(wav, want)
+
+
+def test_bad_manifest_raise_stops_before_compute(tmp_path, model):
+    manifest = write_manifest(tmp_path)
+    with pytest.raises(ValueError) as err:
+        CodesDataModule(predict=str(manifest), on_bad_input="raise", batch_size=2).setup("predict")
+    msg = str(err.value)
+    assert "3 bad request(s)" in msg
+    assert "missing: codes file" in msg and "does not exist" in msg
+    assert "range: request 'range': code 5000 at codebook 2, frame 1" in msg
+    assert "corrupt: codes file" in msg and "could not be read" in msg
+    module = CountingModule(model=model)
+    dm = CodesDataModule(predict=str(manifest), on_bad_input="raise", batch_size=2)
+    with pytest.raises(ValueError, match="bad request"):
+        Trainer(**trainer_kwargs()).predict(module, datamodule=dm)
+    assert module.forwards == 0
+
+
+def test_bad_manifest_skip_predicts_the_rest_and_reports_each(tmp_path, model):
+    manifest = write_manifest(tmp_path)
+    module = CountingModule(model=model)
+    dm = CodesDataModule(predict=str(manifest), on_bad_input="skip", batch_size=2)
+    preds = Trainer(**trainer_kwargs()).predict(module, datamodule=dm)
+    done = {r: out.pooler_output[i]["model_outputs"] for out in preds for i, r in enumerate(out.req_ids)}
+    errors = {k: v for out in preds for k, v in out.errors.items()}
+    assert sorted(done) == ["good1", "good2"]
+    assert sorted(errors) == ["corrupt", "missing", "range"]
+    assert "does not exist" in errors["missing"] and "code 5000" in errors["range"]
+    assert done["good2"].shape == (1, model.output_length(7))
+
+
+def write_manifest(folder):
+    (folder / "codes").mkdir()
+    rows = []
+    for name, n in (("good1", 5), ("good2", 7), ("range", 4)):
+        codes = random_codes(1, n, seed=n)[0].numpy()
+        if name == "range":
+            codes[2, 1] = 5000
+        np.save(folder / "codes" / f"{name}.npy", codes)
+        rows.append({"id": name, "codes": f"codes/{name}.npy"})
+    (folder / "codes" / "corrupt.npy").write_bytes(b"not numpy at all")
+    rows += [{"id": "corrupt", "codes": "codes/corrupt.npy"}, {"id": "missing", "codes": "codes/nope.npy"}]
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return manifest
+
+
+def test_length_bucketing_cuts_padding_deterministically():
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(x) for x in torch.randint(1, 20, (100,), generator=gen)]
+    lengths[::10] = [300] * 10  # skewed: a few long requests among many short ones
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    sequential = [list(range(i, min(i + 8, 100))) for i in range(0, 100, 8)]
+    bucketed = list(LengthBucketBatchSampler(range(100), 8, lengths=lengths))
+    assert sorted(i for b in bucketed for i in b) == list(range(100))
+    assert padded(bucketed) < 0.5 * padded(sequential)
+    assert bucketed == list(LengthBucketBatchSampler(range(100), 8, lengths=lengths))
+    capped = list(LengthBucketBatchSampler(range(100), 8, lengths=lengths, max_frames=600))
+    assert all(len(b) * max(lengths[i] for i in b) <= 600 for b in capped)
+    shuffled = LengthBucketBatchSampler(range(100), 8, lengths=lengths, shuffle=True, seed=1)
+    first = list(shuffled)
+    shuffled.set_epoch(1)
+    assert sorted(map(tuple, first)) == sorted(map(tuple, bucketed)) and first != list(shuffled)
+
+
+def test_pooler_output_splitting_rules():
+    batch = torch.arange(12.0).view(3, 4)
+    shared = torch.ones(2)
+    mm = {
+        "model_outputs": [batch[0, :2], None, batch[2]],
+        "per_row": batch,
+        "nested": {"emb": [torch.zeros(1), torch.ones(1), torch.full((1,), 2.0)], "tag": "x"},
+        "shared": shared,
+        "sr": 24000,
+        "meta": {"lang": ["en", "de"]},
+    }
+    out = build_pooler_output(mm, 3)
+    assert [p["sr"] for p in out] == [24000] * 3
+    assert torch.equal(out[0]["model_outputs"], torch.tensor([0.0, 1.0])) and out[1]["model_outputs"] is None
+    assert torch.equal(out[1]["per_row"], torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert [float(p["nested"]["emb"]) for p in out] == [0.0, 1.0, 2.0] and out[2]["nested"]["tag"] == "x"
+    assert out[0]["meta"] == {"lang": ["en", "de"]} and out[0]["meta"] is not out[1]["meta"]
+    for p in out:
+        for t in (p["per_row"], p["shared"]):
+            assert t.untyped_storage().data_ptr() not in (batch.untyped_storage().data_ptr(),
+                                                          shared.untyped_storage().data_ptr())  # fmt: skip
+    assert out[0]["shared"].untyped_storage().data_ptr() != out[1]["shared"].untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="must be a dict"):
+        build_pooler_output([batch], 3)
+
+
+def test_bad_loop_and_step_configuration(model):
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        Trainer(**trainer_kwargs(), gpu_memory_utilization=1.5)
+
+    class TensorStep(Code2WavModule):
+        def predict_step(self, batch, batch_idx):
+            return torch.zeros(1)
+
+    with pytest.raises(TypeError, match="must return a dict of multimodal outputs"):
+        Trainer(**trainer_kwargs()).predict(TensorStep(model=model), loader(requests([3])))
+
+
+def test_plain_tensor_batches_get_generated_ids(model):
+    codes = random_codes(2, 6, seed=9)
+    preds = Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), DataLoader([codes[0], codes[1]], 2))
+    assert preds[0].req_ids == ["0-0", "0-1"]
+    assert preds[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
