@@ -1,5 +1,6 @@
 """omni_lightning: the Code2Wav stage of omni speech models in PyTorch Lightning."""
 
+from omni_lightning.callbacks import AsyncD2HCallback
 from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
 from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights, validate_codes
 from omni_lightning.module import Code2WavModule
@@ -8,6 +9,7 @@ from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, Tra
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncD2HCallback",
     "Code2Wav",
     "Code2WavConfig",
     "Code2WavModule",

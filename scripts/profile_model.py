@@ -27,6 +27,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rows", type=int, default=25)
+    parser.add_argument("--ops", action="store_true", help="aten ops with input shapes instead of kernels")
     args = parser.parse_args()
     dtype = DTYPES[args.dtype]
     base = randomize_weights(Code2Wav(args.preset)).eval()
@@ -39,12 +40,19 @@ def main() -> None:
         with torch.inference_mode():
             fn(codes), fn(codes)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU], record_shapes=args.ops) as prof:
                 fn(codes)
                 torch.cuda.synchronize()
-        total = sum(e.self_device_time_total for e in prof.key_averages()) / 1e3
+        total = sum(e.self_device_time_total for e in prof.key_averages() if e.device_type.name == "CUDA") / 1e3
         print(f"\n=== {name}: {args.preset} {args.dtype} batch {args.batch}: {total:.1f} ms of kernels")
-        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows, max_name_column_width=90))
+        if args.ops:
+            table = prof.key_averages(group_by_input_shape=True).table(
+                sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=40, max_shapes_column_width=60
+            )
+        else:
+            table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=args.rows,
+                                              max_name_column_width=90)  # fmt: skip
+        print(table)
 
 
 if __name__ == "__main__":

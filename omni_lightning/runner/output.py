@@ -8,8 +8,8 @@ the model's multimodal outputs by :func:`build_pooler_output`.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -34,35 +34,51 @@ def to_host(value: Any) -> Any:
     return value
 
 
-def build_pooler_output(multimodal_outputs: Mapping[str, Any], num_reqs: int) -> list[dict[str, Any]]:
+def build_pooler_output(
+    multimodal_outputs: Mapping[str, Any], num_reqs: int, copy_tensors: bool = False
+) -> list[dict[str, Any]]:
     """Splits a step's multimodal outputs into one payload per request.
 
     - a tensor whose first dim is ``num_reqs``: row i goes to request i;
     - a list/tuple of length ``num_reqs`` holding tensors or None: element i to request i;
     - a dict: split value by value with these same rules;
     - anything else (a scalar, a shared tensor, metadata): a copy to every request.
-    Every tensor in a payload owns contiguous CPU storage.
+    Every tensor in a payload owns contiguous CPU storage; ``copy_tensors`` copies even tensors that
+    look self-owned (for host tensors that live in a reused buffer).
     """
     if not isinstance(multimodal_outputs, Mapping):
         raise TypeError(f"multimodal outputs must be a dict, got {type(multimodal_outputs).__name__}")
     host = to_host(multimodal_outputs)
 
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone(memory_format=torch.contiguous_format) if copy_tensors else owned_cpu(t)
+
     def per_request(value: Any, i: int) -> Any:
         if isinstance(value, torch.Tensor):
             if value.dim() > 0 and value.shape[0] == num_reqs:
-                return owned_cpu(value[i])
+                return own(value[i])
             return value.clone(memory_format=torch.contiguous_format)
         if (
             isinstance(value, (list, tuple))
             and len(value) == num_reqs
             and all(v is None or isinstance(v, torch.Tensor) for v in value)
         ):
-            return None if value[i] is None else owned_cpu(value[i])
+            return None if value[i] is None else own(value[i])
         if isinstance(value, Mapping):
             return {k: per_request(v, i) for k, v in value.items()}
         return copy.deepcopy(value)
 
     return [{k: per_request(v, i) for k, v in host.items()} for i in range(num_reqs)]
+
+
+class HostTransfer(Protocol):
+    """A device-to-host copy in flight (see ``AsyncD2HCallback``)."""
+
+    def wait(self) -> Mapping[str, Any]:
+        """Blocks until the copy is done; the outputs with host tensors (in a reused buffer)."""
+
+    def release(self) -> None:
+        """Gives the host buffer back once its contents were copied out."""
 
 
 class OmniModelRunnerOutput:
@@ -74,7 +90,7 @@ class OmniModelRunnerOutput:
     """
 
     __slots__ = ("req_ids", "req_id_to_index", "sampled_token_ids", "logprobs", "errors", "_pooler_output",
-                 "_finalize", "_multimodal_outputs")  # fmt: skip
+                 "_transfer", "_multimodal_outputs")  # fmt: skip
 
     def __init__(
         self,
@@ -93,7 +109,7 @@ class OmniModelRunnerOutput:
         self.errors = dict(errors or {})
         self._pooler_output = pooler_output
         self._multimodal_outputs = multimodal_outputs
-        self._finalize: Callable[[], Mapping[str, Any]] | None = None
+        self._transfer: HostTransfer | None = None
         if pooler_output is None and multimodal_outputs is None:
             raise ValueError("give pooler_output or multimodal_outputs")
 
@@ -106,23 +122,28 @@ class OmniModelRunnerOutput:
         """The step's raw outputs (on the device) until ``pooler_output`` is built, then None."""
         return self._multimodal_outputs
 
-    def set_host_transfer(self, finalize: Callable[[], Mapping[str, Any]]) -> None:
-        """Hands the device-to-host copy to ``finalize``, which returns the outputs on the host."""
+    def set_host_transfer(self, transfer: HostTransfer) -> None:
+        """Hands the device-to-host copy of the multimodal outputs to ``transfer`` (already started)."""
         if self._pooler_output is not None:
             raise RuntimeError("pooler_output is already built")
-        self._finalize = finalize
+        self._transfer = transfer
 
     @property
     def in_flight(self) -> bool:
         """True while an asynchronous host copy of this output has not been waited for."""
-        return self._pooler_output is None and self._finalize is not None
+        return self._pooler_output is None and self._transfer is not None
 
     @property
     def pooler_output(self) -> list[dict[str, Any]]:
         if self._pooler_output is None:
-            host = self._finalize() if self._finalize is not None else self._multimodal_outputs
-            self._pooler_output = build_pooler_output(host, self.num_reqs)
-            self._finalize = None
+            transfer, self._transfer = self._transfer, None
+            if transfer is None:
+                self._pooler_output = build_pooler_output(self._multimodal_outputs, self.num_reqs)
+            else:
+                try:  # payloads are copied out of the reused host buffer before it goes back
+                    self._pooler_output = build_pooler_output(transfer.wait(), self.num_reqs, copy_tensors=True)
+                finally:
+                    transfer.release()
             self._multimodal_outputs = None  # release the device tensors
         return self._pooler_output
 

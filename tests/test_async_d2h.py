@@ -1,0 +1,144 @@
+"""AsyncD2HCallback: same outputs with and without it, on the CPU (no-op) and on CUDA (copy stream)."""
+
+import signal
+
+import pytest
+import torch
+from conftest import random_model
+from test_runner import Collector, loader, requests, trainer_kwargs
+
+from omni_lightning import Code2WavModule, OmniModelRunnerOutput, Trainer
+from omni_lightning.callbacks import AsyncD2HCallback
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ACCELERATORS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model("tiny", seed=5)
+
+
+def waveforms(preds):
+    """req_id -> waveform, from predictions of one or several dataloaders."""
+    outs = [o for p in preds for o in (p if isinstance(p, list) else [p])]
+    return {r: o.pooler_output[i]["model_outputs"] for o in outs for i, r in enumerate(o.req_ids)}
+
+
+def run(model, accelerator, callbacks=(), dataloaders=None, **predict_kw):
+    kw = trainer_kwargs(callbacks=list(callbacks))
+    kw["accelerator"] = accelerator
+    trainer = Trainer(**kw)
+    return trainer.predict(Code2WavModule(model=model), dataloaders or loader(requests()), **predict_kw)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_identical_outputs_with_and_without_the_callback(model, accelerator):
+    plain = waveforms(run(model, accelerator))
+    d2h = AsyncD2HCallback()
+    with_cb = waveforms(run(model, accelerator, [d2h]))
+    assert plain.keys() == with_cb.keys()
+    assert all(torch.equal(plain[k], with_cb[k]) for k in plain)
+    assert d2h.transfers == (3 if accelerator == "cuda" else 0)
+    # the pool is freed at predict end: no pinned memory left behind
+    assert d2h.pool.pinned_bytes == 0 and d2h.pool.in_use == 0
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("interval", ["batch", "epoch"])
+def test_writer_and_no_return_predictions(model, accelerator, interval):
+    reference = waveforms(run(model, "cpu"))
+    writer = Collector(interval)
+    assert run(model, accelerator, [AsyncD2HCallback(), writer], return_predictions=False) is None
+    if interval == "batch":
+        got = {r: p["model_outputs"] for _, ids, payloads in writer.batches for r, p in zip(ids, payloads)}
+    else:
+        got = waveforms(writer.epoch[0])
+    assert got.keys() == reference.keys()
+    tol = 0.0 if accelerator == "cpu" else 1e-3
+    assert all((got[k] - reference[k]).abs().max() <= tol for k in got)
+    assert all(w.device.type == "cpu" for w in got.values())
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_multiple_dataloaders(model, accelerator):
+    dls = [loader(requests([3, 8, 2]), 2), loader(requests([11, 4], seed=50), 2)]
+    plain = run(model, accelerator, dataloaders=dls)
+    dls = [loader(requests([3, 8, 2]), 2), loader(requests([11, 4], seed=50), 2)]
+    with_cb = run(model, accelerator, [AsyncD2HCallback()], dataloaders=dls)
+    assert [len(p) for p in with_cb] == [2, 1]
+    a, b = waveforms(plain), waveforms(with_cb)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class FailingModule(Code2WavModule):
+    def __init__(self, fail_at, exc=RuntimeError, **kw):
+        super().__init__(**kw)
+        self.fail_at, self.exc = fail_at, exc
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == self.fail_at:
+            raise self.exc("boom")
+        return super().predict_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, exc):
+    reference = waveforms(run(model, "cpu"))
+    writer, d2h = Collector("batch"), AsyncD2HCallback()
+    kw = trainer_kwargs(callbacks=[d2h, writer])
+    kw["accelerator"] = accelerator
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        # Lightning turns a KeyboardInterrupt into a graceful shutdown and sys.exit(1)
+        with pytest.raises(SystemExit if exc is KeyboardInterrupt else RuntimeError):
+            Trainer(**kw).predict(FailingModule(2, exc, model=model), loader(requests()), return_predictions=False)
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    delivered = {r: p["model_outputs"] for _, ids, payloads in writer.batches for r, p in zip(ids, payloads)}
+    assert sorted(delivered) == sorted(list(reference)[:6])  # batches 0 and 1, nothing lost
+    tol = 0.0 if accelerator == "cpu" else 1e-3
+    assert all((delivered[k] - reference[k]).abs().max() <= tol for k in delivered)
+    assert d2h.pool.pinned_bytes == 0 and d2h.pool.in_use == 0
+
+
+@pytest.mark.parametrize("accelerator", ACCELERATORS)
+def test_empty_dataloader(model, accelerator):
+    kw = trainer_kwargs(callbacks=[AsyncD2HCallback()])
+    kw["accelerator"] = accelerator
+    assert Trainer(**kw).predict(Code2WavModule(model=model), loader({})) is None
+
+
+@cuda
+def test_cuda_outputs_bit_identical_to_synchronous_path(model):
+    plain = waveforms(run(model, "cuda"))
+    d2h = AsyncD2HCallback()
+    preds = run(model, "cuda", [d2h])
+    assert all(isinstance(o, OmniModelRunnerOutput) and not o.in_flight for o in preds)
+    got = waveforms(preds)
+    assert all(torch.equal(plain[k], got[k]) for k in plain)
+    assert d2h.pool.allocations <= 3  # reused, not one pinned allocation per step
+
+
+@cuda
+def test_copies_run_on_the_copy_stream_overlapping_compute():
+    from torch.profiler import ProfilerActivity, profile
+
+    big = random_model("tiny", seed=1).cuda()
+    reqs = requests([125] * 32)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), return_predictions=False)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies = [e for e in events if "Memcpy DtoH" in e.name]
+    kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
+    assert copies and kernels
+    copy_streams = {e.device_resource_id for e in copies}
+    compute_streams = {e.device_resource_id for e in kernels}
+    assert copy_streams.isdisjoint(compute_streams)
+    # at least one copy runs while a compute kernel runs
+    overlaps = sum(
+        any(k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end for k in kernels)
+        for c in copies
+    )
+    assert overlaps >= 1
