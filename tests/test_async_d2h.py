@@ -40,14 +40,20 @@ def test_identical_outputs_with_and_without_the_callback(model, accelerator):
     assert plain.keys() == with_cb.keys()
     assert all(torch.equal(plain[k], with_cb[k]) for k in plain)
     assert d2h.transfers == (3 if accelerator == "cuda" else 0)
-    # the pool is freed at predict end: no pinned memory left behind
-    assert d2h.pool.pinned_bytes == 0 and d2h.pool.in_use == 0
+    # every buffer is back in the pool, which stays small and allocates nothing on a second run
+    assert d2h.pool.in_use == 0 and d2h.pool.allocations <= 3
+    allocations = d2h.pool.allocations
+    again = waveforms(run(model, accelerator, [d2h]))
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    assert d2h.pool.allocations == allocations
+    d2h.close()
+    assert d2h.pool.pinned_bytes == 0
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("interval", ["batch", "epoch"])
 def test_writer_and_no_return_predictions(model, accelerator, interval):
-    reference = waveforms(run(model, "cpu"))
+    reference = waveforms(run(model, accelerator))  # the synchronous path on the same device
     writer = Collector(interval)
     assert run(model, accelerator, [AsyncD2HCallback(), writer], return_predictions=False) is None
     if interval == "batch":
@@ -55,8 +61,7 @@ def test_writer_and_no_return_predictions(model, accelerator, interval):
     else:
         got = waveforms(writer.epoch[0])
     assert got.keys() == reference.keys()
-    tol = 0.0 if accelerator == "cpu" else 1e-3
-    assert all((got[k] - reference[k]).abs().max() <= tol for k in got)
+    assert all(torch.equal(got[k], reference[k]) for k in got)
     assert all(w.device.type == "cpu" for w in got.values())
 
 
@@ -85,7 +90,7 @@ class FailingModule(Code2WavModule):
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, exc):
-    reference = waveforms(run(model, "cpu"))
+    reference = waveforms(run(model, accelerator))
     writer, d2h = Collector("batch"), AsyncD2HCallback()
     kw = trainer_kwargs(callbacks=[d2h, writer])
     kw["accelerator"] = accelerator
@@ -98,9 +103,8 @@ def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, e
         signal.signal(signal.SIGINT, handler)
     delivered = {r: p["model_outputs"] for _, ids, payloads in writer.batches for r, p in zip(ids, payloads)}
     assert sorted(delivered) == sorted(list(reference)[:6])  # batches 0 and 1, nothing lost
-    tol = 0.0 if accelerator == "cpu" else 1e-3
-    assert all((delivered[k] - reference[k]).abs().max() <= tol for k in delivered)
-    assert d2h.pool.pinned_bytes == 0 and d2h.pool.in_use == 0
+    assert all(torch.equal(delivered[k], reference[k]) for k in delivered)
+    assert d2h.pool.pinned_bytes == 0 and d2h.pool.in_use == 0  # closed on the exception
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
@@ -125,20 +129,24 @@ def test_cuda_outputs_bit_identical_to_synchronous_path(model):
 def test_copies_run_on_the_copy_stream_overlapping_compute():
     from torch.profiler import ProfilerActivity, profile
 
-    big = random_model("tiny", seed=1).cuda()
-    reqs = requests([125] * 32)
+    from omni_lightning import Code2Wav
+
+    # enough GPU work per step (the real architecture, bf16) that compute is what the copies hide under
+    big = Code2Wav("qwen3-omni").to("cuda", torch.bfloat16).eval()
+    reqs = requests([125] * 24)
+    run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), return_predictions=False)  # warm-up
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), return_predictions=False)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in events if "Memcpy DtoH" in e.name]
+    copies = [e for e in events if "DtoH" in e.name]
     kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
-    assert copies and kernels
+    assert len(copies) >= 16 and kernels
     copy_streams = {e.device_resource_id for e in copies}
     compute_streams = {e.device_resource_id for e in kernels}
-    assert copy_streams.isdisjoint(compute_streams)
-    # at least one copy runs while a compute kernel runs
-    overlaps = sum(
-        any(k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end for k in kernels)
-        for c in copies
-    )
-    assert overlaps >= 1
+    assert copy_streams.isdisjoint(compute_streams), (copy_streams, compute_streams)
+    # the copies of the first two steps run while the next step's kernels run
+    overlapping = [
+        c for c in copies
+        if any(k.time_range.start < c.time_range.end and c.time_range.start < k.time_range.end for k in kernels)
+    ]  # fmt: skip
+    assert len(overlapping) >= 8, f"{len(overlapping)} of {len(copies)} copies overlap compute"

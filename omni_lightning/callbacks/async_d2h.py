@@ -122,7 +122,12 @@ class PinnedHostTransfer:
 
 
 class AsyncD2HCallback(Callback):
-    """Overlaps each predict step's device-to-host copies with the next step (CUDA only)."""
+    """Overlaps each predict step's device-to-host copies with the next step (CUDA only).
+
+    The pinned pool lives as long as the callback, so repeated ``predict`` calls allocate no pinned
+    memory after the first; it holds a few buffers (two steps' outputs, rounded up to powers of
+    two). ``close()`` frees them; an exception during predict frees them too.
+    """
 
     def __init__(self) -> None:
         self.stream: torch.cuda.Stream | None = None
@@ -132,7 +137,8 @@ class AsyncD2HCallback(Callback):
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pool = PinnedPool()
+        if not self.pool.open:
+            self.pool = PinnedPool()
 
     def on_predict_batch_end(
         self,
@@ -155,13 +161,14 @@ class AsyncD2HCallback(Callback):
             self.transfers += 1
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._close()
+        self.stream = None
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         # the loop's teardown, which runs next, waits for the copies in flight and releases their
         # buffers; a closed pool frees them instead of keeping them
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Frees the pinned buffers."""
         self.pool.close()
         self.stream = None
