@@ -1,6 +1,6 @@
 """omni_lightning: the Code2Wav stage of omni speech models in PyTorch Lightning."""
 
-from omni_lightning.callbacks import AsyncD2HCallback
+from omni_lightning.callbacks import AsyncD2HCallback, WaveformWriter
 from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
 from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights, validate_codes
 from omni_lightning.module import Code2WavModule
@@ -19,6 +19,7 @@ __all__ = [
     "OmniModelRunnerOutput",
     "OmniPredictionLoop",
     "Trainer",
+    "WaveformWriter",
     "build_pooler_output",
     "collate_codes",
     "randomize_weights",

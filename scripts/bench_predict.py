@@ -7,8 +7,9 @@ without AsyncD2HCallback) vs a plain decode loop vs the compute-only floor.
 Variants (same module, same batches of ``--seconds`` clips of random codes):
   stock   lightning.Trainer's own loop; predict_step returns the batch waveform, Lightning moves it
           to the CPU (synchronous, pageable)
-  omni    omni_lightning.Trainer (OmniPredictionLoop): OmniModelRunnerOutput, per-request payloads
-  async   omni + AsyncD2HCallback (copy stream, pinned pool)
+  omni    omni_lightning.Trainer(async_d2h=False) (OmniPredictionLoop): OmniModelRunnerOutput,
+          per-request payloads, synchronous copies
+  async   omni + AsyncD2HCallback (copy stream, pinned pool): the Trainer's default
   plain   for batch in loader: model.decode(...), each waveform .cpu()
   floor   the same predict steps through Lightning with the outputs left on the device
 Time runs from the first batch to the last output on the host (setup excluded), median of
@@ -70,8 +71,9 @@ def trainer_for(variant: str, device: torch.device, clock: Clock) -> pl.Trainer:
     kw = dict(accelerator=device.type, devices=1, logger=False, enable_checkpointing=False,
               enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     callbacks = [clock] + ([AsyncD2HCallback()] if variant == "async" else [])
-    cls = Trainer if variant in ("omni", "async") else pl.Trainer
-    return cls(callbacks=callbacks, **kw)
+    if variant in ("omni", "async"):
+        return Trainer(callbacks=callbacks, async_d2h=variant == "async", **kw)
+    return pl.Trainer(callbacks=callbacks, **kw)
 
 
 def run_variant(variant: str, model: Code2Wav, loader: DataLoader, device: torch.device) -> float:

@@ -28,7 +28,7 @@ def waveforms(preds):
 def run(model, accelerator, callbacks=(), dataloaders=None, **predict_kw):
     kw = trainer_kwargs(callbacks=list(callbacks))
     kw["accelerator"] = accelerator
-    trainer = Trainer(**kw)
+    trainer = Trainer(**kw, async_d2h=False)  # the callback only where a test passes one
     return trainer.predict(Code2WavModule(model=model), dataloaders or loader(requests()), **predict_kw)
 
 
@@ -138,9 +138,10 @@ def test_copies_run_on_the_copy_stream_overlapping_compute():
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
         run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), return_predictions=False)
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    copies = [e for e in events if "DtoH" in e.name]
+    # the waveforms' copies into the pinned pool (Lightning makes a few small pageable ones of its own)
+    copies = [e for e in events if "DtoH" in e.name and "Pinned" in e.name]
     kernels = [e for e in events if "Memcpy" not in e.name and "Memset" not in e.name]
-    assert len(copies) >= 16 and kernels
+    assert len(copies) >= 24 and kernels, sorted({e.name for e in events if "Memcpy" in e.name})
     copy_streams = {e.device_resource_id for e in copies}
     compute_streams = {e.device_resource_id for e in kernels}
     assert copy_streams.isdisjoint(compute_streams), (copy_streams, compute_streams)

@@ -243,6 +243,17 @@ def test_pooler_output_splitting_rules():
         build_pooler_output([batch], 3)
 
 
+def test_trainer_adds_the_async_copy_callback_once():
+    from omni_lightning import AsyncD2HCallback
+
+    assert sum(isinstance(c, AsyncD2HCallback) for c in Trainer(**trainer_kwargs()).callbacks) == 1
+    mine = AsyncD2HCallback()
+    assert [c for c in Trainer(**trainer_kwargs(callbacks=[mine])).callbacks if isinstance(c, AsyncD2HCallback)] == [
+        mine
+    ]
+    assert not any(isinstance(c, AsyncD2HCallback) for c in Trainer(**trainer_kwargs(), async_d2h=False).callbacks)
+
+
 def test_bad_loop_and_step_configuration(model):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         Trainer(**trainer_kwargs(), gpu_memory_utilization=1.5)

@@ -73,6 +73,10 @@ class CodesDataModule(pl.LightningDataModule):
         if stage == "test" and self.sources["test"] is not None:
             self.datasets["test"] = self._dataset(self.sources["test"])
 
+    def skip_requests(self, ids: set[str]) -> int:
+        """Drops already finished requests from the predict data (called by ``WaveformWriter``)."""
+        return sum(ds.drop(ids) for ds in self.datasets.get("predict", []))
+
     def _loader(self, dataset: CodesDataset, shuffle: bool = False) -> DataLoader:
         sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,

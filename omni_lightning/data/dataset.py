@@ -189,6 +189,12 @@ class CodesDataset(Dataset):
         codes = load_codes_file(entry.codes) if isinstance(entry.codes, Path) else entry.codes
         return check_request(codes, self.config, entry.id)
 
+    def drop(self, ids: set[str]) -> int:
+        """Removes the entries with these ids (a resumed run's finished requests); returns how many."""
+        before = len(self.entries)
+        self.entries = [e for e in self.entries if e.id not in ids]
+        return before - len(self.entries)
+
     @property
     def ids(self) -> list[str]:
         return [e.id for e in self.entries]

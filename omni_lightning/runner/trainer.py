@@ -14,9 +14,21 @@ class Trainer(pl.Trainer):
 
     ``gpu_memory_utilization``: the fraction of the GPU this process may allocate during predict
     (vLLM's knob; applied with ``torch.cuda.set_per_process_memory_fraction``). None: no cap.
+    ``async_d2h``: add an ``AsyncD2HCallback`` unless one is given (it only acts on CUDA); without it
+    every step blocks on its device-to-host copy (docs/performance.md).
     """
 
-    def __init__(self, *args: Any, gpu_memory_utilization: float | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, gpu_memory_utilization: float | None = None, async_d2h: bool = True, **kwargs: Any
+    ) -> None:
+        if async_d2h:
+            from omni_lightning.callbacks.async_d2h import AsyncD2HCallback
+
+            callbacks = kwargs.get("callbacks") or []
+            callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+            if not any(isinstance(cb, AsyncD2HCallback) for cb in callbacks):
+                callbacks.append(AsyncD2HCallback())
+            kwargs["callbacks"] = callbacks
         super().__init__(*args, **kwargs)
         self.predict_loop = OmniPredictionLoop(
             self, inference_mode=kwargs.get("inference_mode", True), gpu_memory_utilization=gpu_memory_utilization
