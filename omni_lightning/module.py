@@ -43,12 +43,33 @@ class Code2WavModule(pl.LightningModule):
         max_frames_per_request: int = 1500,
         chunk_size: int = 300,
         left_context: int = 25,
+        # fine-tuning
+        learning_rate: float = 1e-4,
+        betas: tuple[float, float] = (0.8, 0.99),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        min_lr_ratio: float = 0.1,
+        total_steps: int | None = None,
+        grad_clip: float | None = 1.0,
+        mel_weight: float = 1.0,
+        stft_weight: float = 1.0,
+        freeze: list[str] | None = None,
+        train_only: list[str] | None = None,
+        ema_decay: float | None = None,
+        adversarial: bool = False,
+        adversarial_weight: float = 1.0,
+        feature_matching_weight: float = 2.0,
+        discriminator_lr: float = 1e-4,
+        # evaluation
+        log_samples: int = 4,
     ) -> None:
         super().__init__()
         if model is None:
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(_resolve_config(config))
         if max_frames_per_request < 1 or chunk_size < 1:
             raise ValueError("max_frames_per_request and chunk_size must be >= 1")
+        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
@@ -56,6 +77,30 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
+        self.frozen = self._freeze(freeze or [], train_only)
+        self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
+        self.discriminators = None
+        if adversarial:
+            from omni_lightning.losses import Discriminators
+
+            self.discriminators = Discriminators()
+            self.automatic_optimization = False
+        self.ema: dict[str, torch.Tensor] | None = None
+        self._ema_swapped = False
+
+    def _freeze(self, freeze: list[str], train_only: list[str] | None) -> list[str]:
+        """Freezes parameters by name prefix (``freeze``) or all but some (``train_only``)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        for prefix in [*freeze, *(train_only or [])]:
+            if not any(n.startswith(prefix) for n in names):
+                raise ValueError(f"no model parameter starts with {prefix!r} (e.g. 'decoder.', 'pre_transformer.')")
+        frozen = []
+        for name, p in self.model.named_parameters():
+            keep = any(name.startswith(t) for t in train_only) if train_only is not None else True
+            if not keep or any(name.startswith(f) for f in freeze):
+                p.requires_grad_(False)
+                frozen.append(name)
+        return frozen
 
     @property
     def config(self) -> Code2WavConfig:
@@ -65,6 +110,18 @@ class Code2WavModule(pl.LightningModule):
         hparams = checkpoint.get("hyper_parameters", {})
         if hparams.get("checkpoint"):  # the weights are in the state dict: don't reread the folder
             hparams["source_checkpoint"] = hparams.pop("checkpoint")
+        if self.ema is not None:
+            ema = {n: t.detach().cpu().clone() for n, t in self.ema.items()}
+            if self._ema_swapped:  # saved mid-validation: the model holds the EMA, self.ema the raw weights
+                params = dict(self.model.named_parameters())
+                for n in ema:
+                    checkpoint["state_dict"][f"model.{n}"] = ema[n].to(params[n].dtype)
+                ema = {n: params[n].detach().float().cpu().clone() for n in ema}
+            checkpoint["ema"] = ema
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if "ema" in checkpoint:
+            self.ema = {n: t.to(self.device) for n, t in checkpoint["ema"].items()}
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.model(codes)
@@ -119,3 +176,159 @@ class Code2WavModule(pl.LightningModule):
                     codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False
                 )[0]
         return [w.float() for w in wavs]
+
+    # --- fine-tuning -------------------------------------------------------------------------------
+
+    def _loss_modules(self) -> Any:
+        if not self._losses:
+            from omni_lightning.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
+
+            mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
+            self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
+        self._losses[0].to(self.device)
+        return self._losses[0]
+
+    def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if "audio" not in batch:
+            raise ValueError(f"{stage} needs paired data: a manifest whose lines have an 'audio' path")
+        return batch["codes"], batch["audio"], batch["audio_lengths"]
+
+    def reconstruction(self, wav: torch.Tensor, audio: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Weighted multi-resolution mel L1 + STFT loss on the real samples only."""
+        losses = self._loss_modules()
+        mel = losses["mel"](wav, audio, lengths)
+        stft = losses["stft"](wav, audio, lengths)
+        return {"loss": self.hparams.mel_weight * mel + self.hparams.stft_weight * stft, "mel": mel, "stft": stft}
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        codes, audio, lengths = self._paired(batch, "training")
+        wav = self.model(codes)
+        rec = self.reconstruction(wav, audio, lengths)
+        bs = codes.shape[0]
+        if self.discriminators is None:
+            self.log_dict({f"train/{k}": v for k, v in rec.items()}, prog_bar=True, batch_size=bs)
+            return rec["loss"]
+        return self._adversarial_step(wav, audio, lengths, rec, bs)
+
+    def _adversarial_step(self, wav, audio, lengths, rec, bs) -> None:
+        from omni_lightning.losses import discriminator_loss, feature_matching_loss, generator_adversarial_loss
+
+        opt_g, opt_d = self.optimizers()
+        n = int(lengths.min())  # a segment every item really has: padding never reaches a discriminator
+        real, fake = audio[:, None, :n], wav[..., :n]
+        d_loss = discriminator_loss(self.discriminators(real), self.discriminators(fake.detach()))
+        opt_d.zero_grad()
+        self.manual_backward(d_loss)
+        self.clip_gradients(opt_d, gradient_clip_val=self.hparams.grad_clip)
+        opt_d.step()
+        real_out, fake_out = self.discriminators(real), self.discriminators(fake)
+        adv, fm = generator_adversarial_loss(fake_out), feature_matching_loss(real_out, fake_out)
+        g_loss = rec["loss"] + self.hparams.adversarial_weight * adv + self.hparams.feature_matching_weight * fm
+        opt_g.zero_grad()
+        self.manual_backward(g_loss)
+        self.clip_gradients(opt_g, gradient_clip_val=self.hparams.grad_clip)
+        opt_g.step()
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+        logs = {**rec, "loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss}
+        self.log_dict({f"train/{k}": v for k, v in logs.items()}, prog_bar=True, batch_size=bs)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        # the module's grad_clip unless the Trainer sets its own
+        value = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
+        if value:
+            self.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    def configure_optimizers(self) -> Any:
+        import math
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("every model parameter is frozen: nothing to fine-tune")
+        hp = self.hparams
+        total = hp.total_steps or int(self.trainer.estimated_stepping_batches)
+        if self.discriminators is not None and not hp.total_steps:
+            total //= 2  # Lightning counts both optimizers' steps; the schedules step once per batch
+        total = max(total, 1)
+
+        def lr_lambda(step: int) -> float:  # linear warm-up, then cosine down to min_lr_ratio
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min((step - hp.warmup_steps) / max(total - hp.warmup_steps, 1), 1.0)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        opt = torch.optim.AdamW(params, lr=hp.learning_rate, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
+        schedule = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}
+        if self.discriminators is None:
+            return {"optimizer": opt, "lr_scheduler": schedule}
+        opt_d = torch.optim.AdamW(self.discriminators.parameters(), lr=hp.discriminator_lr, betas=tuple(hp.betas))
+        schedule_d = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt_d, lr_lambda), "interval": "step"}
+        return [opt, opt_d], [schedule, schedule_d]
+
+    # --- EMA weights -------------------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        if self.hparams.ema_decay is not None and self.ema is None:
+            self.ema = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+
+    @torch.no_grad()
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.ema is not None:
+            for name, p in self.model.named_parameters():
+                if name in self.ema:
+                    self.ema[name].lerp_(p.detach().float(), 1.0 - self.hparams.ema_decay)
+
+    @torch.no_grad()
+    def _swap_ema(self) -> None:
+        params = dict(self.model.named_parameters())
+        for name, avg in self.ema.items():
+            raw = params[name].detach().float().clone()
+            params[name].copy_(avg)
+            avg.copy_(raw)
+        self._ema_swapped = not self._ema_swapped
+
+    def use_ema(self, on: bool) -> None:
+        """Puts the EMA weights into the model (``on``) or the raw weights back."""
+        if self.ema is not None and on != self._ema_swapped:
+            self._swap_ema()
+
+    def on_validation_start(self) -> None:
+        self.use_ema(True)
+
+    def on_validation_end(self) -> None:
+        self.use_ema(False)
+
+    def on_test_start(self) -> None:
+        self.use_ema(True)
+
+    def on_test_end(self) -> None:
+        self.use_ema(False)
+
+    def on_predict_start(self) -> None:
+        self.use_ema(True)
+
+    def on_predict_end(self) -> None:
+        self.use_ema(False)
+
+    def export_pretrained(self, path: str, ema: bool = True) -> Any:
+        """``save_pretrained`` of the tuned model (its EMA weights when it keeps them and ``ema``)."""
+        swapped = self._ema_swapped
+        self.use_ema(ema)
+        try:
+            return self.model.save_pretrained(path)
+        finally:
+            self.use_ema(swapped)
+
+    # --- validation / test ---------------------------------------------------------------------------
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch, "val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch, "test")
+
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+        codes, audio, lengths = self._paired(batch, stage)
+        wav = self.model(codes)
+        rec = self.reconstruction(wav, audio, lengths)
+        self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)

@@ -1,0 +1,157 @@
+"""Reconstruction and adversarial losses for fine-tuning Code2Wav, as plain ``nn.Module``s.
+
+Every loss takes ``lengths`` (real samples per item) so right-padding never enters a loss: each
+item is cut to its own length before its spectrogram is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _items(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None):
+    """(pred_i, target_i) cut to item i's real length; pred/target are [B, T] or [B, 1, T]."""
+    pred, target = pred.reshape(pred.shape[0], -1), target.reshape(target.shape[0], -1)
+    n = min(pred.shape[-1], target.shape[-1])
+    lengths = [n] * pred.shape[0] if lengths is None else [min(int(x), n) for x in lengths]
+    return [(pred[i, :m], target[i, :m]) for i, m in enumerate(lengths)]
+
+
+class MultiResolutionMelLoss(nn.Module):
+    """Mean over resolutions of L1 between log-mel spectrograms (torchaudio ``MelSpectrogram``)."""
+
+    def __init__(
+        self,
+        sample_rate: int = 24000,
+        n_ffts: Sequence[int] = (512, 1024, 2048),
+        n_mels: Sequence[int] = (40, 80, 128),
+        eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        import torchaudio
+
+        self.mels = nn.ModuleList(
+            torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
+            for n, m in zip(n_ffts, n_mels)
+        )
+        self.eps = eps
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
+        losses = []
+        for p, t in _items(pred, target, lengths):
+            for mel in self.mels:
+                pm, tm = mel(p.float()), mel(t.float())
+                losses.append(F.l1_loss(torch.log(pm + self.eps), torch.log(tm + self.eps)))
+        return torch.stack(losses).mean()
+
+
+class MultiResolutionSTFTLoss(nn.Module):
+    """Spectral convergence + log-magnitude L1, averaged over STFT resolutions."""
+
+    def __init__(self, n_ffts: Sequence[int] = (512, 1024, 2048), eps: float = 1e-7) -> None:
+        super().__init__()
+        self.n_ffts = tuple(n_ffts)
+        self.eps = eps
+        for n in self.n_ffts:
+            self.register_buffer(f"window_{n}", torch.hann_window(n), persistent=False)
+
+    def magnitude(self, x: torch.Tensor, n_fft: int) -> torch.Tensor:
+        window = getattr(self, f"window_{n_fft}")
+        spec = torch.stft(x.float(), n_fft, hop_length=n_fft // 4, window=window, return_complex=True)
+        return spec.abs().clamp_min(self.eps)
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
+        losses = []
+        for p, t in _items(pred, target, lengths):
+            for n in self.n_ffts:
+                pm, tm = self.magnitude(p, n), self.magnitude(t, n)
+                convergence = torch.linalg.norm(tm - pm) / torch.linalg.norm(tm).clamp_min(self.eps)
+                losses.append(convergence + F.l1_loss(torch.log(pm), torch.log(tm)))
+        return torch.stack(losses).mean()
+
+
+# --- adversarial (optional) -------------------------------------------------------------------------
+
+
+class PeriodDiscriminator(nn.Module):
+    """Looks at the waveform folded into [T / period, period] (HiFi-GAN's MPD, one period)."""
+
+    def __init__(self, period: int, channels: Sequence[int] = (32, 64, 128)) -> None:
+        super().__init__()
+        self.period = period
+        dims = [1, *channels]
+        self.convs = nn.ModuleList(
+            nn.utils.parametrizations.weight_norm(nn.Conv2d(a, b, (5, 1), (3, 1), padding=(2, 0)))
+            for a, b in zip(dims[:-1], dims[1:])
+        )
+        self.out = nn.utils.parametrizations.weight_norm(nn.Conv2d(dims[-1], 1, (3, 1), padding=(1, 0)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        b, _, t = x.shape
+        x = F.pad(x, (0, (-t) % self.period), mode="reflect" if t > self.period else "constant")
+        h = x.view(b, 1, -1, self.period)
+        features = []
+        for conv in self.convs:
+            h = F.leaky_relu(conv(h), 0.1)
+            features.append(h)
+        h = self.out(h)
+        features.append(h)
+        return h.flatten(1), features
+
+
+class STFTDiscriminator(nn.Module):
+    """Looks at one resolution's complex spectrogram (real and imaginary parts as channels)."""
+
+    def __init__(self, n_fft: int, channels: int = 32) -> None:
+        super().__init__()
+        self.n_fft = n_fft
+        self.register_buffer("window", torch.hann_window(n_fft), persistent=False)
+        wn = nn.utils.parametrizations.weight_norm
+        self.convs = nn.ModuleList(
+            [wn(nn.Conv2d(2, channels, (3, 9), padding=(1, 4)))]
+            + [wn(nn.Conv2d(channels, channels, (3, 9), (1, 2), padding=(1, 4))) for _ in range(3)]
+        )
+        self.out = wn(nn.Conv2d(channels, 1, (3, 3), padding=(1, 1)))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        spec = torch.stft(x[:, 0].float(), self.n_fft, self.n_fft // 4, window=self.window, return_complex=True)
+        h = torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3)  # [B, 2, frames, bins]
+        features = []
+        for conv in self.convs:
+            h = F.leaky_relu(conv(h), 0.1)
+            features.append(h)
+        h = self.out(h)
+        features.append(h)
+        return h.flatten(1), features
+
+
+class Discriminators(nn.Module):
+    """Multi-period plus multi-resolution STFT discriminators."""
+
+    def __init__(self, periods: Sequence[int] = (2, 3, 5, 7, 11), n_ffts: Sequence[int] = (512, 1024, 2048)) -> None:
+        super().__init__()
+        self.discriminators = nn.ModuleList(
+            [PeriodDiscriminator(p) for p in periods] + [STFTDiscriminator(n) for n in n_ffts]
+        )
+
+    def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        return [d(x) for d in self.discriminators]
+
+
+def discriminator_loss(real: list, fake: list) -> torch.Tensor:
+    """Least-squares GAN: real logits toward 1, generated toward 0."""
+    return sum(((1 - r) ** 2).mean() + (f**2).mean() for (r, _), (f, _) in zip(real, fake)) / len(real)
+
+
+def generator_adversarial_loss(fake: list) -> torch.Tensor:
+    return sum(((1 - f) ** 2).mean() for f, _ in fake) / len(fake)
+
+
+def feature_matching_loss(real: list, fake: list) -> torch.Tensor:
+    """L1 between the discriminators' feature maps on real and generated audio."""
+    losses = [F.l1_loss(ff, rf.detach()) for (_, rfs), (_, ffs) in zip(real, fake) for rf, ff in zip(rfs, ffs)]
+    return torch.stack(losses).mean()

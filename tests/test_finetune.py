@@ -1,0 +1,187 @@
+"""Fine-tuning on (codes, audio) pairs with real Lightning trainers, then predict on the same module."""
+
+import math
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from conftest import random_model
+from test_runner import trainer_kwargs
+
+from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
+from omni_lightning.data.demo import make_demo_data, make_teacher
+from omni_lightning.losses import MultiResolutionMelLoss
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("pairs")
+    teacher = make_teacher("tiny")
+    train = make_demo_data(folder, 8, 1.0, 2.5, teacher=teacher, seed=0, name="train.jsonl")
+    val = make_demo_data(folder, 4, 1.0, 2.0, teacher=teacher, seed=1, name="val.jsonl")
+    return train, val
+
+
+def datamodule(pairs, **kw):
+    train, val = pairs
+    return CodesDataModule(train=str(train), val=str(val), predict=str(val), batch_size=4, crop_frames=20, **kw)
+
+
+def fit_kwargs(steps, **kw):
+    base = trainer_kwargs(max_steps=steps, num_sanity_val_steps=0, limit_val_batches=0)
+    return {**base, **kw}
+
+
+class LossLog(pl.Callback):
+    def __init__(self):
+        self.losses, self.first_step = [], None
+
+    def on_train_start(self, trainer, pl_module):
+        self.first_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def mel_distance(module, val_manifest):
+    """Mean mel L1 of the module's predictions (trainer.predict) against the teacher audio."""
+    preds = Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=str(val_manifest)))
+    ds = CodesDataset(str(val_manifest), "tiny")
+    targets = {ds[i]["id"]: ds[i]["audio"] for i in range(len(ds))}
+    mel = MultiResolutionMelLoss()
+    dists = [
+        float(mel(p["model_outputs"], targets[r][None]))
+        for out in preds
+        for r, p in zip(out.req_ids, out.pooler_output)
+    ]
+    return sum(dists) / len(dists)
+
+
+def student(**kw):
+    return Code2WavModule(model=random_model("tiny", seed=7), learning_rate=3e-3, **kw)
+
+
+def test_fit_lowers_the_loss_and_moves_predictions_toward_the_targets(pairs):
+    module = student(warmup_steps=2)
+    before = mel_distance(module, pairs[1])
+    log = LossLog()
+    Trainer(**fit_kwargs(40, callbacks=[log])).fit(module, datamodule=datamodule(pairs))
+    assert all(math.isfinite(x) for x in log.losses) and len(log.losses) == 40
+    assert np.mean(log.losses[-5:]) < 0.85 * np.mean(log.losses[:5])
+    module.train()  # as fit leaves it; predict must restore it afterwards
+    after = mel_distance(module, pairs[1])  # the same in-memory module, no reload
+    assert after < 0.9 * before
+    assert module.training
+
+
+def test_frozen_prefixes_stay_bit_identical(pairs):
+    module = student(train_only=["decoder."], freeze=["decoder.0."])
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    Trainer(**fit_kwargs(3)).fit(module, datamodule=datamodule(pairs))
+    for name, p in module.model.named_parameters():
+        frozen = not name.startswith("decoder.") or name.startswith("decoder.0.")
+        assert torch.equal(p, before[name]) == frozen, name
+    with pytest.raises(ValueError, match="no model parameter starts with 'encoder.'"):
+        student(freeze=["encoder."])
+
+
+def test_ema_weights_are_used_for_predict_and_restored(pairs):
+    module = student(ema_decay=0.5)
+    Trainer(**fit_kwargs(4)).fit(module, datamodule=datamodule(pairs))
+    raw = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    ema_model = Code2Wav(module.config)
+    ema_model.load_state_dict({**module.model.state_dict(), **module.ema})
+    ema_model.eval()
+    raw_model = Code2Wav(module.config)
+    raw_model.load_state_dict(module.model.state_dict())
+    raw_model.eval()
+    preds = Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=str(pairs[1])))
+    ds = CodesDataset(str(pairs[1]), "tiny")
+    codes = {ds[i]["id"]: ds[i]["codes"] for i in range(len(ds))}
+    with torch.inference_mode():
+        for out in preds:
+            for r, p in zip(out.req_ids, out.pooler_output):
+                assert (p["model_outputs"] - ema_model(codes[r][None])[0]).abs().max() <= 1e-5
+                assert (p["model_outputs"] - raw_model(codes[r][None])[0]).abs().max() > 1e-4
+    assert all(torch.equal(p, raw[n]) for n, p in module.model.named_parameters())
+
+
+def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tmp_path):
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4)
+    first = student(ema_decay=0.9)
+    Trainer(**fit_kwargs(4, callbacks=[ckpt], enable_checkpointing=True)).fit(first, datamodule=datamodule(pairs))
+    last = tmp_path / "last.ckpt"
+    assert last.is_file()
+    log = LossLog()
+    resumed = student(ema_decay=0.9)
+    trainer = Trainer(**fit_kwargs(7, callbacks=[log]))
+    trainer.fit(resumed, datamodule=datamodule(pairs), ckpt_path=str(last))
+    assert log.first_step == 4 and trainer.global_step == 7 and len(log.losses) == 3
+    assert resumed.ema is not None and set(resumed.ema) == set(first.ema)
+    restored = Code2WavModule.load_from_checkpoint(str(last))
+    assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), first.model.parameters()))
+
+
+def test_export_loads_into_transformers_with_equal_outputs(pairs, tmp_path):
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    module = student(ema_decay=0.5)
+    Trainer(**fit_kwargs(3)).fit(module, datamodule=datamodule(pairs))
+    module.export_pretrained(str(tmp_path / "tuned"))
+    ref = Qwen3OmniMoeCode2Wav.from_pretrained(tmp_path / "tuned").eval()
+    ours = Code2Wav.from_pretrained(tmp_path / "tuned")
+    codes = torch.randint(0, 2048, (2, 16, 11))
+    with torch.inference_mode():
+        assert (ours(codes) - ref(codes)).abs().max() <= 1e-5
+        module.use_ema(True)
+        assert torch.equal(ours(codes), module.model.eval()(codes))
+        module.use_ema(False)
+
+
+def test_bf16_mixed_and_adversarial_training_run(pairs):
+    module = student()
+    log = LossLog()
+    Trainer(**fit_kwargs(3, precision="bf16-mixed", callbacks=[log])).fit(module, datamodule=datamodule(pairs))
+    assert len(log.losses) == 3 and all(math.isfinite(x) for x in log.losses)
+
+    gan = student(adversarial=True)
+    disc_before = [p.detach().clone() for p in gan.discriminators.parameters()]
+    log = LossLog()
+    # manual optimization with two optimizers: Lightning counts 2 steps per batch
+    Trainer(**fit_kwargs(6, callbacks=[log])).fit(gan, datamodule=datamodule(pairs))
+    assert len(log.losses) == 3 and all(math.isfinite(x) for x in log.losses)
+    assert {"train/adv", "train/disc", "train/feature_matching"} <= set(gan.trainer.callback_metrics)
+    assert any(not torch.equal(a, b) for a, b in zip(disc_before, gan.discriminators.parameters()))
+
+
+def test_paired_data_alignment_resampling_and_crops(tmp_path):
+    config_frames = 10
+    codes = torch.randint(0, 2048, (16, config_frames))
+    np.save(tmp_path / "a.npy", codes.numpy())
+    n = Code2Wav("tiny").output_length(config_frames)  # 18645 samples at 24 kHz
+    t = np.arange(int(n * 2 / 3) + 500) / 16000  # 16 kHz, longer than needed
+    sf.write(tmp_path / "long16k.wav", np.sin(2 * np.pi * 440 * t).astype(np.float32), 16000)
+    sf.write(tmp_path / "short.wav", np.full(1000, 0.5, np.float32), 24000)
+    (tmp_path / "m.jsonl").write_text(
+        '{"id": "long", "codes": "a.npy", "audio": "long16k.wav"}\n{"id": "short", "codes": "a.npy", "audio": "short.wav"}\n'
+    )
+    ds = CodesDataset(str(tmp_path / "m.jsonl"), "tiny")
+    long, short = ds[0], ds[1]
+    assert long["audio"].shape == (n,) and long["audio_length"] == n  # resampled to 24 kHz, then cut
+    assert short["audio"].shape == (n,) and short["audio_length"] == 1000 and short["audio"][1000:].abs().sum() == 0
+    batch = collate_codes([long, short])
+    assert batch["audio"].shape == (2, n) and batch["audio_lengths"].tolist() == [n, 1000]
+
+    cropped = CodesDataset(str(tmp_path / "m.jsonl"), "tiny", crop_frames=4, seed=3)
+    item = cropped[0]
+    start = next(s for s in range(7) if torch.equal(codes[:, s : s + 4], item["codes"]))
+    assert torch.equal(item["audio"], long["audio"][start * 1920 : start * 1920 + Code2Wav("tiny").output_length(4)])
+
+    (tmp_path / "nopair.jsonl").write_text('{"id": "x", "codes": "a.npy"}\n')
+    with pytest.raises(ValueError, match="paired data"):
+        Trainer(**fit_kwargs(1)).fit(student(), datamodule=CodesDataModule(train=str(tmp_path / "nopair.jsonl")))
+    (tmp_path / "badaudio.jsonl").write_text('{"id": "x", "codes": "a.npy", "audio": "nope.wav"}\n')
+    with pytest.raises(ValueError, match="audio file .*nope.wav does not exist"):
+        CodesDataset(str(tmp_path / "badaudio.jsonl"), "tiny")
