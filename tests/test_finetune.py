@@ -165,7 +165,8 @@ def test_paired_data_alignment_resampling_and_crops(tmp_path):
     sf.write(tmp_path / "long16k.wav", np.sin(2 * np.pi * 440 * t).astype(np.float32), 16000)
     sf.write(tmp_path / "short.wav", np.full(1000, 0.5, np.float32), 24000)
     (tmp_path / "m.jsonl").write_text(
-        '{"id": "long", "codes": "a.npy", "audio": "long16k.wav"}\n{"id": "short", "codes": "a.npy", "audio": "short.wav"}\n'
+        '{"id": "long", "codes": "a.npy", "audio": "long16k.wav"}\n'
+        '{"id": "short", "codes": "a.npy", "audio": "short.wav"}\n'
     )
     ds = CodesDataset(str(tmp_path / "m.jsonl"), "tiny")
     long, short = ds[0], ds[1]
