@@ -13,12 +13,20 @@ import argparse
 import sys
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
 from omni_lightning.callbacks.writer import SUBTYPES, WaveformWriter
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.module import Code2WavModule
 from omni_lightning.runner.trainer import Trainer
+
+
+class SaveConfigWithLogger(SaveConfigCallback):
+    """Saves the run's config.yaml into the logger's folder; with no logger (predict), nowhere."""
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if trainer.logger is not None:
+            super().setup(trainer, pl_module, stage)
 
 
 class OmniCLI(LightningCLI):
@@ -72,6 +80,7 @@ def run_cli(argv: list[str]) -> OmniCLI:
         CodesDataModule,
         trainer_class=Trainer,
         args=argv,
+        save_config_callback=SaveConfigWithLogger,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"description": __doc__, "formatter_class": argparse.RawDescriptionHelpFormatter},
     )

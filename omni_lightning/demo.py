@@ -27,8 +27,10 @@ def quiet() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
 
 
-def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12, fit_steps: int = 30) -> dict:
-    from omni_lightning import Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
+def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12, fit_steps: int = 40) -> dict:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
     from omni_lightning.data.demo import make_demo_data, make_teacher
 
     quiet()
@@ -36,17 +38,52 @@ def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12,
     work = Path(work_dir)
     start = time.perf_counter()
     teacher = make_teacher("tiny")
-    train = make_demo_data(work / "data", n_requests, teacher=teacher, seed=0, name="train.jsonl")
-    val = make_demo_data(work / "data", max(4, n_requests // 3), teacher=teacher, seed=1, name="val.jsonl")
-    print(f"[1/2] synthetic data: {train} and {val} (random codes, teacher audio)")
+    train = make_demo_data(work / "data", n_requests, 1.0, 3.0, teacher=teacher, seed=0, name="train.jsonl")
+    val = make_demo_data(work / "data", max(4, n_requests // 3), 1.0, 3.0, teacher=teacher, seed=1, name="val.jsonl")
+    print(f"[1/4] synthetic data (random codes, audio from a fixed teacher Code2Wav): {train.parent}")
 
-    module = Code2WavModule(model=randomize_weights(__import__("omni_lightning").Code2Wav("tiny"), seed=7))
-    writer = WaveformWriter(work / "wavs")
-    common = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
-    trainer = Trainer(callbacks=[writer], enable_progress_bar=False, **common)
-    trainer.predict(module, datamodule=CodesDataModule(predict=str(val), batch_size=4), return_predictions=False)
-    print(f"[2/2] predict: {writer.summary()}")
-    return {"seconds": time.perf_counter() - start, "wavs": work / "wavs", "writer": writer}
+    module = Code2WavModule(model=randomize_weights(Code2Wav("tiny"), seed=7), learning_rate=3e-3, warmup_steps=4)
+    common = dict(accelerator="cpu", devices=1, enable_model_summary=False, enable_progress_bar=False)
+    before = WaveformWriter(work / "wavs_before")
+    Trainer(callbacks=[before], logger=False, **common).predict(
+        module, datamodule=CodesDataModule(predict=str(val), batch_size=4), return_predictions=False
+    )
+    print(f"[2/4] predict (OmniPredictionLoop + WaveformWriter): {before.summary()}")
+
+    logger = CSVLogger(str(work / "runs"), name="demo")
+    data = CodesDataModule(train=str(train), val=str(val), batch_size=4, crop_frames=25)
+    trainer = Trainer(max_steps=fit_steps, logger=logger, enable_checkpointing=False, log_every_n_steps=5,
+                      num_sanity_val_steps=0, limit_val_batches=0, **common)  # fmt: skip
+    mel_before = Trainer(logger=False, **common).validate(module, datamodule=data, verbose=False)[0]
+    trainer.fit(module, datamodule=data)
+    after = WaveformWriter(work / "wavs_after")
+    Trainer(callbacks=[after], logger=False, **common).predict(  # the same in-memory module: no reload
+        module, datamodule=CodesDataModule(predict=str(val), batch_size=4), return_predictions=False
+    )
+    print(f"[3/4] fine-tuned {fit_steps} steps, then predicted in place: {after.summary()}")
+
+    eval_logger = [CSVLogger(str(work / "runs"), name="eval")]
+    wandb_dir = None
+    try:  # W&B offline when wandb is installed: no account, no network
+        from lightning.pytorch.loggers import WandbLogger
+
+        eval_logger.append(WandbLogger(project="omni-lightning-demo", save_dir=str(work / "runs"), offline=True))
+        wandb_dir = work / "runs" / "wandb"
+    except (ImportError, ModuleNotFoundError):
+        pass
+    metrics = Trainer(logger=eval_logger, **common).validate(module, datamodule=data, verbose=False)[0]
+    if wandb_dir is not None:
+        import wandb
+
+        wandb.finish()
+    print(
+        f"[4/4] evaluation: mel distance to the teacher {mel_before['val/mel_distance']:.3f} before fine-tuning, "
+        f"{metrics['val/mel_distance']:.3f} after; SI-SDR {metrics['val/si_sdr']:.1f} dB, "
+        f"SNR {metrics['val/snr']:.1f} dB; logs in {(work / 'runs').resolve()}"
+        + (f" (W&B offline run under {wandb_dir.resolve()}; `wandb sync` to upload)" if wandb_dir else "")
+    )
+    return {"seconds": time.perf_counter() - start, "wavs": work / "wavs_after", "before": mel_before,
+            "after": metrics}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -180,13 +180,14 @@ class Code2WavModule(pl.LightningModule):
     # --- fine-tuning -------------------------------------------------------------------------------
 
     def _loss_modules(self) -> Any:
-        if not self._losses:
-            from omni_lightning.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
+        # never built or moved under inference mode (validate, predict): training reuses them
+        with torch.inference_mode(False):
+            if not self._losses:
+                from omni_lightning.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
-            mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
-            self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
-        self._losses[0].to(self.device)
-        return self._losses[0]
+                mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
+                self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
+            return self._losses[0].to(self.device)
 
     def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "audio" not in batch:
