@@ -1,0 +1,76 @@
+"""Each `omni-lightning` subcommand end to end in a subprocess on the tiny preset."""
+
+import json
+from pathlib import Path
+
+import soundfile as sf
+import torch
+from test_writer import cli
+from wandb_records import history, wait_for_exit
+
+from omni_lightning import Code2WavModule, CodesDataset
+from omni_lightning.data.demo import make_demo_data, make_teacher
+
+
+def run(*args, timeout=600):
+    proc = cli(*args)
+    log = proc.communicate(timeout=timeout)[0]
+    assert proc.returncode == 0, log
+    return log
+
+
+def test_fit_then_predict_with_the_checkpoint_then_validate_and_test(tmp_path):
+    teacher = make_teacher()
+    train = make_demo_data(tmp_path / "data", 6, 1.0, 2.0, teacher=teacher, seed=0, name="train.jsonl")
+    val = make_demo_data(tmp_path / "data", 3, 1.0, 2.0, teacher=teacher, seed=1, name="val.jsonl")
+    runs = tmp_path / "runs"
+    log = run("fit", "--config", "configs/finetune.yaml", "--data.train", str(train), "--data.val", str(val),
+              "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.precision", "32-true",
+              "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(runs),
+              "--data.num_workers", "0", "--data.crop_frames", "12", "--data.batch_size", "3")  # fmt: skip
+    assert "fit: best checkpoint" in log
+    ckpt = next(runs.rglob("last.ckpt"))
+    assert (ckpt.parent.parent / "config.yaml").is_file()  # the run's config beside its logs
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 4
+
+    out = tmp_path / "wavs"
+    log = run("predict", "--config", "configs/predict.yaml", "--ckpt_path", str(ckpt), "--data.predict", str(val),
+              "--out_dir", str(out), "--trainer.accelerator", "cpu")  # fmt: skip
+    assert "3 requests written" in log
+    tuned = Code2WavModule.load_from_checkpoint(str(ckpt), map_location="cpu")
+    tuned.use_ema(True)  # the finetune config keeps EMA weights, which predict uses
+    ds = CodesDataset(str(val), "tiny")
+    rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    with torch.inference_mode():
+        for i in range(len(ds)):
+            item = ds[i]
+            data, sr = sf.read(out / f"{item['id']}.wav", dtype="float32")
+            want = tuned.model.eval()(item["codes"][None])[0, 0].numpy()
+            assert sr == 24000 and data.shape == want.shape and abs(data - want).max() <= 1.5 / 2**15
+
+    log = run("validate", "--config", "configs/eval_wandb.yaml", "--ckpt_path", str(ckpt), "--data.val", str(val),
+              "--trainer.logger.init_args.save_dir", str(tmp_path / "wb"), "--trainer.accelerator", "cpu")  # fmt: skip
+    assert "validate: " in log and "val/mel_distance=" in log
+    record_file = next((tmp_path / "wb").rglob("run-*.wandb"))
+    wait_for_exit(record_file)
+    merged = {k: v for row in history(record_file) for k, v in row.items()}
+    assert merged["val/requests"] == 3 and "val/si_sdr" in merged and merged["val/generated/count"] == 3
+
+    log = run("test", "--config", "configs/eval_wandb.yaml", "--model.checkpoint", str(export(tuned, tmp_path)),
+              "--data.test", str(val), "--trainer.logger", "false", "--trainer.accelerator", "cpu")  # fmt: skip
+    assert "test/mel_distance=" in log and "test/requests=3" in log
+
+
+def export(module, tmp_path: Path) -> Path:
+    module.export_pretrained(str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+def test_demo_runs_and_fine_tuning_moves_toward_the_teacher(tmp_path):
+    log = run("demo", "--work-dir", str(tmp_path / "demo"), timeout=300)
+    assert "[4/4] evaluation" in log and "demo done" in log
+    line = next(x for x in log.splitlines() if x.startswith("[4/4]"))
+    before, after = (float(x.split()[0]) for x in line.split("teacher ")[1].split(" before fine-tuning, "))
+    assert after < before
+    assert len(list((tmp_path / "demo" / "wavs_after").glob("*.wav"))) == 4
