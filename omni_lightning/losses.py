@@ -77,6 +77,17 @@ class MultiResolutionSTFTLoss(nn.Module):
 # --- adversarial (optional) -------------------------------------------------------------------------
 
 
+def _conv_stack(convs: nn.ModuleList, out: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Leaky-ReLU conv stack; the logits and every layer's feature map (for feature matching)."""
+    features = []
+    for conv in convs:
+        h = F.leaky_relu(conv(h), 0.1)
+        features.append(h)
+    h = out(h)
+    features.append(h)
+    return h.flatten(1), features
+
+
 class PeriodDiscriminator(nn.Module):
     """Looks at the waveform folded into [T / period, period] (HiFi-GAN's MPD, one period)."""
 
@@ -93,14 +104,7 @@ class PeriodDiscriminator(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, _, t = x.shape
         x = F.pad(x, (0, (-t) % self.period), mode="reflect" if t > self.period else "constant")
-        h = x.view(b, 1, -1, self.period)
-        features = []
-        for conv in self.convs:
-            h = F.leaky_relu(conv(h), 0.1)
-            features.append(h)
-        h = self.out(h)
-        features.append(h)
-        return h.flatten(1), features
+        return _conv_stack(self.convs, self.out, x.view(b, 1, -1, self.period))
 
 
 class STFTDiscriminator(nn.Module):
@@ -119,14 +123,7 @@ class STFTDiscriminator(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         spec = torch.stft(x[:, 0].float(), self.n_fft, self.n_fft // 4, window=self.window, return_complex=True)
-        h = torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3)  # [B, 2, frames, bins]
-        features = []
-        for conv in self.convs:
-            h = F.leaky_relu(conv(h), 0.1)
-            features.append(h)
-        h = self.out(h)
-        features.append(h)
-        return h.flatten(1), features
+        return _conv_stack(self.convs, self.out, torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3))
 
 
 class Discriminators(nn.Module):

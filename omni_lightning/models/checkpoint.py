@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from omni_lightning.models.code2wav import Code2WavConfig
+from omni_lightning.models.code2wav import Code2WavConfig, read_config_json
 
 if TYPE_CHECKING:
     from omni_lightning.models.code2wav import Code2Wav
@@ -83,13 +83,7 @@ def load_pretrained(
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise ValueError(f"no config.json in {folder}")
-    try:
-        raw = json.loads(config_path.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{config_path} is not valid JSON: {err}") from err
+    raw = read_config_json(folder)
     config = Code2WavConfig.from_hf(raw)
     prefix = FULL_MODEL_PREFIX if "code2wav_config" in raw else ""
     device = torch.device(device or "cpu")

@@ -49,25 +49,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         decoder_dim=1536,
         sample_rate=24000,
     ),
-    "tiny": dict(
-        codebook_size=2048,
-        num_quantizers=16,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        sliding_window=72,
-        max_position_embeddings=8000,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
-        layer_scale_initial_scale=0.01,
-        upsampling_ratios=(2, 2),
-        upsample_rates=(8, 5, 4, 3),
-        decoder_dim=64,
-        sample_rate=24000,
-    ),
 }
+PRESETS["tiny"] = {
+    **PRESETS["qwen3-omni"],
+    **dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+           intermediate_size=128, decoder_dim=64),
+}  # fmt: skip
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
 
@@ -78,6 +65,19 @@ _HF_BOOKKEEPING = {
     "return_dict", "chunk_size_feed_forward", "is_encoder_decoder", "id2label", "label2id",
     "problem_type", "use_cache", "tie_word_embeddings", "layer_types", "_attn_implementation",
 }  # fmt: skip
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A folder's (or a file's) ``config.json``; ValueError when it is missing or not JSON."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"no config.json at {path}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from err
 
 
 @dataclass
@@ -146,15 +146,7 @@ class Code2WavConfig:
     def from_hf(cls, source: dict | str | Path) -> Code2WavConfig:
         """Reads a standalone Code2Wav ``config.json`` or a full Qwen3-Omni one (``code2wav_config``)."""
         if isinstance(source, (str, Path)):
-            path = Path(source)
-            if path.is_dir():
-                path = path / "config.json"
-            if not path.is_file():
-                raise ValueError(f"no config.json at {path}")
-            try:
-                source = json.loads(path.read_text())
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path} is not valid JSON: {err}") from err
+            source = read_config_json(source)
         hf = dict(source.get("code2wav_config", source))
         rope = hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {}
         if "rope_theta" not in hf and "rope_theta" in rope:
