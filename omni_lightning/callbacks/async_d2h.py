@@ -95,9 +95,6 @@ class PinnedHostTransfer:
         # `outputs` keeps the device tensors alive until wait(): the allocator cannot hand their
         # memory to the next step while the copy still reads it
 
-    def done(self) -> bool:
-        return self._event.query()
-
     def wait(self) -> Mapping[str, Any]:
         self._event.synchronize()
 
