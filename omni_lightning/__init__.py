@@ -2,9 +2,10 @@
 
 from omni_lightning.callbacks import AsyncD2HCallback, WaveformWriter
 from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
-from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights, validate_codes
+from omni_lightning.models import Code2Wav, Code2WavConfig, randomize_weights, resolve_config, validate_codes
 from omni_lightning.module import Code2WavModule
-from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, Trainer, build_pooler_output
+from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, build_pooler_output
+from omni_lightning.trainer import Trainer
 
 __version__ = "0.1.0"
 
@@ -23,5 +24,6 @@ __all__ = [
     "build_pooler_output",
     "collate_codes",
     "randomize_weights",
+    "resolve_config",
     "validate_codes",
 ]

@@ -18,7 +18,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from omni_lightning.callbacks.writer import SUBTYPES, WaveformWriter
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.module import Code2WavModule
-from omni_lightning.runner.trainer import Trainer
+from omni_lightning.trainer import Trainer
 
 
 class SaveConfigWithLogger(SaveConfigCallback):

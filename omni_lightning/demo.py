@@ -31,7 +31,7 @@ def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12,
     from lightning.pytorch.loggers import CSVLogger
 
     from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
-    from omni_lightning.data.demo import make_demo_data, make_teacher
+    from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
     quiet()
     torch.manual_seed(0)

@@ -9,20 +9,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, validate_codes
+from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
     "ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a"
 )
-
-
-def _resolve_config(config: str | dict | Code2WavConfig) -> Code2WavConfig:
-    if isinstance(config, Code2WavConfig):
-        return config
-    if isinstance(config, dict):
-        return Code2WavConfig(**config)
-    return Code2WavConfig.from_name(config)
 
 
 class Code2WavModule(pl.LightningModule):
@@ -38,7 +30,7 @@ class Code2WavModule(pl.LightningModule):
     def __init__(
         self,
         model: Code2Wav | None = None,
-        config: str | dict | Code2WavConfig = "tiny",
+        config: str | dict | Code2WavConfig = "qwen3-omni",
         checkpoint: str | None = None,
         max_frames_per_request: int = 1500,
         chunk_size: int = 300,
@@ -65,7 +57,7 @@ class Code2WavModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         if model is None:
-            model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(_resolve_config(config))
+            model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if max_frames_per_request < 1 or chunk_size < 1:
             raise ValueError("max_frames_per_request and chunk_size must be >= 1")
         if ema_decay is not None and not 0.0 < ema_decay < 1.0:
@@ -81,7 +73,7 @@ class Code2WavModule(pl.LightningModule):
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = None
         if adversarial:
-            from omni_lightning.losses import Discriminators
+            from omni_lightning.training.discriminators import Discriminators
 
             self.discriminators = Discriminators()
             self.automatic_optimization = False
@@ -183,7 +175,7 @@ class Code2WavModule(pl.LightningModule):
         # never built or moved under inference mode (validate, predict): training reuses them
         with torch.inference_mode(False):
             if not self._losses:
-                from omni_lightning.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
+                from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
                 mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
                 self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
@@ -212,7 +204,11 @@ class Code2WavModule(pl.LightningModule):
         return self._adversarial_step(wav, audio, lengths, rec, bs)
 
     def _adversarial_step(self, wav, audio, lengths, rec, bs) -> None:
-        from omni_lightning.losses import discriminator_loss, feature_matching_loss, generator_adversarial_loss
+        from omni_lightning.training.discriminators import (
+            discriminator_loss,
+            feature_matching_loss,
+            generator_adversarial_loss,
+        )
 
         opt_g, opt_d = self.optimizers()
         n = int(lengths.min())  # a segment every item really has: padding never reaches a discriminator
@@ -241,7 +237,7 @@ class Code2WavModule(pl.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
-        import math
+        from omni_lightning.training.schedule import WarmupCosine
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
@@ -252,12 +248,7 @@ class Code2WavModule(pl.LightningModule):
             total //= 2  # Lightning counts both optimizers' steps; the schedules step once per batch
         total = max(total, 1)
 
-        def lr_lambda(step: int) -> float:  # linear warm-up, then cosine down to min_lr_ratio
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min((step - hp.warmup_steps) / max(total - hp.warmup_steps, 1), 1.0)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
+        lr_lambda = WarmupCosine(hp.warmup_steps, total, hp.min_lr_ratio)
         opt = torch.optim.AdamW(params, lr=hp.learning_rate, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
         schedule = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}
         if self.discriminators is None:
@@ -330,7 +321,7 @@ class Code2WavModule(pl.LightningModule):
 
     def _eval_metrics(self) -> Any:
         if not hasattr(self, "_metrics"):
-            from omni_lightning.metrics import AudioMetrics
+            from omni_lightning.evaluation.metrics import AudioMetrics
 
             self._metrics = [AudioMetrics(self.config.sample_rate)]  # a list: kept out of the state dict
         return self._metrics[0].to(self.device)
@@ -348,6 +339,8 @@ class Code2WavModule(pl.LightningModule):
         self._samples: list[dict[str, Any]] = []
         self._eval_t0 = time.perf_counter()
         if not getattr(self, "_run_config_logged", False) and self.trainer.is_global_zero:
+            from omni_lightning.evaluation.media import log_run_config
+
             self._run_config_logged = log_run_config(self)
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
@@ -380,96 +373,6 @@ class Code2WavModule(pl.LightningModule):
         values["audio_s_per_s"] = values["audio_s"] / seconds
         self.log_dict({f"{stage}/{k}": float(v) for k, v in values.items()})  # already summed over ranks
         if self.trainer.is_global_zero and self._samples:
+            from omni_lightning.evaluation.media import log_media
+
             log_media(self, stage, self._samples)
-
-
-def content_hash(model: torch.nn.Module) -> str:
-    """sha256 over the state dict (names, shapes, dtypes, bytes): which weights were evaluated."""
-    import hashlib
-
-    digest = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        digest.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        digest.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
-def _wandb_loggers(module: pl.LightningModule) -> list:
-    from lightning.pytorch.loggers import WandbLogger
-
-    return [lg for lg in module.trainer.loggers if isinstance(lg, WandbLogger)]
-
-
-def log_run_config(module: Code2WavModule) -> bool:
-    """Records model preset, checkpoint, content hash, data sources and hyperparameters in W&B."""
-    loggers = _wandb_loggers(module)
-    if not loggers:
-        return True
-    hp = dict(module.hparams)
-    datamodule = module.trainer.datamodule
-    sources = {k: str(v) for k, v in getattr(datamodule, "sources", {}).items() if v is not None}
-    run_config = {
-        "model/preset": module.config.name,
-        "model/checkpoint": hp.get("checkpoint") or hp.get("source_checkpoint") or module.trainer.ckpt_path,
-        "model/content_hash": content_hash(module.model),
-        "model/parameters": sum(p.numel() for p in module.model.parameters()),
-        **{f"data/{k}": v for k, v in sources.items()},
-        "hparams": {k: v for k, v in hp.items() if k != "config"},
-        "architecture": hp.get("config"),
-    }
-    for lg in loggers:
-        lg.experiment.config.update(run_config, allow_val_change=True)
-    return True
-
-
-def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import torchaudio
-
-    mel = torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=1024, hop_length=256, n_mels=80)(wav.float())
-    fig, ax = plt.subplots(figsize=(6, 2.5), dpi=80)
-    ax.imshow(torch.log(mel + 1e-5).numpy(), origin="lower", aspect="auto", cmap="magma")
-    ax.set_title(title)
-    ax.set_xlabel("frame")
-    ax.set_ylabel("mel bin")
-    fig.tight_layout()
-    return fig
-
-
-def log_media(module: Code2WavModule, stage: str, samples: list[dict[str, Any]]) -> None:
-    """Generated and reference audio side by side, with spectrograms, in a table keyed by request id."""
-    loggers = _wandb_loggers(module)
-    if not loggers:
-        return
-    import matplotlib.pyplot as plt
-    import wandb
-
-    from omni_lightning.metrics import request_metrics
-
-    sr = module.config.sample_rate
-    metrics = module._eval_metrics()
-    columns = ["id", "generated", "reference", "generated_spectrogram", "reference_spectrogram", "mel_distance",
-               "si_sdr"]  # fmt: skip
-    table = wandb.Table(columns=columns)
-    media: dict[str, list] = {k: [] for k in columns[1:5]}
-    for s in samples:
-        gen_fig = spectrogram_figure(s["generated"], sr, f"{s['id']} generated")
-        ref_fig = spectrogram_figure(s["reference"], sr, f"{s['id']} reference")
-        values = request_metrics(s["generated"].to(module.device), s["reference"].to(module.device),
-                                 metrics.mel, metrics.stft)  # fmt: skip
-        row = [wandb.Audio(s["generated"].numpy(), sample_rate=sr, caption=s["id"]),
-               wandb.Audio(s["reference"].numpy(), sample_rate=sr, caption=s["id"]),
-               wandb.Image(gen_fig, caption=s["id"]), wandb.Image(ref_fig, caption=s["id"])]  # fmt: skip
-        for key, item in zip(media, row):
-            media[key].append(item)
-        table.add_data(s["id"], *row, float(values["mel_distance"]), float(values["si_sdr"]))
-        plt.close(gen_fig)
-        plt.close(ref_fig)
-    # the table is the side-by-side view; the media lists (captioned by request id) are also logged
-    # on their own, since an offline run stores table cells' media only through artifacts
-    record = {f"{stage}/samples": table, **{f"{stage}/{k}": v for k, v in media.items()}}
-    for lg in loggers:
-        lg.experiment.log({**record, "trainer/global_step": module.trainer.global_step})

@@ -9,7 +9,7 @@ from test_writer import cli
 from wandb_records import history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataset
-from omni_lightning.data.demo import make_demo_data, make_teacher
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
 
 def run(*args, timeout=600):

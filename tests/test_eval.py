@@ -12,9 +12,9 @@ from test_runner import trainer_kwargs
 from wandb_records import config, history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
-from omni_lightning.data.demo import make_demo_data, make_teacher
-from omni_lightning.metrics import NAMES, AudioMetrics
-from omni_lightning.module import content_hash
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
+from omni_lightning.evaluation.media import content_hash
+from omni_lightning.evaluation.metrics import NAMES, AudioMetrics
 
 METRICS = [f"val/{n}" for n in (*NAMES, "requests", "audio_s", "audio_s_per_s")]
 

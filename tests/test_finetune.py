@@ -11,8 +11,8 @@ from conftest import random_model
 from test_runner import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
-from omni_lightning.data.demo import make_demo_data, make_teacher
-from omni_lightning.losses import MultiResolutionMelLoss
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
+from omni_lightning.training.losses import MultiResolutionMelLoss
 
 
 @pytest.fixture(scope="module")

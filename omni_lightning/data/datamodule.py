@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 from omni_lightning.data.collate import collate_codes
 from omni_lightning.data.dataset import CodesDataset
 from omni_lightning.data.sampler import LengthBucketBatchSampler
-from omni_lightning.models.code2wav import Code2WavConfig
+from omni_lightning.models import Code2WavConfig
 
 Source = str | Path | list
 

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from omni_lightning.models.code2wav import Code2WavConfig, validate_codes
+from omni_lightning.data.io import CODE_SUFFIXES, check_audio, load_audio, load_codes_file
+from omni_lightning.models import Code2WavConfig, resolve_config, validate_codes
 
-CODE_SUFFIXES = (".npy", ".pt", ".safetensors")
 BAD_INPUT_MODES = ("raise", "skip")
 
 
@@ -46,34 +46,6 @@ class Entry:
     error: str | None = None
 
 
-def load_codes_file(path: Path) -> torch.Tensor:
-    """Reads one code file; raises ValueError (never anything else) when it cannot."""
-    if path.suffix not in CODE_SUFFIXES:
-        raise ValueError(f"codes file {path}: unsupported suffix {path.suffix!r} (use {', '.join(CODE_SUFFIXES)})")
-    if not path.is_file():
-        raise ValueError(f"codes file {path} does not exist")
-    try:
-        if path.suffix == ".npy":
-            import numpy as np
-
-            value: Any = torch.from_numpy(np.array(np.load(path, allow_pickle=False)))
-        elif path.suffix == ".pt":
-            value = torch.load(path, map_location="cpu", weights_only=True)
-        else:
-            from safetensors.torch import load_file
-
-            value = load_file(str(path))
-    except Exception as err:  # corrupt files raise anything from pickle, zip, numpy or safetensors
-        raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
-    if isinstance(value, dict):  # safetensors: the tensor named 'codes', or the only one
-        if "codes" not in value and len(value) != 1:
-            raise ValueError(f"codes file {path} holds tensors {sorted(value)}; name one 'codes'")
-        value = value.get("codes", next(iter(value.values()), None))
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(f"codes file {path} holds a {type(value).__name__}, not a tensor")
-    return value
-
-
 def check_request(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tensor:
     """One request's codes as Long ``[Q, T]``, or a ValueError naming the request."""
     if not isinstance(codes, torch.Tensor):
@@ -84,38 +56,6 @@ def check_request(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tens
         raise ValueError(f"request {req_id!r}: codes must have shape [codebooks, frames], got {tuple(codes.shape)}")
     validate_codes(codes[None], config, req_ids=[req_id])
     return codes.long()
-
-
-def check_audio(path: Path) -> None:
-    """Header check only: the scan must not read every waveform."""
-    import soundfile as sf
-
-    if not path.is_file():
-        raise ValueError(f"audio file {path} does not exist")
-    try:
-        info = sf.info(str(path))
-    except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
-    if info.frames == 0:
-        raise ValueError(f"audio file {path} is empty")
-
-
-def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
-    """Mono float32 at ``sample_rate``."""
-    import soundfile as sf
-
-    if not path.is_file():
-        raise ValueError(f"audio file {path} does not exist")
-    try:
-        data, sr = sf.read(str(path), dtype="float32", always_2d=True)
-    except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
-    audio = torch.from_numpy(data).mean(dim=1)
-    if sr != sample_rate:
-        import torchaudio
-
-        audio = torchaudio.functional.resample(audio, sr, sample_rate)
-    return audio
 
 
 class CodesDataset(Dataset):
@@ -138,7 +78,7 @@ class CodesDataset(Dataset):
             raise ValueError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if crop_frames is not None and crop_frames < 1:
             raise ValueError(f"crop_frames must be >= 1, got {crop_frames}")
-        self.config = Code2WavConfig.from_name(config) if isinstance(config, str) else config
+        self.config = resolve_config(config)
         self.on_bad_input = on_bad_input
         self.load_audio = load_audio
         self.crop_frames = crop_frames

@@ -1,3 +1,6 @@
-from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights, validate_codes
+from omni_lightning.models.code2wav import Code2Wav
+from omni_lightning.models.codes import validate_codes
+from omni_lightning.models.config import Code2WavConfig, resolve_config
+from omni_lightning.models.random_weights import randomize_weights
 
-__all__ = ["Code2Wav", "Code2WavConfig", "randomize_weights", "validate_codes"]
+__all__ = ["Code2Wav", "Code2WavConfig", "randomize_weights", "resolve_config", "validate_codes"]

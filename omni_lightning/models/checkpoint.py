@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from omni_lightning.models.code2wav import Code2WavConfig, read_config_json
+from omni_lightning.models.config import Code2WavConfig, read_config_json
 
 if TYPE_CHECKING:
     from omni_lightning.models.code2wav import Code2Wav

@@ -11,7 +11,7 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio, signal_noise_ratio
 
-from omni_lightning.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
+from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
 NAMES = ("mel_distance", "stft_distance", "si_sdr", "snr")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni_lightning.models.code2wav import Code2Wav, Code2WavConfig, randomize_weights
+from omni_lightning.models import Code2Wav, Code2WavConfig, randomize_weights, resolve_config
 
 
 def make_demo_data(
@@ -29,7 +29,7 @@ def make_demo_data(
     """Writes ``codes/<id>.npy`` (and ``audio/<id>.wav`` from ``teacher``) and a JSONL manifest."""
     import soundfile as sf
 
-    config = Code2WavConfig.from_name(config) if isinstance(config, str) else config
+    config = resolve_config(config)
     folder = Path(folder)
     (folder / "codes").mkdir(parents=True, exist_ok=True)
     gen = torch.Generator().manual_seed(seed)

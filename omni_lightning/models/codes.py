@@ -1,0 +1,63 @@
+"""``validate_codes``: a batch of codec codes checked against a config before any lookup."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from omni_lightning.models.config import Code2WavConfig
+
+
+def validate_codes(
+    codes: Any,
+    config: Code2WavConfig,
+    lengths: Any = None,
+    req_ids: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """Checks a batch ``[B, Q, T]`` (and its ``lengths``) before any lookup; returns ``lengths``.
+
+    Raises ``ValueError`` naming the request (id or index), codebook and frame of the first problem.
+    Only frames inside each request's length are checked, so any pad value is accepted.
+    """
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"codes must be a torch.Tensor [B, Q, T], got {type(codes).__name__}")
+    if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
+        raise ValueError(f"codes must be an integer tensor, got dtype {codes.dtype}")
+    if codes.dim() != 3:
+        raise ValueError(f"codes must have shape [batch, codebooks, frames], got {tuple(codes.shape)}")
+    batch, n_q, n_frames = codes.shape
+
+    def name(i: int) -> str:
+        return f"request {req_ids[i]!r}" if req_ids is not None and i < len(req_ids) else f"request {i}"
+
+    if batch == 0:
+        raise ValueError("codes hold no request (batch size 0)")
+    if n_q != config.num_quantizers:
+        raise ValueError(f"codes have {n_q} codebooks, this model expects {config.num_quantizers}")
+    if n_frames == 0:
+        raise ValueError(f"{name(0)} is empty (0 frames)")
+    if lengths is None:
+        lengths = torch.full((batch,), n_frames, dtype=torch.long)
+    else:
+        lengths = torch.as_tensor(lengths)
+        if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.shape != (batch,):
+            raise ValueError(f"lengths must be integers of shape [{batch}], got {lengths.dtype} "
+                             f"{tuple(lengths.shape)}")  # fmt: skip
+        lengths = lengths.to(device="cpu", dtype=torch.long)
+        for i, n in enumerate(lengths.tolist()):
+            if n < 1:
+                raise ValueError(f"{name(i)} is empty (length {n})")
+            if n > n_frames:
+                raise ValueError(f"{name(i)} has length {n}, longer than the {n_frames} padded frames")
+    frame = torch.arange(n_frames, device=codes.device)
+    in_request = (frame[None, :] < lengths.to(codes.device)[:, None])[:, None, :]
+    bad = ((codes < 0) | (codes >= config.codebook_size)) & in_request
+    if bool(bad.any()):
+        b, q, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name(b)}: code {int(codes[b, q, t])} at codebook {q}, frame {t} is outside "
+            f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the batch)"
+        )
+    return lengths

@@ -1,0 +1,77 @@
+"""Reconstruction losses for fine-tuning Code2Wav (multi-resolution mel L1 and STFT), as ``nn.Module``s.
+
+Every loss takes ``lengths`` (real samples per item) so right-padding never enters a loss: each
+item is cut to its own length before its spectrogram is taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _items(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None):
+    """(pred_i, target_i) cut to item i's real length; pred/target are [B, T] or [B, 1, T]."""
+    pred, target = pred.reshape(pred.shape[0], -1), target.reshape(target.shape[0], -1)
+    n = min(pred.shape[-1], target.shape[-1])
+    lengths = [n] * pred.shape[0] if lengths is None else [min(int(x), n) for x in lengths]
+    return [(pred[i, :m], target[i, :m]) for i, m in enumerate(lengths)]
+
+
+class MultiResolutionMelLoss(nn.Module):
+    """Mean over resolutions of L1 between log-mel spectrograms (torchaudio ``MelSpectrogram``)."""
+
+    def __init__(
+        self,
+        sample_rate: int = 24000,
+        n_ffts: Sequence[int] = (512, 1024, 2048),
+        n_mels: Sequence[int] = (40, 80, 128),
+        eps: float = 1e-5,
+    ) -> None:
+        super().__init__()
+        import torchaudio
+
+        self.mels = nn.ModuleList(
+            torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
+            for n, m in zip(n_ffts, n_mels)
+        )
+        self.eps = eps
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
+        losses = []
+        for p, t in _items(pred, target, lengths):
+            for mel in self.mels:
+                pm, tm = mel(p.float()), mel(t.float())
+                losses.append(F.l1_loss(torch.log(pm + self.eps), torch.log(tm + self.eps)))
+        return torch.stack(losses).mean()
+
+
+class MultiResolutionSTFTLoss(nn.Module):
+    """Spectral convergence + log-magnitude L1, averaged over STFT resolutions."""
+
+    def __init__(self, n_ffts: Sequence[int] = (512, 1024, 2048), eps: float = 1e-7) -> None:
+        super().__init__()
+        self.n_ffts = tuple(n_ffts)
+        self.eps = eps
+        for n in self.n_ffts:
+            self.register_buffer(f"window_{n}", torch.hann_window(n), persistent=False)
+
+    def magnitude(self, x: torch.Tensor, n_fft: int) -> torch.Tensor:
+        window = getattr(self, f"window_{n_fft}")
+        spec = torch.stft(x.float(), n_fft, hop_length=n_fft // 4, window=window, return_complex=True)
+        return spec.abs().clamp_min(self.eps)
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
+        losses = []
+        for p, t in _items(pred, target, lengths):
+            for n in self.n_ffts:
+                pm, tm = self.magnitude(p, n), self.magnitude(t, n)
+                convergence = torch.linalg.norm(tm - pm) / torch.linalg.norm(tm).clamp_min(self.eps)
+                losses.append(convergence + F.l1_loss(torch.log(pm), torch.log(tm)))
+        return torch.stack(losses).mean()
+
+
+# --- adversarial (optional) -------------------------------------------------------------------------
