@@ -56,7 +56,8 @@ import torch
 import torch.nn.functional as F
 
 from omni_lightning.models import fused
-from omni_lightning.models.code2wav import Code2Wav, rotate_half
+from omni_lightning.models.code2wav import Code2Wav
+from omni_lightning.models.layers import rotate_half
 
 log = logging.getLogger(__name__)
 
