@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+
+if TYPE_CHECKING:
+    from omni_lightning.models.streaming import StreamingDecoder
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -168,6 +172,29 @@ class Code2WavModule(pl.LightningModule):
                     codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False
                 )[0]
         return [w.float() for w in wavs]
+
+    # --- streaming ---------------------------------------------------------------------------------
+
+    def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True) -> StreamingDecoder:
+        """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time."""
+        from omni_lightning.models.streaming import StreamingDecoder
+
+        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs)
+
+    def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
+        """Decodes one request as its code chunks ``[Q, n]`` arrive: yields float32 ``[1, m]`` per chunk.
+
+        The pieces concatenate to what ``decode`` gives for all the frames at once (a chunk's last
+        samples wait for the next chunk's first frame: the transposed convolutions look one frame
+        ahead). Each chunk costs its own frames only. Bad chunks raise ``ValueError``. Several
+        ``stream()`` iterators may be interleaved (up to 8 at once). The model's current weights
+        are used as they are: EMA weights are swapped in only during predict/validate, not here.
+        """
+        decoder = getattr(self, "_stream_decoder", None)
+        if decoder is None or decoder.cuda_graphs != cuda_graphs or not decoder.reads(self.model):
+            decoder = self._stream_decoder = self.streaming_decoder(max_streams=8, cuda_graphs=cuda_graphs)
+        for wav in decoder.stream(code_chunks):
+            yield wav.float()
 
     # --- fine-tuning -------------------------------------------------------------------------------
 

@@ -394,6 +394,11 @@ class StreamingDecoder:
                 for name, shape in shapes.items()
             }
 
+    def reads(self, model: Code2Wav) -> bool:
+        """Whether this decoder runs ``model``'s current parameters (not moved or cast since)."""
+        param = next(model.parameters())
+        return model is self.model and param.data_ptr() == self._param_ptr and param.dtype == self.dtype
+
     @property
     def state_bytes_per_stream(self) -> int:
         """Bytes of state one stream holds, whatever its length (the pool holds ``max_streams + 1``)."""
@@ -401,7 +406,7 @@ class StreamingDecoder:
 
     def _refresh_snakes(self) -> None:
         """Recomputes the fp32 SnakeBeta vectors when a parameter was updated in place."""
-        if next(self.model.parameters()).data_ptr() != self._param_ptr:
+        if not self.reads(self.model):
             raise RuntimeError("the model's parameters were replaced (moved or cast?): build a new StreamingDecoder")
         versions = tuple(p._version for p in self._watched)
         if versions == self._versions:

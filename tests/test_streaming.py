@@ -1,0 +1,267 @@
+"""Streaming decode: exact chunk by chunk, many streams at once, bad input refused per stream."""
+
+import random
+
+import pytest
+import torch
+from conftest import random_codes, random_model
+
+from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule
+from omni_lightning.models.streaming import StreamingDecoder
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# 3 layers, one KV head, a 5-frame window (streams run far past it), other rates (12 samples/frame)
+ODD = dict(name="odd", hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+           intermediate_size=32, decoder_dim=16, sliding_window=5, upsample_rates=(3, 2),
+           upsampling_ratios=(2,))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def odd_model() -> Code2Wav:
+    return random_model(Code2WavConfig.from_name("tiny", **ODD), seed=1)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> Code2Wav:
+    return random_model("tiny", seed=2)
+
+
+def chunk_sizes(frames: int, seed: int, largest: int) -> list[int]:
+    """A 1-frame first chunk, then random sizes up to ``largest``, summing to ``frames``."""
+    rng = random.Random(seed)
+    sizes = [1]
+    while sum(sizes) < frames:
+        sizes.append(min(rng.randint(1, largest), frames - sum(sizes)))
+    return sizes
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.mark.parametrize(("which", "frames", "largest", "seeds"), [("tiny", 20, 8, (0, 1)), ("odd", 31, 9, (0, 1, 2))])
+def test_chunks_of_any_sizes_give_exactly_decode(which, frames, largest, seeds, tiny, odd_model):
+    model = tiny if which == "tiny" else odd_model
+    config = model.config
+    decoder = StreamingDecoder(model, max_streams=2)
+    codes = random_codes(1, frames, config, seed=frames)[0]
+    with torch.no_grad():
+        full = model.decode(codes[None])[0]
+    assert full.std() > 0.05  # a real signal
+    for seed in seeds:
+        sizes = chunk_sizes(frames, seed, largest)
+        sid = decoder.open()
+        pieces, done = [], 0
+        for n in sizes:
+            wav = decoder.step({sid: codes[:, done : done + n]})[sid]
+            assert wav.shape == (1, config.output_length(done + n) - config.output_length(done))
+            pieces.append(wav)
+            done += n
+        rest = decoder.close(sid)
+        assert rest.shape == (1, 0)  # the look-ahead tail is not part of decode: nothing left
+        assert max_diff(torch.cat(pieces, dim=-1), full) <= 1e-5, sizes
+
+
+def test_each_call_computes_only_its_new_frames(odd_model):
+    seen = []
+    hooks = [
+        odd_model.code_embedding.register_forward_hook(lambda m, i, o: seen.append(("embed", i[0].shape[-1]))),
+        odd_model.pre_transformer.layers[0].self_attn.q_proj.register_forward_hook(
+            lambda m, i, o: seen.append(("query", i[0].shape[1]))
+        ),
+    ]
+    try:
+        decoder = StreamingDecoder(odd_model, max_streams=1)
+        sid = decoder.open()
+        codes = random_codes(1, 40, odd_model.config, seed=5)[0]
+        for start, n in ((0, 1), (1, 3), (4, 30), (34, 6)):
+            seen.clear()
+            decoder.step({sid: codes[:, start : start + n]})
+            assert seen == [("embed", n), ("query", n)]  # no frame of context decoded again
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_streams_together_equal_streams_alone(odd_model):
+    """Streams open and close at different steps with different chunk sizes; each is its own decode."""
+    config = odd_model.config
+    lengths = {"a": 17, "b": 29, "c": 8, "d": 23, "e": 12}
+    opens = {"a": 0, "b": 0, "c": 1, "d": 3, "e": 4}  # "e" reuses the slot "c" frees
+    codes = {sid: random_codes(1, n, config, seed=i)[0] for i, (sid, n) in enumerate(lengths.items())}
+    sizes = {sid: chunk_sizes(n, seed=i, largest=7) for i, (sid, n) in enumerate(lengths.items())}
+    decoder = StreamingDecoder(odd_model, max_streams=4)
+    out = {sid: [] for sid in lengths}
+    done = dict.fromkeys(lengths, 0)
+    step = 0
+    while any(done[s] < lengths[s] for s in lengths):
+        for sid, at in opens.items():
+            if at == step:
+                decoder.open(sid)
+        chunks = {}
+        for sid in decoder.streams:
+            if sizes[sid]:
+                n = sizes[sid].pop(0)
+                chunks[sid] = codes[sid][:, done[sid] : done[sid] + n]
+                done[sid] += n
+        for sid, wav in decoder.step(chunks).items():
+            out[sid].append(wav)
+        for sid in decoder.streams:
+            if done[sid] == lengths[sid]:
+                out[sid].append(decoder.close(sid))
+        step += 1
+    assert len({len(v) for v in out.values()}) > 1
+    for sid, pieces in out.items():
+        with torch.no_grad():
+            alone = odd_model.decode(codes[sid][None])[0]
+        assert max_diff(torch.cat(pieces, dim=-1), alone) <= 1e-5, sid
+
+
+def test_a_stream_does_not_see_its_batch_neighbours(odd_model):
+    config = odd_model.config
+    mine = random_codes(1, 12, config, seed=10)[0]
+    results = []
+    for neighbour_seed in (11, 12):
+        other = random_codes(1, 12, config, seed=neighbour_seed)[0]
+        decoder = StreamingDecoder(odd_model, max_streams=2)
+        decoder.open("mine"), decoder.open("other")
+        decoder.step({"other": other[:, :2]})  # the neighbour is at another position too
+        wavs = [decoder.step({"mine": mine[:, i : i + 4], "other": other[:, i + 2 : i + 6]})["mine"] for i in (0, 4)]
+        results.append(torch.cat(wavs, dim=-1))
+    assert torch.equal(results[0], results[1])
+
+
+def test_bad_chunks_raise_for_their_stream_only(odd_model):
+    config = odd_model.config
+    codes = {s: random_codes(1, 10, config, seed=20 + i)[0] for i, s in enumerate("ab")}
+    decoder = StreamingDecoder(odd_model, max_streams=2)
+    decoder.open("a"), decoder.open("b")
+    out = {"a": [decoder.step({"a": codes["a"][:, :1]})["a"]], "b": []}
+    bad = codes["a"][:, 1:3].clone()
+    bad[2, 1] = config.codebook_size
+    cases = [
+        (bad, r"stream 'a': code 2048 at codebook 2, frame 2 is outside \[0, 2048\)"),
+        (codes["a"][:3, 1:3], r"stream 'a': chunk has 3 codebooks, this model expects 16"),
+        (codes["a"][:, 1:3].float(), r"stream 'a': codes must be an integer tensor"),
+        (codes["a"][None, :, 1:3], r"stream 'a': a chunk must have shape \[codebooks, frames\]"),
+        (codes["a"][:, 1:3].tolist(), r"stream 'a': codes must be a torch.Tensor"),
+    ]
+    for chunk, message in cases:
+        with pytest.raises(ValueError, match=message):
+            decoder.step({"b": codes["b"][:, :2], "a": chunk})
+        with pytest.raises(ValueError, match=message):
+            decoder.push("a", chunk)
+    assert decoder.frames("a") == 1 and decoder.frames("b") == 0  # nothing of either stream changed
+    with pytest.raises(ValueError, match="unknown stream 'z'"):
+        decoder.step({"z": codes["a"][:, :1], "b": codes["b"][:, :2]})
+    assert decoder.frames("b") == 0
+    # both continue, exactly
+    got = decoder.step({"a": codes["a"][:, 1:6], "b": codes["b"][:, :4]})
+    out["a"].append(got["a"]), out["b"].append(got["b"])
+    out["a"].append(decoder.close("a"))
+    with pytest.raises(ValueError, match="stream 'a' is closed"):
+        decoder.step({"a": codes["a"][:, 6:], "b": codes["b"][:, 4:]})
+    out["b"].append(decoder.step({"b": codes["b"][:, 4:]})["b"])
+    with torch.no_grad():
+        assert max_diff(torch.cat(out["a"], -1), odd_model.decode(codes["a"][None, :, :6])[0]) <= 1e-5
+        assert max_diff(torch.cat(out["b"], -1), odd_model.decode(codes["b"][None])[0]) <= 1e-5
+    decoder.open("c")
+    with pytest.raises(ValueError, match="all 2 stream slots are in use"):
+        decoder.open("d")
+    with pytest.raises(ValueError, match="stream 'c' is already open"):
+        decoder.open("c")
+
+
+def test_state_per_stream_is_bounded_and_what_the_architecture_says(odd_model):
+    config = odd_model.config
+    decoder = StreamingDecoder(odd_model, max_streams=1)
+    # attention: K and V of window - 1 frames per layer; each causal conv: (kernel - 1) * dilation
+    # input samples; each decoder block's transposed conv: its last input sample
+    kv = config.num_hidden_layers * 2 * config.num_key_value_heads * (config.sliding_window - 1) * 8
+    convs = 6 * 16 + 6 * 16 + (16 + (6 + 18 + 54) * 8) + (8 + (6 + 18 + 54) * 4) + 6 * 4
+    assert decoder.state_bytes_per_stream == (kv + convs) * 4
+    held = sum(t.numel() for t in decoder._pool.values())
+    sid = decoder.open()
+    codes = random_codes(1, 60, config, seed=3)[0]
+    for start in range(0, 60, 6):
+        decoder.step({sid: codes[:, start : start + 6]})
+    assert sum(t.numel() for t in decoder._pool.values()) == held  # 12x the window later: same state
+
+
+def test_qwen3_omni_state_per_stream():
+    with torch.device("meta"):
+        model = Code2Wav("qwen3-omni").to(torch.bfloat16)
+    decoder = StreamingDecoder(model, max_streams=1)
+    kv = 8 * 2 * 16 * 71 * 64
+    convs = 2 * 6 * 1024 + 6 * 1024 + (1536 + 768 + 384 + 192) + 78 * (768 + 384 + 192 + 96) + 6 * 96
+    assert decoder.state_bytes_per_stream == (kv + convs) * 2 == 2_594_944
+
+
+def test_module_stream_yields_decode_in_pieces(tiny):
+    module = Code2WavModule(model=tiny)
+    codes = random_codes(1, 14, tiny.config, seed=7)[0]
+    sizes = [1, 2, 5, 6]
+    chunks = [codes[:, sum(sizes[:i]) : sum(sizes[: i + 1])].to(torch.int16) for i in range(len(sizes))]
+    pieces = list(module.stream(iter(chunks)))
+    assert len(pieces) == len(sizes) and all(p.dtype == torch.float32 for p in pieces)
+    with torch.no_grad():
+        assert max_diff(torch.cat(pieces, dim=-1), tiny.decode(codes[None])[0]) <= 1e-5
+    bad = codes[:, :3].clone()
+    bad[0, 0] = -1
+    stream = module.stream([codes[:, :2], bad])
+    next(stream)
+    with pytest.raises(ValueError, match="code -1 at codebook 0, frame 2"):
+        next(stream)
+    assert module._stream_decoder.streams == []  # the slot was freed
+
+
+@cuda
+def test_cuda_graphs_match_eager_and_decode(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = random_model("tiny", seed=4).cuda()
+    codes = random_codes(3, 23, model.config, seed=8).cuda()
+    with torch.no_grad():
+        full = model.decode(codes)
+    outputs = {}
+    for graphs in (True, False):
+        decoder = StreamingDecoder(model, max_streams=3, cuda_graphs=graphs, max_graph_frames=4)
+        sids = [decoder.open() for _ in range(3)]
+        sizes = [chunk_sizes(23, seed=i, largest=9) for i in range(3)]
+        done, out = [0, 0, 0], [[], [], []]
+        while any(sizes):
+            chunks = {}
+            for i, sid in enumerate(sids):
+                if sizes[i]:
+                    n = sizes[i].pop(0)
+                    chunks[sid] = codes[i, :, done[i] : done[i] + n]
+                    done[i] += n
+            for sid, wav in decoder.step(chunks).items():
+                out[sids.index(sid)].append(wav)
+        outputs[graphs] = [torch.cat(o, dim=-1) for o in out]
+        assert bool(decoder._graphs) == graphs
+    for i in range(3):
+        assert max_diff(outputs[True][i], full[i]) <= 1e-4
+        assert max_diff(outputs[True][i], outputs[False][i]) <= 1e-5
+
+
+@cuda
+def test_cuda_bf16_streaming_is_as_faithful_as_bf16_decode():
+    model = random_model("tiny", seed=5).cuda()
+    codes = random_codes(1, 40, model.config, seed=9).cuda()
+    with torch.no_grad():
+        ref = model.decode(codes)[0].double()
+        bf16 = Code2Wav(model.config).cuda().to(torch.bfloat16)
+        bf16.load_state_dict(model.state_dict())
+        batch = bf16.decode(codes)[0].double()
+    decoder = StreamingDecoder(bf16, max_streams=1)
+    sid = decoder.open()
+    pieces = [decoder.step({sid: codes[0, :, s : s + n]})[sid] for s, n in ((0, 1), (1, 9), (10, 10), (20, 20))]
+    streamed = torch.cat(pieces, dim=-1).double()
+
+    def rel(x: torch.Tensor) -> float:
+        return ((x - ref).norm() / ref.norm()).item()
+
+    assert rel(streamed) <= 1.25 * rel(batch), (rel(streamed), rel(batch))
