@@ -2,7 +2,14 @@
 
 from omni_lightning.callbacks import AsyncD2HCallback, WaveformWriter
 from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
-from omni_lightning.models import Code2Wav, Code2WavConfig, randomize_weights, resolve_config, validate_codes
+from omni_lightning.models import (
+    Code2Wav,
+    Code2WavConfig,
+    StreamingDecoder,
+    randomize_weights,
+    resolve_config,
+    validate_codes,
+)
 from omni_lightning.module import Code2WavModule
 from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, build_pooler_output
 from omni_lightning.trainer import Trainer
@@ -19,6 +26,7 @@ __all__ = [
     "LengthBucketBatchSampler",
     "OmniModelRunnerOutput",
     "OmniPredictionLoop",
+    "StreamingDecoder",
     "Trainer",
     "WaveformWriter",
     "build_pooler_output",

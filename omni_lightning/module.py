@@ -5,15 +5,12 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
-from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
-
-if TYPE_CHECKING:
-    from omni_lightning.models.streaming import StreamingDecoder
+from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -177,8 +174,6 @@ class Code2WavModule(pl.LightningModule):
 
     def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True) -> StreamingDecoder:
         """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time."""
-        from omni_lightning.models.streaming import StreamingDecoder
-
         return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs)
 
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
