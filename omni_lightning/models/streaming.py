@@ -326,7 +326,12 @@ class StreamingDecoder:
             start = time.perf_counter()
             if self._graph_pool is None:
                 self._graph_pool = torch.cuda.graph_pool_handle()
-            graph = self._graphs[(rows, chunk)] = _StepGraph(self, rows, chunk)
+            try:
+                graph = self._graphs[(rows, chunk)] = _StepGraph(self, rows, chunk)
+            except RuntimeError as err:  # a capture that fails must not stop the stream: run eagerly
+                log.warning("streaming: CUDA graph capture failed (%s); running eagerly from now on", err)
+                self.cuda_graphs = False
+                return None
             log.info("streaming: captured the CUDA graph for %d streams x %d frames in %.2f s", rows, chunk,
                      time.perf_counter() - start)  # fmt: skip
             if len(self._graphs) == self.max_graphs:
@@ -616,7 +621,7 @@ def _snake_cl_kernel():
         import triton
         import triton.language as tl
 
-        @triton.jit
+        @triton.jit(do_not_specialize=["length", "junk"])  # one compile for every chunk size
         def snake_cl(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, bias_ptr, fresh_ptr, length, channels,
                      x_sb, x_st, y_sb, y_st, junk, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
                      BLOCK_C: tl.constexpr):  # fmt: skip
