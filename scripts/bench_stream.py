@@ -94,6 +94,18 @@ class Redecode:
         return wav[..., context * up - (tail if start else 0) :].clone()
 
 
+def profile(stream_step: Callable[[int, int], dict], start: int, args: argparse.Namespace) -> None:
+    """Kernel time of two eager steps by op, to stderr (where the device's time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            stream_step(start, start + args.chunk)
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60)
+    print(table, file=sys.stderr, flush=True)
+
+
 def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
     x, ref = x.double().flatten(), ref.double().flatten()
     return ((x - ref).norm() / ref.norm()).item()
@@ -120,20 +132,25 @@ def run(args: argparse.Namespace) -> dict:
     res["capture_s"] = decoder.warmup(chunk_sizes=(1, args.chunk), batch_sizes=(1, args.streams))
     res["graphs"] = len(decoder._graphs)
     print(f"  {res['graphs']} graphs captured in {res['capture_s']:.1f} s", file=sys.stderr, flush=True)
+    eager = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=False) if graphs else None
     baselines = {"redecode_eager": Redecode(model, args.context, graphs=False)}
     if device.type == "cuda":
         baselines["redecode_graph"] = Redecode(model, args.context, graphs=True)
 
     # --- time to first audio: a new stream, a 1-frame first chunk -------------------------------
     first = [codes_of(q, 1) for _ in range(args.ttfa_trials)]
-    ttfa: dict[str, list[float]] = {"stream": [], **{k: [] for k in baselines}}
+    streamers = {"stream": decoder, **({"stream_eager": eager} if eager else {})}
+    ttfa: dict[str, list[float]] = {k: [] for k in [*streamers, *baselines]}
     with torch.no_grad():
         for base in baselines.values():  # warm-up (autotune, capture)
             base.chunk(first[0][None].to(device), 0, 1)
+        if eager:
+            list(eager.stream([first[0]]))
         for codes in first:
-            sid = decoder.open()
-            ttfa["stream"].append(clock(lambda c=codes, s=sid: decoder.step({s: c}), device))
-            decoder.close(sid)
+            for name, dec in streamers.items():
+                sid = dec.open()
+                ttfa[name].append(clock(lambda c=codes, s=sid, d=dec: d.step({s: c}), device))
+                dec.close(sid)
             for name, base in baselines.items():
                 ttfa[name].append(clock(lambda c=codes, b=base: b.chunk(c[None].to(device), 0, 1), device))
     res["ttfa_ms"] = {k: 1e3 * statistics.median(v) for k, v in ttfa.items()}
@@ -145,24 +162,28 @@ def run(args: argparse.Namespace) -> dict:
     total = ramp + args.chunk * args.steps
     codes = codes_of(args.streams, q, total)
     step_audio = args.streams * args.chunk * up / sr
-    sids = [decoder.open() for _ in range(args.streams)]
-
-    def stream_step(a: int, b: int) -> dict:
-        return decoder.step({sid: codes[i, :, a:b] for i, sid in enumerate(sids)})
-
+    starts = [ramp + k * args.chunk for k in range(args.steps)]
+    half = args.steps // 2
     steady: dict[str, float] = {}
     with torch.no_grad():
-        stream_step(0, 1)
-        for a in range(1, ramp, args.chunk):
-            stream_step(a, a + args.chunk)
-        starts = [ramp + k * args.chunk for k in range(args.steps)]
-        half = args.steps // 2
-        steady["stream_pipelined"] = clock(lambda: [stream_step(a, a + args.chunk) for a in starts[:half]], device)
-        steady["stream_pipelined"] /= half
-        steady["stream_sync"] = statistics.median(clock(lambda a=a: stream_step(a, a + args.chunk), device)
-                                                  for a in starts[half:])  # fmt: skip
-        for sid in sids:
-            decoder.close(sid)
+        for name, dec in streamers.items():
+            sids = [dec.open() for _ in range(args.streams)]
+
+            def stream_step(a: int, b: int, d: StreamingDecoder = dec, sids: list = sids) -> dict:
+                return d.step({sid: codes[i, :, a:b] for i, sid in enumerate(sids)})
+
+            stream_step(0, 1)
+            for a in range(1, ramp, args.chunk):
+                stream_step(a, a + args.chunk)
+            steady[f"{name}_pipelined"] = clock(lambda f=stream_step: [f(a, a + args.chunk) for a in starts[:half]],
+                                                device) / half  # fmt: skip
+            steady[f"{name}_sync"] = statistics.median(
+                clock(lambda a=a, f=stream_step: f(a, a + args.chunk), device) for a in starts[half:]
+            )
+            if name == "stream_eager" and args.profile:
+                profile(stream_step, starts[-1], args)
+            for sid in sids:
+                dec.close(sid)
         on_device = codes.to(device)
         for name, base in baselines.items():
             base.chunk(on_device, ramp, ramp + args.chunk)  # warm-up (autotune, capture)
@@ -226,6 +247,7 @@ def main() -> None:
     parser.add_argument("--fidelity-requests", type=int, default=4)
     parser.add_argument("--no-graphs", action="store_true", help="streaming without CUDA graphs")
     parser.add_argument("--no-cudnn-benchmark", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="kernel table of two eager streaming steps")
     parser.add_argument("--out", default="bench_stream.json")
     args = parser.parse_args()
     res = run(args)
@@ -233,7 +255,8 @@ def main() -> None:
     res["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
                    "machine": machine, "threads": torch.get_num_threads(), "args": vars(args)}  # fmt: skip
     Path(args.out).write_text(json.dumps(res, indent=2))
-    names = [("stream", "streaming (ours)"), ("redecode_eager", f"re-decode, {args.context} ctx, eager"),
+    names = [("stream", "streaming (ours)"), ("stream_eager", "streaming (ours), eager"),
+             ("redecode_eager", f"re-decode, {args.context} ctx, eager"),
              ("redecode_graph", f"re-decode, {args.context} ctx, CUDA graphs")]  # fmt: skip
     print(f"\n{args.preset} {args.dtype} on {machine}, torch {torch.__version__}; "
           f"{args.streams} streams x {args.chunk}-frame chunks")  # fmt: skip
