@@ -98,7 +98,14 @@ class StreamingDecoder:
 
     The decoder reads the model's parameters in place: fine-tuning steps and EMA swaps (in-place
     updates) are seen by the next step; a model moved or cast after construction is not (build a
-    new decoder). Not thread-safe.
+    new decoder). Each stream holds ``state_bytes_per_stream`` bytes, whatever its length.
+
+    Not done, and why: chunks of different sizes are not padded into one batch (each size runs as
+    its own batch, so no row computes padding and every state is read at its true end); graphs
+    are per exact chunk size up to ``max_graph_frames`` (longer chunks are split, which is exact)
+    and at most ``max_graphs`` of them (other shapes run eagerly), so capture memory stays bounded;
+    codes on the GPU are range-checked there (one synchronization per chunk: bad codes must never
+    reach an embedding lookup); no thread safety (one scheduling loop drives a decoder).
     """
 
     def __init__(
@@ -161,7 +168,7 @@ class StreamingDecoder:
         return stream_id
 
     def push(self, stream_id: Hashable, codes: torch.Tensor) -> None:
-        """Queues ``codes [Q, n]`` (any integer dtype, any device) for ``stream_id``'s next step.
+        """Queues ``codes [Q, n]`` (any integer dtype, any device; ``n`` may be 0) for the next step.
 
         Raises ``ValueError`` naming the stream when the chunk is bad; nothing is queued then.
         """
