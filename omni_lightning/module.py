@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import asdict
 from typing import Any
@@ -10,6 +11,8 @@ import lightning.pytorch as pl
 import torch
 
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.training.ema import EMAWeights
+from omni_lightning.training.freeze import freeze_parameters
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -60,8 +63,6 @@ class Code2WavModule(pl.LightningModule):
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if max_frames_per_request < 1 or chunk_size < 1:
             raise ValueError("max_frames_per_request and chunk_size must be >= 1")
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
@@ -69,7 +70,7 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
-        self.frozen = self._freeze(freeze or [], train_only)
+        freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = None
         if adversarial:
@@ -77,43 +78,25 @@ class Code2WavModule(pl.LightningModule):
 
             self.discriminators = Discriminators()
             self.automatic_optimization = False
-        self.ema: dict[str, torch.Tensor] | None = None
-        self._ema_swapped = False
-
-    def _freeze(self, freeze: list[str], train_only: list[str] | None) -> list[str]:
-        """Freezes parameters by name prefix (``freeze``) or all but some (``train_only``)."""
-        names = [n for n, _ in self.model.named_parameters()]
-        for prefix in [*freeze, *(train_only or [])]:
-            if not any(n.startswith(prefix) for n in names):
-                raise ValueError(f"no model parameter starts with {prefix!r} (e.g. 'decoder.', 'pre_transformer.')")
-        frozen = []
-        for name, p in self.model.named_parameters():
-            keep = any(name.startswith(t) for t in train_only) if train_only is not None else True
-            if not keep or any(name.startswith(f) for f in freeze):
-                p.requires_grad_(False)
-                frozen.append(name)
-        return frozen
+        self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
 
     @property
     def config(self) -> Code2WavConfig:
         return self.model.config
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        hparams = checkpoint.get("hyper_parameters", {})
-        if hparams.get("checkpoint"):  # the weights are in the state dict: don't reread the folder
-            hparams["source_checkpoint"] = hparams.pop("checkpoint")
-        if self.ema is not None:
-            ema = {n: t.detach().cpu().clone() for n, t in self.ema.items()}
-            if self._ema_swapped:  # saved mid-validation: the model holds the EMA, self.ema the raw weights
-                params = dict(self.model.named_parameters())
-                for n in ema:
-                    checkpoint["state_dict"][f"model.{n}"] = ema[n].to(params[n].dtype)
-                ema = {n: params[n].detach().float().cpu().clone() for n in ema}
-            checkpoint["ema"] = ema
+        if "hyper_parameters" in checkpoint:  # weights and architecture are in the checkpoint: no HF folder reread
+            checkpoint["hyper_parameters"]["checkpoint"] = None
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "ema" in checkpoint:
-            self.ema = {n: t.to(self.device) for n, t in checkpoint["ema"].items()}
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test."""
+        from omni_lightning.evaluation.media import EvaluationMedia
+
+        stage = self.trainer.state.fn
+        callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
+        if stage in ("fit", "validate", "test"):
+            callbacks.append(EvaluationMedia(self.hparams.log_samples))
+        return callbacks
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.model(codes)
@@ -257,67 +240,28 @@ class Code2WavModule(pl.LightningModule):
         schedule_d = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt_d, lr_lambda), "interval": "step"}
         return [opt, opt_d], [schedule, schedule_d]
 
-    # --- EMA weights -------------------------------------------------------------------------------
+    # --- EMA weights (training/ema.py) ------------------------------------------------------------
 
-    def on_fit_start(self) -> None:
-        if self.hparams.ema_decay is not None and self.ema is None:
-            self.ema = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    @torch.no_grad()
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.ema is not None:
-            for name, p in self.model.named_parameters():
-                if name in self.ema:
-                    self.ema[name].lerp_(p.detach().float(), 1.0 - self.hparams.ema_decay)
-
-    @torch.no_grad()
-    def _swap_ema(self) -> None:
-        params = dict(self.model.named_parameters())
-        for name, avg in self.ema.items():
-            raw = params[name].detach().float().clone()
-            params[name].copy_(avg)
-            avg.copy_(raw)
-        self._ema_swapped = not self._ema_swapped
-
-    def use_ema(self, on: bool) -> None:
-        """Puts the EMA weights into the model (``on``) or the raw weights back."""
-        if self.ema is not None and on != self._ema_swapped:
-            self._swap_ema()
-
-    def on_validation_start(self) -> None:
-        self.use_ema(True)
-
-    def on_validation_end(self) -> None:
-        self.use_ema(False)
-
-    def on_test_start(self) -> None:
-        self.use_ema(True)
-
-    def on_test_end(self) -> None:
-        self.use_ema(False)
-
-    def on_predict_start(self) -> None:
-        self.use_ema(True)
-
-    def on_predict_end(self) -> None:
-        self.use_ema(False)
+    def use_ema(self, on: bool) -> bool:
+        """After fit with ``ema_decay``: the EMA weights (``on``, as fit leaves them) or the raw ones
+        into the model. Returns whether the EMA weights were in before."""
+        return self.ema.use_average(self, on) if self.ema is not None else False
 
     def export_pretrained(self, path: str, ema: bool = True) -> Any:
-        """``save_pretrained`` of the tuned model (its EMA weights when it keeps them and ``ema``)."""
-        swapped = self._ema_swapped
-        self.use_ema(ema)
+        """``save_pretrained`` of the tuned model: its EMA weights when it keeps them and ``ema``."""
+        previous = self.use_ema(ema)
         try:
             return self.model.save_pretrained(path)
         finally:
-            self.use_ema(swapped)
+            self.use_ema(previous)
 
     # --- validation / test: metrics, media, run config ------------------------------------------------
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, "val")
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        return self._evaluate(batch, "val")
 
-    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, "test")
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        return self._evaluate(batch, "test")
 
     def _eval_metrics(self) -> Any:
         if not hasattr(self, "_metrics"):
@@ -333,29 +277,16 @@ class Code2WavModule(pl.LightningModule):
         self._eval_start()
 
     def _eval_start(self) -> None:
-        import time
-
         self._eval_metrics().reset()
-        self._samples: list[dict[str, Any]] = []
         self._eval_t0 = time.perf_counter()
-        if not getattr(self, "_run_config_logged", False) and self.trainer.is_global_zero:
-            from omni_lightning.evaluation.media import log_run_config
 
-            self._run_config_logged = log_run_config(self)
-
-    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)
         wav = self.model(codes)
         rec = self.reconstruction(wav, audio, lengths)
         self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
         self._eval_metrics().update(wav.detach(), audio, lengths)
-        if self.trainer.is_global_zero and len(self._samples) < self.hparams.log_samples:
-            for i, req_id in enumerate(batch.get("req_ids") or range(codes.shape[0])):
-                if len(self._samples) >= self.hparams.log_samples:
-                    break
-                n = int(lengths[i])
-                self._samples.append({"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(),
-                                      "reference": audio[i, :n].float().cpu()})  # fmt: skip
+        return {"wav": wav.detach()}  # EvaluationMedia logs samples from it
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")
@@ -364,15 +295,9 @@ class Code2WavModule(pl.LightningModule):
         self._eval_end("test")
 
     def _eval_end(self, stage: str) -> None:
-        import time
-
         if self.trainer.sanity_checking:
             return
         values = self._eval_metrics().compute()  # summed over ranks
         seconds = max(time.perf_counter() - self._eval_t0, 1e-9)
         values["audio_s_per_s"] = values["audio_s"] / seconds
         self.log_dict({f"{stage}/{k}": float(v) for k, v in values.items()})  # already summed over ranks
-        if self.trainer.is_global_zero and self._samples:
-            from omni_lightning.evaluation.media import log_media
-
-            log_media(self, stage, self._samples)
