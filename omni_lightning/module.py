@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import warnings
 from dataclasses import asdict
 from typing import Any
@@ -10,9 +9,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from omni_lightning.evaluation.media import EvaluationMedia
+from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
+from omni_lightning.training.losses import ReconstructionLoss
+from omni_lightning.training.schedule import WarmupCosine, adamw_with_schedule
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -28,6 +32,12 @@ class Code2WavModule(pl.LightningModule):
     ``Code2WavConfig`` or its dict; random weights). Requests longer than
     ``max_frames_per_request`` frames are decoded with gap-free ``chunked_decode`` (``chunk_size``,
     ``left_context``), so one long request cannot exhaust memory.
+
+    Fine-tuning: the steps here; losses, discriminators, freezing, schedule and EMA in ``training/``.
+    ``ema_decay`` adds ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after
+    fit the model holds the EMA weights, ``use_ema(False)`` the raw ones. Evaluation: metrics are
+    logged here (``evaluation/metrics.py``); the W&B run config and media by
+    ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
     """
 
     def __init__(
@@ -72,12 +82,8 @@ class Code2WavModule(pl.LightningModule):
         self.left_context = left_context
         freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
-        self.discriminators = None
-        if adversarial:
-            from omni_lightning.training.discriminators import Discriminators
-
-            self.discriminators = Discriminators()
-            self.automatic_optimization = False
+        self.discriminators = Discriminators() if adversarial else None
+        self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
 
     @property
@@ -90,8 +96,6 @@ class Code2WavModule(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test."""
-        from omni_lightning.evaluation.media import EvaluationMedia
-
         stage = self.trainer.state.fn
         callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
         if stage in ("fit", "validate", "test"):
@@ -154,16 +158,6 @@ class Code2WavModule(pl.LightningModule):
 
     # --- fine-tuning -------------------------------------------------------------------------------
 
-    def _loss_modules(self) -> Any:
-        # never built or moved under inference mode (validate, predict): training reuses them
-        with torch.inference_mode(False):
-            if not self._losses:
-                from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
-
-                mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
-                self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
-            return self._losses[0].to(self.device)
-
     def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "audio" not in batch:
             raise ValueError(f"{stage} needs paired data: a manifest whose lines have an 'audio' path")
@@ -171,10 +165,14 @@ class Code2WavModule(pl.LightningModule):
 
     def reconstruction(self, wav: torch.Tensor, audio: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
         """Weighted multi-resolution mel L1 + STFT loss on the real samples only."""
-        losses = self._loss_modules()
-        mel = losses["mel"](wav, audio, lengths)
-        stft = losses["stft"](wav, audio, lengths)
-        return {"loss": self.hparams.mel_weight * mel + self.hparams.stft_weight * stft, "mel": mel, "stft": stft}
+        # built on first use, never under inference mode (validate, predict): training reuses it;
+        # kept in a list, out of the state dict
+        with torch.inference_mode(False):
+            if not self._losses:
+                hp = self.hparams
+                self._losses.append(ReconstructionLoss(self.config.sample_rate, hp.mel_weight, hp.stft_weight))
+            loss = self._losses[0].to(self.device)
+        return loss(wav, audio, lengths)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         codes, audio, lengths = self._paired(batch, "training")
@@ -187,31 +185,24 @@ class Code2WavModule(pl.LightningModule):
         return self._adversarial_step(wav, audio, lengths, rec, bs)
 
     def _adversarial_step(self, wav, audio, lengths, rec, bs) -> None:
-        from omni_lightning.training.discriminators import (
-            discriminator_loss,
-            feature_matching_loss,
-            generator_adversarial_loss,
-        )
-
         opt_g, opt_d = self.optimizers()
         n = int(lengths.min())  # a segment every item really has: padding never reaches a discriminator
         real, fake = audio[:, None, :n], wav[..., :n]
-        d_loss = discriminator_loss(self.discriminators(real), self.discriminators(fake.detach()))
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        self.clip_gradients(opt_d, gradient_clip_val=self.hparams.grad_clip)
-        opt_d.step()
-        real_out, fake_out = self.discriminators(real), self.discriminators(fake)
-        adv, fm = generator_adversarial_loss(fake_out), feature_matching_loss(real_out, fake_out)
+        d_loss = self.discriminators.discriminator_loss(real, fake)
+        self._manual_step(opt_d, d_loss)
+        adv, fm = self.discriminators.generator_losses(real, fake)
         g_loss = rec["loss"] + self.hparams.adversarial_weight * adv + self.hparams.feature_matching_weight * fm
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        self.clip_gradients(opt_g, gradient_clip_val=self.hparams.grad_clip)
-        opt_g.step()
+        self._manual_step(opt_g, g_loss)
         for scheduler in self.lr_schedulers():
             scheduler.step()
         logs = {**rec, "loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss}
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, prog_bar=True, batch_size=bs)
+
+    def _manual_step(self, optimizer: Any, loss: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.hparams.grad_clip)
+        optimizer.step()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # the module's grad_clip unless the Trainer sets its own
@@ -220,8 +211,6 @@ class Code2WavModule(pl.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
-        from omni_lightning.training.schedule import WarmupCosine
-
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("every model parameter is frozen: nothing to fine-tune")
@@ -229,16 +218,14 @@ class Code2WavModule(pl.LightningModule):
         total = hp.total_steps or int(self.trainer.estimated_stepping_batches)
         if self.discriminators is not None and not hp.total_steps:
             total //= 2  # Lightning counts both optimizers' steps; the schedules step once per batch
-        total = max(total, 1)
-
-        lr_lambda = WarmupCosine(hp.warmup_steps, total, hp.min_lr_ratio)
-        opt = torch.optim.AdamW(params, lr=hp.learning_rate, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        schedule = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}
+        schedule = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
+        opt, sched = adamw_with_schedule(params, schedule, lr=hp.learning_rate, betas=tuple(hp.betas),
+                                         weight_decay=hp.weight_decay)  # fmt: skip
         if self.discriminators is None:
-            return {"optimizer": opt, "lr_scheduler": schedule}
-        opt_d = torch.optim.AdamW(self.discriminators.parameters(), lr=hp.discriminator_lr, betas=tuple(hp.betas))
-        schedule_d = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt_d, lr_lambda), "interval": "step"}
-        return [opt, opt_d], [schedule, schedule_d]
+            return {"optimizer": opt, "lr_scheduler": sched}
+        opt_d, sched_d = adamw_with_schedule(self.discriminators.parameters(), schedule, lr=hp.discriminator_lr,
+                                             betas=tuple(hp.betas))  # fmt: skip
+        return [opt, opt_d], [sched, sched_d]
 
     # --- EMA weights (training/ema.py) ------------------------------------------------------------
 
@@ -255,7 +242,7 @@ class Code2WavModule(pl.LightningModule):
         finally:
             self.use_ema(previous)
 
-    # --- validation / test: metrics, media, run config ------------------------------------------------
+    # --- validation / test: metrics (evaluation/metrics.py); media and run config: EvaluationMedia ---
 
     def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         return self._evaluate(batch, "val")
@@ -265,20 +252,14 @@ class Code2WavModule(pl.LightningModule):
 
     def _eval_metrics(self) -> Any:
         if not hasattr(self, "_metrics"):
-            from omni_lightning.evaluation.metrics import AudioMetrics
-
             self._metrics = [AudioMetrics(self.config.sample_rate)]  # a list: kept out of the state dict
         return self._metrics[0].to(self.device)
 
     def on_validation_epoch_start(self) -> None:
-        self._eval_start()
+        self._eval_metrics().reset()
 
     def on_test_epoch_start(self) -> None:
-        self._eval_start()
-
-    def _eval_start(self) -> None:
         self._eval_metrics().reset()
-        self._eval_t0 = time.perf_counter()
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)
@@ -295,9 +276,5 @@ class Code2WavModule(pl.LightningModule):
         self._eval_end("test")
 
     def _eval_end(self, stage: str) -> None:
-        if self.trainer.sanity_checking:
-            return
-        values = self._eval_metrics().compute()  # summed over ranks
-        seconds = max(time.perf_counter() - self._eval_t0, 1e-9)
-        values["audio_s_per_s"] = values["audio_s"] / seconds
-        self.log_dict({f"{stage}/{k}": float(v) for k, v in values.items()})  # already summed over ranks
+        if not self.trainer.sanity_checking:  # values already reduced over ranks
+            self.log_dict({f"{stage}/{k}": float(v) for k, v in self._eval_metrics().compute().items()})

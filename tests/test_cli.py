@@ -5,7 +5,7 @@ from pathlib import Path
 
 import soundfile as sf
 import torch
-from test_writer import cli
+from helpers import cli
 from wandb_records import history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataset

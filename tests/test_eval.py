@@ -7,8 +7,8 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_model
+from helpers import trainer_kwargs
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from test_runner import trainer_kwargs
 from wandb_records import config, history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer

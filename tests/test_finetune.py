@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_model
-from test_runner import trainer_kwargs
+from helpers import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
