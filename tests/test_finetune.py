@@ -116,12 +116,26 @@ def test_frozen_prefixes_stay_bit_identical(pairs, ema_decay):
         student(freeze=["encoder."])
 
 
+class ValidationWeights(pl.Callback):
+    """The model's weights as validation sees them (the EMA callback swaps at the epoch start)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:
+            self.seen.append((trainer.global_step, weights(pl_module)))
+
+
 def test_ema_weights_are_used_after_fit_and_raw_weights_restorable(pairs):
     module = student(ema_decay=0.5)
-    log = WeightLog()
-    Trainer(**fit_kwargs(4, callbacks=[log])).fit(module, datamodule=datamodule(pairs))
+    log, val = WeightLog(), ValidationWeights()
+    kw = fit_kwargs(4, callbacks=[log, val], limit_val_batches=1, val_check_interval=4, check_val_every_n_epoch=None)
+    Trainer(**kw).fit(module, datamodule=datamodule(pairs))
     assert len(log.steps) == 4
     ema, raw = ema_of(log.steps, 0.5), log.steps[-1]
+    assert [step for step, _ in val.seen] == [4]
+    assert all(torch.equal(val.seen[0][1][n], ema[n]) for n in ema)  # validation during fit: the EMA weights
     assert_weights(module, ema)  # fit leaves the EMA weights in the model
     ema_model, raw_model = Code2Wav(module.config), Code2Wav(module.config)
     ema_model.load_state_dict({**module.model.state_dict(), **ema})

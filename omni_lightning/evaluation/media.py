@@ -141,6 +141,8 @@ class EvaluationMedia(pl.Callback):
     def _collect(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
         if len(self._samples) >= self.log_samples or not trainer.is_global_zero or not wandb_loggers(trainer):
             return
+        if not isinstance(outputs, dict) or "wav" not in outputs:  # a step that returns no waveforms
+            return
         wav, audio, lengths = outputs["wav"], batch["audio"], batch["audio_lengths"]
         for i, req_id in enumerate(batch.get("req_ids") or range(wav.shape[0])):
             if len(self._samples) >= self.log_samples:
