@@ -10,7 +10,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from omni_lightning.evaluation.media import EvaluationMedia
+from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
+from omni_lightning.training.discriminators import Discriminators
+from omni_lightning.training.ema import EMAWeights
+from omni_lightning.training.freeze import freeze_parameters
+from omni_lightning.training.losses import ReconstructionLoss
+from omni_lightning.training.schedule import WarmupCosine, adamw_with_schedule
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -26,6 +33,12 @@ class Code2WavModule(pl.LightningModule):
     ``Code2WavConfig`` or its dict; random weights). Requests longer than
     ``max_frames_per_request`` frames are decoded with gap-free ``chunked_decode`` (``chunk_size``,
     ``left_context``), so one long request cannot exhaust memory.
+
+    Fine-tuning: the steps here; losses, discriminators, freezing, schedule and EMA in ``training/``.
+    ``ema_decay`` adds ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after
+    fit the model holds the EMA weights, ``use_ema(False)`` the raw ones. Evaluation: metrics are
+    logged here (``evaluation/metrics.py``); the W&B run config and media by
+    ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
     """
 
     def __init__(
@@ -61,8 +74,6 @@ class Code2WavModule(pl.LightningModule):
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if max_frames_per_request < 1 or chunk_size < 1:
             raise ValueError("max_frames_per_request and chunk_size must be >= 1")
-        if ema_decay is not None and not 0.0 < ema_decay < 1.0:
-            raise ValueError(f"ema_decay must be in (0, 1), got {ema_decay}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
@@ -70,51 +81,27 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
-        self.frozen = self._freeze(freeze or [], train_only)
+        freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
-        self.discriminators = None
-        if adversarial:
-            from omni_lightning.training.discriminators import Discriminators
-
-            self.discriminators = Discriminators()
-            self.automatic_optimization = False
-        self.ema: dict[str, torch.Tensor] | None = None
-        self._ema_swapped = False
-
-    def _freeze(self, freeze: list[str], train_only: list[str] | None) -> list[str]:
-        """Freezes parameters by name prefix (``freeze``) or all but some (``train_only``)."""
-        names = [n for n, _ in self.model.named_parameters()]
-        for prefix in [*freeze, *(train_only or [])]:
-            if not any(n.startswith(prefix) for n in names):
-                raise ValueError(f"no model parameter starts with {prefix!r} (e.g. 'decoder.', 'pre_transformer.')")
-        frozen = []
-        for name, p in self.model.named_parameters():
-            keep = any(name.startswith(t) for t in train_only) if train_only is not None else True
-            if not keep or any(name.startswith(f) for f in freeze):
-                p.requires_grad_(False)
-                frozen.append(name)
-        return frozen
+        self.discriminators = Discriminators() if adversarial else None
+        self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
+        self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
 
     @property
     def config(self) -> Code2WavConfig:
         return self.model.config
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        hparams = checkpoint.get("hyper_parameters", {})
-        if hparams.get("checkpoint"):  # the weights are in the state dict: don't reread the folder
-            hparams["source_checkpoint"] = hparams.pop("checkpoint")
-        if self.ema is not None:
-            ema = {n: t.detach().cpu().clone() for n, t in self.ema.items()}
-            if self._ema_swapped:  # saved mid-validation: the model holds the EMA, self.ema the raw weights
-                params = dict(self.model.named_parameters())
-                for n in ema:
-                    checkpoint["state_dict"][f"model.{n}"] = ema[n].to(params[n].dtype)
-                ema = {n: params[n].detach().float().cpu().clone() for n in ema}
-            checkpoint["ema"] = ema
+        if "hyper_parameters" in checkpoint:  # weights and architecture are in the checkpoint: no HF folder reread
+            checkpoint["hyper_parameters"]["checkpoint"] = None
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "ema" in checkpoint:
-            self.ema = {n: t.to(self.device) for n, t in checkpoint["ema"].items()}
+    def configure_callbacks(self) -> list[pl.Callback]:
+        """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test."""
+        stage = self.trainer.state.fn
+        callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
+        if stage in ("fit", "validate", "test"):
+            callbacks.append(EvaluationMedia(self.hparams.log_samples))
+        return callbacks
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.model(codes)
@@ -179,11 +166,9 @@ class Code2WavModule(pl.LightningModule):
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
         """Decodes one request as its code chunks ``[Q, n]`` arrive: yields float32 ``[1, m]`` per chunk.
 
-        The pieces concatenate to what ``decode`` gives for all the frames at once (a chunk's last
-        samples wait for the next chunk's first frame: the transposed convolutions look one frame
-        ahead). Each chunk costs its own frames only. Bad chunks raise ``ValueError``. Several
-        ``stream()`` iterators may be interleaved (up to 8 at once). The model's current weights
-        are used as they are: EMA weights are swapped in only during predict/validate, not here.
+        The pieces concatenate to ``decode`` of all the frames (a chunk's last samples come with the
+        next chunk: the decoder looks one frame ahead); each chunk costs its own frames only. Up to 8
+        iterators may interleave. The model's current weights are used (no EMA swap, unlike predict).
         """
         decoder = getattr(self, "_stream_decoder", None)
         if decoder is None or decoder.cuda_graphs != cuda_graphs or not decoder.reads(self.model):
@@ -193,16 +178,6 @@ class Code2WavModule(pl.LightningModule):
 
     # --- fine-tuning -------------------------------------------------------------------------------
 
-    def _loss_modules(self) -> Any:
-        # never built or moved under inference mode (validate, predict): training reuses them
-        with torch.inference_mode(False):
-            if not self._losses:
-                from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
-
-                mel, stft = MultiResolutionMelLoss(self.config.sample_rate), MultiResolutionSTFTLoss()
-                self._losses.append(torch.nn.ModuleDict({"mel": mel, "stft": stft}))
-            return self._losses[0].to(self.device)
-
     def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "audio" not in batch:
             raise ValueError(f"{stage} needs paired data: a manifest whose lines have an 'audio' path")
@@ -210,10 +185,14 @@ class Code2WavModule(pl.LightningModule):
 
     def reconstruction(self, wav: torch.Tensor, audio: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
         """Weighted multi-resolution mel L1 + STFT loss on the real samples only."""
-        losses = self._loss_modules()
-        mel = losses["mel"](wav, audio, lengths)
-        stft = losses["stft"](wav, audio, lengths)
-        return {"loss": self.hparams.mel_weight * mel + self.hparams.stft_weight * stft, "mel": mel, "stft": stft}
+        # built on first use, never under inference mode (validate, predict): training reuses it;
+        # kept in a list, out of the state dict
+        with torch.inference_mode(False):
+            if not self._losses:
+                hp = self.hparams
+                self._losses.append(ReconstructionLoss(self.config.sample_rate, hp.mel_weight, hp.stft_weight))
+            loss = self._losses[0].to(self.device)
+        return loss(wav, audio, lengths)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         codes, audio, lengths = self._paired(batch, "training")
@@ -226,31 +205,24 @@ class Code2WavModule(pl.LightningModule):
         return self._adversarial_step(wav, audio, lengths, rec, bs)
 
     def _adversarial_step(self, wav, audio, lengths, rec, bs) -> None:
-        from omni_lightning.training.discriminators import (
-            discriminator_loss,
-            feature_matching_loss,
-            generator_adversarial_loss,
-        )
-
         opt_g, opt_d = self.optimizers()
         n = int(lengths.min())  # a segment every item really has: padding never reaches a discriminator
         real, fake = audio[:, None, :n], wav[..., :n]
-        d_loss = discriminator_loss(self.discriminators(real), self.discriminators(fake.detach()))
-        opt_d.zero_grad()
-        self.manual_backward(d_loss)
-        self.clip_gradients(opt_d, gradient_clip_val=self.hparams.grad_clip)
-        opt_d.step()
-        real_out, fake_out = self.discriminators(real), self.discriminators(fake)
-        adv, fm = generator_adversarial_loss(fake_out), feature_matching_loss(real_out, fake_out)
+        d_loss = self.discriminators.discriminator_loss(real, fake)
+        self._manual_step(opt_d, d_loss)
+        adv, fm = self.discriminators.generator_losses(real, fake)
         g_loss = rec["loss"] + self.hparams.adversarial_weight * adv + self.hparams.feature_matching_weight * fm
-        opt_g.zero_grad()
-        self.manual_backward(g_loss)
-        self.clip_gradients(opt_g, gradient_clip_val=self.hparams.grad_clip)
-        opt_g.step()
+        self._manual_step(opt_g, g_loss)
         for scheduler in self.lr_schedulers():
             scheduler.step()
         logs = {**rec, "loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss}
         self.log_dict({f"train/{k}": v for k, v in logs.items()}, prog_bar=True, batch_size=bs)
+
+    def _manual_step(self, optimizer: Any, loss: torch.Tensor) -> None:
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=self.hparams.grad_clip)
+        optimizer.step()
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         # the module's grad_clip unless the Trainer sets its own
@@ -259,8 +231,6 @@ class Code2WavModule(pl.LightningModule):
             self.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
-        from omni_lightning.training.schedule import WarmupCosine
-
         params = [p for p in self.model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("every model parameter is frozen: nothing to fine-tune")
@@ -268,116 +238,56 @@ class Code2WavModule(pl.LightningModule):
         total = hp.total_steps or int(self.trainer.estimated_stepping_batches)
         if self.discriminators is not None and not hp.total_steps:
             total //= 2  # Lightning counts both optimizers' steps; the schedules step once per batch
-        total = max(total, 1)
-
-        lr_lambda = WarmupCosine(hp.warmup_steps, total, hp.min_lr_ratio)
-        opt = torch.optim.AdamW(params, lr=hp.learning_rate, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        schedule = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda), "interval": "step"}
+        schedule = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
+        opt, sched = adamw_with_schedule(params, schedule, lr=hp.learning_rate, betas=tuple(hp.betas),
+                                         weight_decay=hp.weight_decay)  # fmt: skip
         if self.discriminators is None:
-            return {"optimizer": opt, "lr_scheduler": schedule}
-        opt_d = torch.optim.AdamW(self.discriminators.parameters(), lr=hp.discriminator_lr, betas=tuple(hp.betas))
-        schedule_d = {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt_d, lr_lambda), "interval": "step"}
-        return [opt, opt_d], [schedule, schedule_d]
+            return {"optimizer": opt, "lr_scheduler": sched}
+        opt_d, sched_d = adamw_with_schedule(self.discriminators.parameters(), schedule, lr=hp.discriminator_lr,
+                                             betas=tuple(hp.betas))  # fmt: skip
+        return [opt, opt_d], [sched, sched_d]
 
-    # --- EMA weights -------------------------------------------------------------------------------
+    # --- EMA weights (training/ema.py) ------------------------------------------------------------
 
-    def on_fit_start(self) -> None:
-        if self.hparams.ema_decay is not None and self.ema is None:
-            self.ema = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.requires_grad}
-
-    @torch.no_grad()
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self.ema is not None:
-            for name, p in self.model.named_parameters():
-                if name in self.ema:
-                    self.ema[name].lerp_(p.detach().float(), 1.0 - self.hparams.ema_decay)
-
-    @torch.no_grad()
-    def _swap_ema(self) -> None:
-        params = dict(self.model.named_parameters())
-        for name, avg in self.ema.items():
-            raw = params[name].detach().float().clone()
-            params[name].copy_(avg)
-            avg.copy_(raw)
-        self._ema_swapped = not self._ema_swapped
-
-    def use_ema(self, on: bool) -> None:
-        """Puts the EMA weights into the model (``on``) or the raw weights back."""
-        if self.ema is not None and on != self._ema_swapped:
-            self._swap_ema()
-
-    def on_validation_start(self) -> None:
-        self.use_ema(True)
-
-    def on_validation_end(self) -> None:
-        self.use_ema(False)
-
-    def on_test_start(self) -> None:
-        self.use_ema(True)
-
-    def on_test_end(self) -> None:
-        self.use_ema(False)
-
-    def on_predict_start(self) -> None:
-        self.use_ema(True)
-
-    def on_predict_end(self) -> None:
-        self.use_ema(False)
+    def use_ema(self, on: bool) -> bool:
+        """After fit with ``ema_decay``: the EMA weights (``on``, as fit leaves them) or the raw ones
+        into the model. Returns whether the EMA weights were in before."""
+        return self.ema.use_average(self, on) if self.ema is not None else False
 
     def export_pretrained(self, path: str, ema: bool = True) -> Any:
-        """``save_pretrained`` of the tuned model (its EMA weights when it keeps them and ``ema``)."""
-        swapped = self._ema_swapped
-        self.use_ema(ema)
+        """``save_pretrained`` of the tuned model: its EMA weights when it keeps them and ``ema``."""
+        previous = self.use_ema(ema)
         try:
             return self.model.save_pretrained(path)
         finally:
-            self.use_ema(swapped)
+            self.use_ema(previous)
 
-    # --- validation / test: metrics, media, run config ------------------------------------------------
+    # --- validation / test: metrics (evaluation/metrics.py); media and run config: EvaluationMedia ---
 
-    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, "val")
+    def validation_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        return self._evaluate(batch, "val")
 
-    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, "test")
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
+        return self._evaluate(batch, "test")
 
     def _eval_metrics(self) -> Any:
         if not hasattr(self, "_metrics"):
-            from omni_lightning.evaluation.metrics import AudioMetrics
-
             self._metrics = [AudioMetrics(self.config.sample_rate)]  # a list: kept out of the state dict
         return self._metrics[0].to(self.device)
 
     def on_validation_epoch_start(self) -> None:
-        self._eval_start()
+        self._eval_metrics().reset()
 
     def on_test_epoch_start(self) -> None:
-        self._eval_start()
-
-    def _eval_start(self) -> None:
-        import time
-
         self._eval_metrics().reset()
-        self._samples: list[dict[str, Any]] = []
-        self._eval_t0 = time.perf_counter()
-        if not getattr(self, "_run_config_logged", False) and self.trainer.is_global_zero:
-            from omni_lightning.evaluation.media import log_run_config
 
-            self._run_config_logged = log_run_config(self)
-
-    def _evaluate(self, batch: dict[str, Any], stage: str) -> None:
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)
         wav = self.model(codes)
         rec = self.reconstruction(wav, audio, lengths)
         self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
         self._eval_metrics().update(wav.detach(), audio, lengths)
-        if self.trainer.is_global_zero and len(self._samples) < self.hparams.log_samples:
-            for i, req_id in enumerate(batch.get("req_ids") or range(codes.shape[0])):
-                if len(self._samples) >= self.hparams.log_samples:
-                    break
-                n = int(lengths[i])
-                self._samples.append({"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(),
-                                      "reference": audio[i, :n].float().cpu()})  # fmt: skip
+        return {"wav": wav.detach()}  # EvaluationMedia logs samples from it
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")
@@ -386,15 +296,5 @@ class Code2WavModule(pl.LightningModule):
         self._eval_end("test")
 
     def _eval_end(self, stage: str) -> None:
-        import time
-
-        if self.trainer.sanity_checking:
-            return
-        values = self._eval_metrics().compute()  # summed over ranks
-        seconds = max(time.perf_counter() - self._eval_t0, 1e-9)
-        values["audio_s_per_s"] = values["audio_s"] / seconds
-        self.log_dict({f"{stage}/{k}": float(v) for k, v in values.items()})  # already summed over ranks
-        if self.trainer.is_global_zero and self._samples:
-            from omni_lightning.evaluation.media import log_media
-
-            log_media(self, stage, self._samples)
+        if not self.trainer.sanity_checking:  # values already reduced over ranks
+            self.log_dict({f"{stage}/{k}": float(v) for k, v in self._eval_metrics().compute().items()})

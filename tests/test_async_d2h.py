@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 from conftest import random_model
-from test_runner import Collector, loader, requests, trainer_kwargs
+from helpers import Collector, loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, OmniModelRunnerOutput, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback

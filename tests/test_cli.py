@@ -5,7 +5,7 @@ from pathlib import Path
 
 import soundfile as sf
 import torch
-from test_writer import cli
+from helpers import cli
 from wandb_records import history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataset
@@ -37,8 +37,8 @@ def test_fit_then_predict_with_the_checkpoint_then_validate_and_test(tmp_path):
     log = run("predict", "--config", "configs/predict.yaml", "--ckpt_path", str(ckpt), "--data.predict", str(val),
               "--out_dir", str(out), "--trainer.accelerator", "cpu")  # fmt: skip
     assert "3 requests written" in log
+    # the finetune config keeps EMA weights: a fit checkpoint's state dict holds them, and predict uses them
     tuned = Code2WavModule.load_from_checkpoint(str(ckpt), map_location="cpu")
-    tuned.use_ema(True)  # the finetune config keeps EMA weights, which predict uses
     ds = CodesDataset(str(val), "tiny")
     rows = [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
     assert len(rows) == 3

@@ -7,8 +7,8 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_model
+from helpers import trainer_kwargs
 from lightning.pytorch.loggers import CSVLogger, WandbLogger
-from test_runner import trainer_kwargs
 from wandb_records import config, history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
@@ -31,14 +31,18 @@ def eval_kwargs(logger, **kw):
     return base
 
 
-def test_offline_wandb_run_holds_metrics_media_and_config(tmp_path, val_manifest, monkeypatch):
+def test_offline_wandb_run_holds_metrics_media_and_config_after_a_run_without_wandb(
+    tmp_path, val_manifest, monkeypatch
+):
     import wandb
 
     monkeypatch.setenv("WANDB_SILENT", "true")
     module = Code2WavModule(model=random_model("tiny", seed=7), log_samples=3)
+    data = CodesDataModule(val=str(val_manifest), batch_size=2)
+    Trainer(**eval_kwargs(False)).validate(module, datamodule=data)  # no W&B first, as the demo does
     logger = WandbLogger(project="omni-lightning-test", save_dir=str(tmp_path), offline=True)
     try:
-        Trainer(**eval_kwargs(logger)).validate(module, datamodule=CodesDataModule(val=str(val_manifest), batch_size=2))
+        Trainer(**eval_kwargs(logger)).validate(module, datamodule=data)
         run_dir = next((tmp_path / "wandb").glob("offline-run-*"))
     finally:
         wandb.finish()

@@ -8,7 +8,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_model
-from test_runner import trainer_kwargs
+from helpers import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
@@ -76,9 +76,38 @@ def test_fit_lowers_the_loss_and_moves_predictions_toward_the_targets(pairs):
     assert module.training
 
 
-def test_frozen_prefixes_stay_bit_identical(pairs):
-    module = student(train_only=["decoder."], freeze=["decoder.0."])
-    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+class WeightLog(pl.Callback):
+    """The model's weights after every optimizer step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps.append({n: p.detach().clone() for n, p in pl_module.model.named_parameters()})
+
+
+def ema_of(steps, decay, start=None):
+    """The EMA of recorded weights, computed here: from ``start`` (else the first step's weights),
+    then ``lerp`` toward each next step's by ``1 - decay``."""
+    avg = {n: t.clone() for n, t in (start or steps[0]).items()}
+    for step in steps if start else steps[1:]:
+        avg = {n: torch.lerp(avg[n], step[n], 1 - decay) for n in avg}
+    return avg
+
+
+def weights(module):
+    return {n: p.detach().clone() for n, p in module.model.named_parameters()}
+
+
+def assert_weights(module, expected):
+    for name, p in module.model.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+@pytest.mark.parametrize("ema_decay", [None, 0.5])
+def test_frozen_prefixes_stay_bit_identical(pairs, ema_decay):
+    module = student(train_only=["decoder."], freeze=["decoder.0."], ema_decay=ema_decay)
+    before = weights(module)
     Trainer(**fit_kwargs(3)).fit(module, datamodule=datamodule(pairs))
     for name, p in module.model.named_parameters():
         frozen = not name.startswith("decoder.") or name.startswith("decoder.0.")
@@ -87,16 +116,31 @@ def test_frozen_prefixes_stay_bit_identical(pairs):
         student(freeze=["encoder."])
 
 
-def test_ema_weights_are_used_for_predict_and_restored(pairs):
+class ValidationWeights(pl.Callback):
+    """The model's weights as validation sees them (the EMA callback swaps at the epoch start)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0:
+            self.seen.append((trainer.global_step, weights(pl_module)))
+
+
+def test_ema_weights_are_used_after_fit_and_raw_weights_restorable(pairs):
     module = student(ema_decay=0.5)
-    Trainer(**fit_kwargs(4)).fit(module, datamodule=datamodule(pairs))
-    raw = {n: p.detach().clone() for n, p in module.model.named_parameters()}
-    ema_model = Code2Wav(module.config)
-    ema_model.load_state_dict({**module.model.state_dict(), **module.ema})
-    ema_model.eval()
-    raw_model = Code2Wav(module.config)
-    raw_model.load_state_dict(module.model.state_dict())
-    raw_model.eval()
+    log, val = WeightLog(), ValidationWeights()
+    kw = fit_kwargs(4, callbacks=[log, val], limit_val_batches=1, val_check_interval=4, check_val_every_n_epoch=None)
+    Trainer(**kw).fit(module, datamodule=datamodule(pairs))
+    assert len(log.steps) == 4
+    ema, raw = ema_of(log.steps, 0.5), log.steps[-1]
+    assert [step for step, _ in val.seen] == [4]
+    assert all(torch.equal(val.seen[0][1][n], ema[n]) for n in ema)  # validation during fit: the EMA weights
+    assert_weights(module, ema)  # fit leaves the EMA weights in the model
+    ema_model, raw_model = Code2Wav(module.config), Code2Wav(module.config)
+    ema_model.load_state_dict({**module.model.state_dict(), **ema})
+    raw_model.load_state_dict({**module.model.state_dict(), **raw})
+    ema_model.eval(), raw_model.eval()
     preds = Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=str(pairs[1])))
     ds = CodesDataset(str(pairs[1]), "tiny")
     codes = {ds[i]["id"]: ds[i]["codes"] for i in range(len(ds))}
@@ -105,7 +149,15 @@ def test_ema_weights_are_used_for_predict_and_restored(pairs):
             for r, p in zip(out.req_ids, out.pooler_output):
                 assert (p["model_outputs"] - ema_model(codes[r][None])[0]).abs().max() <= 1e-5
                 assert (p["model_outputs"] - raw_model(codes[r][None])[0]).abs().max() > 1e-4
-    assert all(torch.equal(p, raw[n]) for n, p in module.model.named_parameters())
+    module.use_ema(False)
+    assert_weights(module, raw)
+    module.use_ema(True)
+    assert_weights(module, ema)
+    validated = Trainer(**trainer_kwargs()).validate(module, datamodule=datamodule(pairs), verbose=False)[0]
+    assert_weights(module, ema)  # a later validate evaluates the EMA weights and leaves them in
+    module.use_ema(False)
+    raw_metrics = Trainer(**trainer_kwargs()).validate(module, datamodule=datamodule(pairs), verbose=False)[0]
+    assert validated["val/mel_distance"] != raw_metrics["val/mel_distance"]
 
 
 def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tmp_path):
@@ -114,14 +166,20 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
     Trainer(**fit_kwargs(4, callbacks=[ckpt], enable_checkpointing=True)).fit(first, datamodule=datamodule(pairs))
     last = tmp_path / "last.ckpt"
     assert last.is_file()
-    log = LossLog()
+    saved = torch.load(last, weights_only=False)
+    assert int(saved["averaging_state"]["n_averaged"]) == 4
+    log, weight_log = LossLog(), WeightLog()
     resumed = student(ema_decay=0.9)
-    trainer = Trainer(**fit_kwargs(7, callbacks=[log]))
+    trainer = Trainer(**fit_kwargs(7, callbacks=[log, weight_log]))
     trainer.fit(resumed, datamodule=datamodule(pairs), ckpt_path=str(last))
     assert log.first_step == 4 and trainer.global_step == 7 and len(log.losses) == 3
-    assert resumed.ema is not None and set(resumed.ema) == set(first.ema)
-    restored = Code2WavModule.load_from_checkpoint(str(last))
-    assert all(torch.equal(a, b) for a, b in zip(restored.model.parameters(), first.model.parameters()))
+    # the EMA goes on from the checkpoint's average, not from the resumed weights
+    average = {n: saved["state_dict"][f"model.{n}"] for n in weights(resumed)}
+    assert_weights(resumed, ema_of(weight_log.steps, 0.9, start=average))
+    restored = Code2WavModule.load_from_checkpoint(str(last))  # the checkpoint's weights are the EMA weights
+    assert_weights(restored, weights(first))
+    first.use_ema(False)  # and its raw weights are the ones fit ended with
+    assert_weights(first, {n: saved["current_model_state"][f"model.{n}"] for n in weights(first)})
 
 
 def test_export_loads_into_transformers_with_equal_outputs(pairs, tmp_path):
@@ -133,11 +191,17 @@ def test_export_loads_into_transformers_with_equal_outputs(pairs, tmp_path):
     ref = Qwen3OmniMoeCode2Wav.from_pretrained(tmp_path / "tuned").eval()
     ours = Code2Wav.from_pretrained(tmp_path / "tuned")
     codes = torch.randint(0, 2048, (2, 16, 11))
+    ema = weights(module)
     with torch.inference_mode():
         assert (ours(codes) - ref(codes)).abs().max() <= 1e-5
-        module.use_ema(True)
-        assert torch.equal(ours(codes), module.model.eval()(codes))
-        module.use_ema(False)
+        assert torch.equal(ours(codes), module.model.eval()(codes))  # the EMA weights
+    module.export_pretrained(str(tmp_path / "raw"), ema=False)
+    assert_weights(module, ema)  # the export put the EMA weights back
+    module.use_ema(False)
+    raw = Code2Wav.from_pretrained(tmp_path / "raw")
+    with torch.inference_mode():
+        assert torch.equal(raw(codes), module.model.eval()(codes))
+        assert not torch.equal(raw(codes), ours(codes))
 
 
 def test_bf16_mixed_and_adversarial_training_run(pairs):

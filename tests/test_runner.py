@@ -7,27 +7,18 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_codes, random_model
-from lightning.pytorch.callbacks import BasePredictionWriter
+from helpers import Collector, loader, requests, trainer_kwargs
 from torch.utils.data import DataLoader
 
 from omni_lightning import (
     Code2WavModule,
     CodesDataModule,
-    CodesDataset,
     LengthBucketBatchSampler,
     OmniModelRunnerOutput,
     OmniPredictionLoop,
     Trainer,
     build_pooler_output,
-    collate_codes,
 )
-
-LENGTHS = [9, 1, 23, 4, 17, 2, 30]
-
-
-def trainer_kwargs(**kw):
-    return dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
 
 
 class CountingModule(Code2WavModule):
@@ -46,15 +37,6 @@ class CountingModule(Code2WavModule):
 @pytest.fixture(scope="module")
 def model():
     return random_model("tiny", seed=3)
-
-
-def requests(lengths=LENGTHS, seed=0):
-    return {f"utt{i:02d}": random_codes(1, n, seed=seed + i)[0] for i, n in enumerate(lengths)}
-
-
-def loader(reqs, batch_size=3, **kw):
-    ds = CodesDataset(reqs, "tiny", **kw)
-    return DataLoader(ds, batch_size=batch_size, collate_fn=collate_codes)
 
 
 def assert_payload_owned(wav):
@@ -107,19 +89,6 @@ def test_multiple_dataloaders(model):
     assert sorted(r for out in preds[0] for r in out.req_ids) == sorted(a)
     assert sorted(r for out in preds[1] for r in out.req_ids) == sorted(b)
     assert module.forwards == 3
-
-
-class Collector(BasePredictionWriter):
-    def __init__(self, interval):
-        super().__init__(interval)
-        self.batches, self.epoch = [], None
-
-    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
-        assert isinstance(prediction, OmniModelRunnerOutput)
-        self.batches.append((list(batch_indices), prediction.req_ids, prediction.pooler_output))
-
-    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
-        self.epoch = (predictions, batch_indices)
 
 
 @pytest.mark.parametrize("interval", ["batch", "epoch"])

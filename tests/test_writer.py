@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,11 +11,9 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_codes, random_model
-from test_runner import trainer_kwargs
+from helpers import cli, trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_codes(folder: Path, lengths, bad=()):
@@ -78,12 +74,6 @@ def test_float_subtype_and_bad_configuration(tmp_path):
         assert np.array_equal(data, model(random_codes(1, 4, seed=0))[0, 0].numpy())
     with pytest.raises(ValueError, match="subtype"):
         WaveformWriter(tmp_path, subtype="MP3")
-
-
-def cli(*args, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "omni_lightning.cli", *args]
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
 
 def save_model(folder: Path) -> Path:

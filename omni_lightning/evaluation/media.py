@@ -1,7 +1,10 @@
-"""What an evaluation run records in W&B besides scalars: the run config (preset, checkpoint, weights'
-content hash, data sources, hyperparameters) and media (generated and reference audio with their
-spectrograms, in a table keyed by request id). Only rank 0 logs; nothing happens without a
-``WandbLogger``.
+"""What an evaluation run records in W&B besides scalars, as a callback: the run config (preset,
+checkpoint, weights' content hash, data sources, hyperparameters) and media (generated and reference
+audio with their spectrograms, in a table keyed by request id).
+
+``Code2WavModule`` adds :class:`EvaluationMedia` to ``fit``, ``validate`` and ``test``
+(``configure_callbacks``); a Trainer can take one too (the module's then replaces it). Only rank 0
+logs, and only to ``WandbLogger``s: without one it does nothing, not even collect samples.
 """
 
 from __future__ import annotations
@@ -23,32 +26,25 @@ def content_hash(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
-def _wandb_loggers(module: pl.LightningModule) -> list:
+def wandb_loggers(trainer: pl.Trainer) -> list:
     from lightning.pytorch.loggers import WandbLogger
 
-    return [lg for lg in module.trainer.loggers if isinstance(lg, WandbLogger)]
+    return [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
 
 
-def log_run_config(module: pl.LightningModule) -> bool:
-    """Records model preset, checkpoint, content hash, data sources and hyperparameters in W&B."""
-    loggers = _wandb_loggers(module)
-    if not loggers:
-        return True
+def run_config(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
+    """Model preset, checkpoint, content hash, data sources and hyperparameters of a Code2WavModule."""
     hp = dict(module.hparams)
-    datamodule = module.trainer.datamodule
-    sources = {k: str(v) for k, v in getattr(datamodule, "sources", {}).items() if v is not None}
-    run_config = {
+    sources = {k: str(v) for k, v in getattr(trainer.datamodule, "sources", {}).items() if v is not None}
+    return {
         "model/preset": module.config.name,
-        "model/checkpoint": hp.get("checkpoint") or hp.get("source_checkpoint") or module.trainer.ckpt_path,
+        "model/checkpoint": hp.get("checkpoint") or trainer.ckpt_path,
         "model/content_hash": content_hash(module.model),
         "model/parameters": sum(p.numel() for p in module.model.parameters()),
         **{f"data/{k}": v for k, v in sources.items()},
         "hparams": {k: v for k, v in hp.items() if k != "config"},
         "architecture": hp.get("config"),
     }
-    for lg in loggers:
-        lg.experiment.config.update(run_config, allow_val_change=True)
-    return True
 
 
 def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
@@ -68,37 +64,109 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
     return fig
 
 
-def log_media(module: pl.LightningModule, stage: str, samples: list[dict[str, Any]]) -> None:
-    """Generated and reference audio side by side, with spectrograms, in a table keyed by request id."""
-    loggers = _wandb_loggers(module)
-    if not loggers:
-        return
+def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) -> dict[str, Any]:
+    """Generated and reference audio side by side, with spectrograms and per-request metrics, in a
+    ``wandb.Table`` keyed by request id; the media lists (captioned by id) also on their own, since
+    an offline run stores table cells' media only through artifacts."""
     import matplotlib.pyplot as plt
     import wandb
 
     from omni_lightning.evaluation.metrics import request_metrics
+    from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
-    sr = module.config.sample_rate
-    metrics = module._eval_metrics()
+    mel, stft = MultiResolutionMelLoss(sample_rate), MultiResolutionSTFTLoss()
     columns = ["id", "generated", "reference", "generated_spectrogram", "reference_spectrogram", "mel_distance",
                "si_sdr"]  # fmt: skip
     table = wandb.Table(columns=columns)
     media: dict[str, list] = {k: [] for k in columns[1:5]}
     for s in samples:
-        gen_fig = spectrogram_figure(s["generated"], sr, f"{s['id']} generated")
-        ref_fig = spectrogram_figure(s["reference"], sr, f"{s['id']} reference")
-        values = request_metrics(s["generated"].to(module.device), s["reference"].to(module.device),
-                                 metrics.mel, metrics.stft)  # fmt: skip
-        row = [wandb.Audio(s["generated"].numpy(), sample_rate=sr, caption=s["id"]),
-               wandb.Audio(s["reference"].numpy(), sample_rate=sr, caption=s["id"]),
+        gen_fig = spectrogram_figure(s["generated"], sample_rate, f"{s['id']} generated")
+        ref_fig = spectrogram_figure(s["reference"], sample_rate, f"{s['id']} reference")
+        values = request_metrics(s["generated"], s["reference"], mel, stft)
+        row = [wandb.Audio(s["generated"].numpy(), sample_rate=sample_rate, caption=s["id"]),
+               wandb.Audio(s["reference"].numpy(), sample_rate=sample_rate, caption=s["id"]),
                wandb.Image(gen_fig, caption=s["id"]), wandb.Image(ref_fig, caption=s["id"])]  # fmt: skip
         for key, item in zip(media, row):
             media[key].append(item)
         table.add_data(s["id"], *row, float(values["mel_distance"]), float(values["si_sdr"]))
         plt.close(gen_fig)
         plt.close(ref_fig)
-    # the table is the side-by-side view; the media lists (captioned by request id) are also logged
-    # on their own, since an offline run stores table cells' media only through artifacts
-    record = {f"{stage}/samples": table, **{f"{stage}/{k}": v for k, v in media.items()}}
-    for lg in loggers:
-        lg.experiment.log({**record, "trainer/global_step": module.trainer.global_step})
+    return {f"{stage}/samples": table, **{f"{stage}/{k}": v for k, v in media.items()}}
+
+
+class EvaluationMedia(pl.Callback):
+    """Logs to each ``WandbLogger`` of the trainer, on rank 0:
+
+    - the run config (:func:`run_config`) once per W&B run in each ``fit``, ``validate`` or ``test``
+      call, at its start: whatever ran before (a run without W&B, an earlier call), each W&B run gets
+      the config of the weights it evaluates;
+    - media (:func:`media_record`) of the first ``log_samples`` requests of each validation or test
+      epoch, from the waveforms the step returns (``{"wav": Float[B, 1, T]}``) and the batch's
+      ``audio``, ``audio_lengths`` and ``req_ids``. Not during the sanity check.
+    """
+
+    def __init__(self, log_samples: int = 4) -> None:
+        self.log_samples = log_samples
+        self._configured: set[str] = set()
+        self._samples: list[dict[str, Any]] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._configured = set()
+
+    def _log_run_config(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not trainer.is_global_zero:
+            return
+        loggers = [lg for lg in wandb_loggers(trainer) if lg.experiment.id not in self._configured]
+        if loggers:
+            config = run_config(trainer, pl_module)
+            for lg in loggers:
+                lg.experiment.config.update(config, allow_val_change=True)
+                self._configured.add(lg.experiment.id)
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_run_config(trainer, pl_module)
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_run_config(trainer, pl_module)
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_run_config(trainer, pl_module)
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._samples = []
+
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._samples = []
+
+    def _collect(self, trainer: pl.Trainer, outputs: Any, batch: Any) -> None:
+        if len(self._samples) >= self.log_samples or not trainer.is_global_zero or not wandb_loggers(trainer):
+            return
+        if not isinstance(outputs, dict) or "wav" not in outputs:  # a step that returns no waveforms
+            return
+        wav, audio, lengths = outputs["wav"], batch["audio"], batch["audio_lengths"]
+        for i, req_id in enumerate(batch.get("req_ids") or range(wav.shape[0])):
+            if len(self._samples) >= self.log_samples:
+                break
+            n = int(lengths[i])
+            self._samples.append({"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(),
+                                  "reference": audio[i, :n].float().cpu()})  # fmt: skip
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, outputs, batch)
+
+    def on_test_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self._collect(trainer, outputs, batch)
+
+    def _log_media(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.sanity_checking or not self._samples:
+            return
+        record = media_record(stage, self._samples, pl_module.config.sample_rate)
+        for lg in wandb_loggers(trainer):
+            lg.experiment.log({**record, "trainer/global_step": trainer.global_step})
+        self._samples = []
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_media(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_media(trainer, pl_module, "test")

@@ -2,10 +2,13 @@
 
 Per request, on its real samples only: mel L1 distance (log-mel, multi-resolution), multi-resolution
 STFT distance (spectral convergence + log magnitude), SI-SDR and SNR (torchmetrics' functional
-implementations). The run-level values are means over requests, reduced across ranks.
+implementations). The run-level values are means over requests, reduced across ranks, plus the
+request count, audio seconds and audio seconds per wall-clock second since the last ``reset``.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torchmetrics import Metric
@@ -30,7 +33,8 @@ def request_metrics(
 
 
 class AudioMetrics(Metric):
-    """Means over requests of :data:`NAMES`, plus the request count and audio seconds."""
+    """Means over requests of :data:`NAMES`, plus ``requests``, ``audio_s`` and ``audio_s_per_s``
+    (summed over ranks, over rank 0's wall-clock time since ``reset``)."""
 
     full_state_update = False
 
@@ -43,6 +47,11 @@ class AudioMetrics(Metric):
             self.add_state(name, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("audio_s", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self._t0 = time.perf_counter()
+
+    def reset(self) -> None:
+        super().reset()
+        self._t0 = time.perf_counter()
 
     def update(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor) -> None:
         """``pred`` [B, 1, T] or [B, T], ``target`` [B, N], ``lengths`` real samples per request."""
@@ -60,4 +69,5 @@ class AudioMetrics(Metric):
         out = {name: getattr(self, name) / count for name in NAMES}
         out["requests"] = self.requests.double()
         out["audio_s"] = self.audio_s
+        out["audio_s_per_s"] = self.audio_s / max(time.perf_counter() - self._t0, 1e-9)
         return out

@@ -71,6 +71,15 @@ class Discriminators(nn.Module):
     def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         return [d(x) for d in self.discriminators]
 
+    def discriminator_loss(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+        """The discriminators' LSGAN loss on real and generated audio (no gradient to the generator)."""
+        return discriminator_loss(self(real), self(fake.detach()))
+
+    def generator_losses(self, real: torch.Tensor, fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The generator's adversarial and feature-matching losses on real and generated audio."""
+        real_out, fake_out = self(real), self(fake)
+        return generator_adversarial_loss(fake_out), feature_matching_loss(real_out, fake_out)
+
 
 def discriminator_loss(real: list, fake: list) -> torch.Tensor:
     """Least-squares GAN: real logits toward 1, generated toward 0."""

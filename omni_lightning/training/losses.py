@@ -74,4 +74,15 @@ class MultiResolutionSTFTLoss(nn.Module):
         return torch.stack(losses).mean()
 
 
-# --- adversarial (optional) -------------------------------------------------------------------------
+class ReconstructionLoss(nn.Module):
+    """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss, as a dict
+    ``{"loss", "mel", "stft"}`` (the parts for logging)."""
+
+    def __init__(self, sample_rate: int = 24000, mel_weight: float = 1.0, stft_weight: float = 1.0) -> None:
+        super().__init__()
+        self.mel, self.stft = MultiResolutionMelLoss(sample_rate), MultiResolutionSTFTLoss()
+        self.mel_weight, self.stft_weight = mel_weight, stft_weight
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> dict[str, torch.Tensor]:
+        mel, stft = self.mel(pred, target, lengths), self.stft(pred, target, lengths)
+        return {"loss": self.mel_weight * mel + self.stft_weight * stft, "mel": mel, "stft": stft}

@@ -1,8 +1,13 @@
-"""The learning-rate schedule of fine-tuning: linear warm-up, then cosine decay to a floor."""
+"""The optimizer and learning-rate schedule of fine-tuning: AdamW, linear warm-up, then cosine
+decay to a floor, stepped once per batch."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
 
 
 class WarmupCosine:
@@ -18,3 +23,11 @@ class WarmupCosine:
             return (step + 1) / self.warmup_steps
         progress = min((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def adamw_with_schedule(
+    params: Iterable[torch.nn.Parameter], schedule: WarmupCosine, **adamw: Any
+) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
+    """An AdamW optimizer and its Lightning ``lr_scheduler`` entry, stepped every batch."""
+    opt = torch.optim.AdamW(params, **adamw)
+    return opt, {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}

@@ -1,0 +1,84 @@
+"""EMA weights for fine-tuning: Lightning's ``WeightAveraging`` callback with an exponential average.
+
+``Code2WavModule(ema_decay=...)`` adds :class:`EMAWeights` to ``trainer.fit`` (``configure_callbacks``).
+During fit the average is updated after every optimizer step and swapped in for each validation
+epoch. At the end of fit the module holds the averaged weights, so ``validate``, ``test``,
+``predict`` and ``export_pretrained`` on the same in-memory module use them; the raw weights stay
+here and ``Code2WavModule.use_ema(False)`` puts them back. A checkpoint written during fit holds the
+averaged weights as its ``state_dict`` and the raw ones under ``current_model_state`` (Lightning's
+layout), so ``load_from_checkpoint`` gives the averaged weights and ``fit(ckpt_path=...)`` resumes
+both, with the update count.
+
+What differs from ``lightning.pytorch.callbacks.EMAWeightAveraging``, and why:
+- the update is ``torch.lerp(average, weight, 1 - decay)``, not ``decay * average + (1 - decay) *
+  weight``: lerp leaves an equal pair bit-identical, so a frozen parameter (``freeze`` /
+  ``train_only``) never drifts by rounding;
+- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and an
+  average of its integer codebook offsets would round them down;
+- the average is float32 on the training device: Lightning builds it in ``setup``, before the
+  strategy moves the module, so by default it would stay on the CPU (a device-to-host copy of every
+  weight each step) and in the module's dtype (a bf16 average barely moves at decay 0.999);
+- at the end of fit the averaged and raw weights are swapped, not copied, so the raw weights can be
+  restored; the averaging state is then released, so a later validate, test or ``save_checkpoint``
+  sees the module's (averaged) weights as they are.
+Not done: the average covers every parameter of the LightningModule, the discriminators of
+adversarial training included (Lightning averages the module it is given; they hold no part of a
+prediction). A module loaded from a checkpoint holds the averaged weights and no raw ones in memory
+(they are in the checkpoint's ``current_model_state``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import WeightAveraging
+
+
+@torch.no_grad()
+def _lerp(weight: float, average: torch.Tensor, current: torch.Tensor, n_averaged: Any) -> torch.Tensor:
+    return torch.lerp(average, current.to(average.dtype), weight)
+
+
+def _swap(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    """Exchanges the parameter and buffer values of two modules of the same structure."""
+    for x, y in zip(itertools.chain(a.parameters(), a.buffers()), itertools.chain(b.parameters(), b.buffers())):
+        tmp = x.data.clone()
+        x.data.copy_(y.data)
+        y.data.copy_(tmp)
+
+
+class EMAWeights(WeightAveraging):
+    """Exponential moving average of the weights, updated after every optimizer step (see the module docstring)."""
+
+    def __init__(self, decay: float = 0.999) -> None:
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
+        super().__init__(use_buffers=False, avg_fn=partial(_lerp, 1.0 - decay))  # a partial pickles
+        self.decay = decay
+        self._raw: torch.nn.Module | None = None  # after fit: the raw weights, or the average when they are in
+        self._average_in = False
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._raw, self._average_in = None, False  # a new fit averages from the weights it starts with
+            self._device = self._device or trainer.strategy.root_device
+        super().setup(trainer, pl_module, stage)
+        if stage == "fit":
+            self._average_model.float()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _swap(self._average_model.module, pl_module)
+        self._raw, self._average_model, self._average_in = self._average_model.module, None, True
+
+    def use_average(self, pl_module: pl.LightningModule, on: bool) -> bool:
+        """After fit: the averaged weights (``on``) or the raw ones into ``pl_module``; before, nothing.
+        Returns whether the averaged weights were in before."""
+        previous = self._average_in
+        if self._raw is not None and on != self._average_in:
+            _swap(self._raw, pl_module)
+            self._average_in = on
+        return previous

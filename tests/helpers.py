@@ -1,0 +1,85 @@
+"""Helpers the test files share (conftest.py re-exports the model ones; fixtures live there)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch.callbacks import BasePredictionWriter
+from torch.utils.data import DataLoader
+
+from omni_lightning import (
+    Code2Wav,
+    Code2WavConfig,
+    CodesDataset,
+    OmniModelRunnerOutput,
+    collate_codes,
+    randomize_weights,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Small enough for many forwards in a test, with the real 1920x geometry.
+MICRO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+             intermediate_size=32, decoder_dim=16)  # fmt: skip
+
+
+def micro_config(**overrides) -> Code2WavConfig:
+    return Code2WavConfig.from_name("tiny", **{**MICRO, "name": "micro", **overrides})
+
+
+def random_model(config: Code2WavConfig | str = "tiny", seed: int = 0) -> Code2Wav:
+    return randomize_weights(Code2Wav(config), seed=seed).eval()
+
+
+def random_codes(batch: int, frames: int, config: Code2WavConfig | None = None, seed: int = 0) -> torch.Tensor:
+    config = config or Code2WavConfig.from_name("tiny")
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.codebook_size, (batch, config.num_quantizers, frames), generator=gen)
+
+
+def reference_model(model: Code2Wav):
+    """transformers' Qwen3OmniMoeCode2Wav holding the same weights (the numerical reference)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    ref = Qwen3OmniMoeCode2Wav._from_config(Qwen3OmniMoeCode2WavConfig(**model.config.to_hf()))
+    ref.load_state_dict(model.state_dict(), strict=True)
+    return ref.eval()
+
+
+LENGTHS = [9, 1, 23, 4, 17, 2, 30]
+
+
+def trainer_kwargs(**kw):
+    return dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
+
+
+def requests(lengths=LENGTHS, seed=0):
+    return {f"utt{i:02d}": random_codes(1, n, seed=seed + i)[0] for i, n in enumerate(lengths)}
+
+
+def loader(reqs, batch_size=3, **kw):
+    ds = CodesDataset(reqs, "tiny", **kw)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collate_codes)
+
+
+class Collector(BasePredictionWriter):
+    def __init__(self, interval):
+        super().__init__(interval)
+        self.batches, self.epoch = [], None
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        assert isinstance(prediction, OmniModelRunnerOutput)
+        self.batches.append((list(batch_indices), prediction.req_ids, prediction.pooler_output))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        self.epoch = (predictions, batch_indices)
+
+
+def cli(*args, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "omni_lightning.cli", *args]
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)

@@ -1,0 +1,161 @@
+"""The package's layout rules (docs/architecture.md): imports point down, no cycles, small files,
+and ``import omni_lightning`` stays light.
+
+Layers, lowest first; a file may import its own layer and the layers below it, never above:
+
+    models < data < runner < callbacks < training < evaluation < module < trainer < __init__ < cli, demo
+
+- ``models``: the pure-torch model, its config and checkpoints; no Lightning.
+- ``data``: datasets, collate, sampler, datamodule; it needs the model's config (codebook geometry).
+- ``runner``: the predict loop and the runner output it builds.
+- ``callbacks``: the async copy and the writer act on the runner's output.
+- ``training``: losses, discriminators, schedule, freezing, EMA (a Lightning callback, but a
+  fine-tuning one: it sits with what fine-tuning composes, above the predict-side callbacks).
+- ``evaluation``: metrics (built on training's spectral losses) and the W&B media callback.
+- ``module``: Code2WavModule composes models, training and evaluation.
+- ``trainer``: installs the loop and the default callbacks; it does not need the module.
+- ``__init__``: the public API, re-exported from everything below.
+- ``cli`` and ``demo``: entry points over the public API (the CLI starts the demo).
+
+Edges are every ``import`` in a file, at the top and inside functions (a lazy import still binds the
+two files); imports under ``if TYPE_CHECKING:`` are not counted (they never run). Importing a
+subpackage's ``__init__`` counts as importing that subpackage's layer.
+"""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "omni_lightning"
+LAYERS = ["models", "data", "runner", "callbacks", "training", "evaluation", "module", "trainer", "__init__",
+          ("cli", "demo")]  # fmt: skip
+MAX_LINES = 300
+# Files allowed past MAX_LINES, each with the reason.
+LONG_FILES: dict[str, str] = {
+    "omni_lightning/models/streaming.py": "one concept: the stateful decoder walks every layer with its state "
+    "(attention cache, conv tails, transposed-conv overlap) in one readable pass, plus its slot bookkeeping",
+}
+# Heavy optional dependencies: imported where they are used, never by `import omni_lightning`.
+HEAVY = ("wandb", "soundfile", "jsonargparse", "transformers", "matplotlib")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def files() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def layer(name: str) -> int:
+    parts = name.split(".")[1:]
+    key = parts[0] if parts else "__init__"
+    for i, entry in enumerate(LAYERS):
+        if key == entry or (isinstance(entry, tuple) and key in entry):
+            return i
+    raise AssertionError(f"{name} is in no layer: add it to LAYERS in tests/test_layout.py")
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for stmt in node.body for n in ast.walk(stmt))
+    return skipped
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The package modules ``name`` imports (``from pkg import sub`` resolves to ``pkg.sub``)."""
+    tree = ast.parse(path.read_text())
+    skipped = _type_checking_nodes(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the file's package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in known and "." in target:  # import a.b.c where c is a name
+                target = target.rpartition(".")[0]
+            if target in known and target != name:
+                out.add(target)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    found = files()
+    return {name: imports(name, path, set(found)) for name, path in found.items()}
+
+
+def test_imports_point_down_the_layers():
+    upward = [
+        f"{src} imports {dst}"
+        for src, targets in graph().items()
+        for dst in sorted(targets)
+        if layer(dst) > layer(src)
+    ]
+    assert not upward, "upward imports (see the layer order in this file's docstring):\n" + "\n".join(upward)
+
+
+def test_no_import_cycles():
+    edges, cycles, state = graph(), [], {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = "open"
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = "done"
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_layout_check_sees_function_level_imports():
+    edges = graph()
+    assert "omni_lightning.demo" in edges["omni_lightning.cli"]  # imported inside main()
+    assert "omni_lightning.models.checkpoint" in edges["omni_lightning.models.code2wav"]  # in from_pretrained
+    assert "omni_lightning.models.code2wav" not in edges["omni_lightning.models.checkpoint"]  # TYPE_CHECKING only
+
+
+def test_no_file_is_too_long():
+    long = {
+        str(path.relative_to(PACKAGE.parent)): n
+        for path in PACKAGE.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    unexplained = {f: n for f, n in long.items() if f not in LONG_FILES}
+    assert not unexplained, f"files over {MAX_LINES} lines (split them, or list them with a reason): {unexplained}"
+
+
+def _loaded(code: str) -> set[str]:
+    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys\nprint(' '.join(sys.modules))"],
+                         capture_output=True, text=True, check=True, cwd=PACKAGE.parent)  # fmt: skip
+    return {m.split(".")[0] for m in out.stdout.split()}
+
+
+def test_import_omni_lightning_loads_no_heavy_optional_dependency():
+    """``import omni_lightning`` adds none of :data:`HEAVY` to what torch, torchaudio and Lightning
+    load by themselves. (Lightning imports torchmetrics, which imports matplotlib and transformers
+    when they are installed; those two are checked against that baseline, the others absolutely.)"""
+    baseline = _loaded("import torch, torchaudio, lightning.pytorch")
+    loaded = _loaded("import omni_lightning")
+    assert "omni_lightning" in loaded
+    added = sorted(m for m in HEAVY if m in loaded and m not in baseline)
+    assert not added, f"import omni_lightning loads {added}: import them where they are used"
+    assert not {"wandb", "soundfile", "jsonargparse"} & loaded
