@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.runner.output import MultimodalOutputs
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -144,9 +145,9 @@ class Code2WavModule(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> MultimodalOutputs:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
-        return {"model_outputs": self.decode_batch(batch), "sr": self.config.sample_rate}
+        return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
 
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""
