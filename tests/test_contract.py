@@ -4,13 +4,15 @@ Every test that takes the ``make_trainer`` fixture runs once per trainer with th
 written from Lightning's documented predict behaviour, so a divergence of ours shows as a failure of
 the ``omni`` case only. The modules are BoringModel-sized and return anything but
 ``MultimodalOutputs``: this file is the pass-through side of the rule (tests/test_runner.py holds
-the runner side). The last test pins the private Lightning points OmniPredictionLoop relies on.
+the runner side). ``test_private_lightning_points_keep_their_shape`` pins the private Lightning
+points OmniPredictionLoop relies on. ``OMNI_LIGHTNING_SLOW=1`` adds a ddp_spawn predict (slow).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import warnings
 
 import lightning.pytorch as pl
@@ -46,13 +48,17 @@ def loader(rows=ROWS, batch_size=3, sampler=ORDER):
     return DataLoader(list(rows), batch_size=batch_size, sampler=sampler)
 
 
+def _y(batch, batch_idx, y):
+    return y
+
+
 class Net(pl.LightningModule):
     """One linear layer; ``make`` builds what ``predict_step`` returns from (batch, batch_idx, y)."""
 
     def __init__(self, make=None, log=None):
         super().__init__()
         self.layer = torch.nn.Linear(4, 2)
-        self.make = make or (lambda batch, batch_idx, y: y)
+        self.make = make or _y  # picklable: ddp_spawn sends the module to its processes
         self.returned = []  # what predict_step returned, in order
         self.batch_end_outputs = []  # what on_predict_batch_end received
         self.log_ = log if log is not None else []
@@ -488,8 +494,43 @@ def test_private_lightning_points_keep_their_shape():
     for name in ("_on_before_fetch", "_on_after_fetch", "on_run_start", "on_run_end", "teardown"):
         assert params(getattr(_PredictionLoop, name)) == ["self"], name
     # the stock step reaches the module through the strategy, looked up at call time
-    assert "_call_strategy_hook(trainer, \"predict_step\"" in inspect.getsource(_PredictionLoop._predict_step)
+    assert '_call_strategy_hook(trainer, "predict_step"' in inspect.getsource(_PredictionLoop._predict_step)
     # the stock loop names its fetch action after its class, which the Omni loop keeps
     assert "type(self).__name__" in inspect.getsource(_PredictionLoop._on_before_fetch)
     assert "_batch" in vars(_DataLoaderIterDataFetcher())
     assert pl.Trainer(**QUIET, inference_mode=False).predict_loop.inference_mode is False
+
+
+class RankWriter(BasePredictionWriter):
+    """Saves what each spawned process's writer received (callbacks live in the children)."""
+
+    def __init__(self, out):
+        super().__init__("batch_and_epoch")
+        self.out, self.batches = out, []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        self.batches.append((list(batch_indices), prediction))
+
+    def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
+        epoch = (batch_indices, list(predictions))
+        torch.save({"batches": self.batches, "epoch": epoch}, self.out / f"rank{trainer.global_rank}.pt")
+
+
+@pytest.mark.skipif(
+    not os.environ.get("OMNI_LIGHTNING_SLOW"),
+    reason="spawns two processes (about a minute per trainer on 2 CPU cores); OMNI_LIGHTNING_SLOW=1 runs it",
+)
+def test_ddp_spawn_predict(make_trainer, tmp_path):
+    net = Net()
+    trainer = make_trainer(strategy="ddp_spawn", devices=2, callbacks=[RankWriter(tmp_path)])
+    assert trainer.predict(net, loader(sampler=None), return_predictions=False) is None
+    seen = []
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert [indices for indices, _ in saved["batches"]] == saved["epoch"][0][0]
+        for (indices, prediction), epoch_prediction in zip(saved["batches"], saved["epoch"][1]):
+            with torch.no_grad():
+                assert torch.allclose(prediction, net.layer(ROWS[indices]))
+            assert torch.equal(prediction, epoch_prediction)
+            seen += indices
+    assert sorted(seen) == list(range(7))  # every row once across the two processes
