@@ -145,7 +145,7 @@ class Code2WavModule(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> MultimodalOutputs:
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
         return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
 
