@@ -486,6 +486,9 @@ def test_batch_size_tuner_on_predict(make_trainer):
 
 
 def test_private_lightning_points_keep_their_shape():
+    """Fails loudly when a Lightning upgrade moves what OmniPredictionLoop relies on (see its module
+    docstring): re-check the loop against the new ``_PredictionLoop`` before widening the pin."""
+
     def params(fn):
         return list(inspect.signature(fn).parameters)
 
@@ -493,10 +496,11 @@ def test_private_lightning_points_keep_their_shape():
     assert params(_PredictionLoop._predict_step) == ["self", "batch", "batch_idx", "dataloader_idx", "dataloader_iter"]
     for name in ("_on_before_fetch", "_on_after_fetch", "on_run_start", "on_run_end", "teardown"):
         assert params(getattr(_PredictionLoop, name)) == ["self"], name
-    # the stock step reaches the module through the strategy, looked up at call time
+    # the stock step reaches predict_step through the strategy, looked up on it at call time
     assert '_call_strategy_hook(trainer, "predict_step"' in inspect.getsource(_PredictionLoop._predict_step)
-    # the stock loop names its fetch action after its class, which the Omni loop keeps
-    assert "type(self).__name__" in inspect.getsource(_PredictionLoop._on_before_fetch)
+    assert "getattr(trainer.strategy, hook_name)" in inspect.getsource(pl.trainer.call._call_strategy_hook)
+    # the stock fetch action is named after the loop's class, the name OmniPredictionLoop keeps
+    assert "[{type(self).__name__}].predict_next" in inspect.getsource(_PredictionLoop._on_before_fetch)
     assert "_batch" in vars(_DataLoaderIterDataFetcher())
     assert pl.Trainer(**QUIET, inference_mode=False).predict_loop.inference_mode is False
 
