@@ -442,6 +442,7 @@ def test_exception_in_predict_step(make_trainer):
     with pytest.raises(ValueError, match="boom at batch 1") as err:
         trainer.predict(net, loader())
     assert log.exceptions == [err.value] and not log.ended
+    assert "predict_step" not in vars(trainer.strategy)  # nothing of the failed step is left behind
     assert trainer.interrupted and trainer.state.status == "interrupted"
     progress = trainer.predict_loop.batch_progress.current
     assert (progress.ready, progress.started, progress.processed, progress.completed) == (2, 2, 1, 1)
