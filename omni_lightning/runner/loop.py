@@ -7,22 +7,29 @@ any ``on_predict_batch_end`` hook sees it. Everything else ``predict_step`` retu
 a list, a tuple, a plain dict, any object) takes Lightning's own path untouched: the same object
 reaches the hooks and writers, and ``trainer.predict`` returns it moved to the CPU as stock does.
 
-What the loop adds for runner outputs, as vLLM-Omni's ``OmniGenerationModelRunner``:
+What the loop adds for runner outputs, as vLLM-Omni's ``OmniGenerationModelRunner``: each output is
+finalized (per-request owned CPU payloads; an async host copy waited for) once the next step has run,
+or at epoch end, or at teardown after an error. Before the first batch it caps the process's GPU share
+(``gpu_memory_utilization``, when given) and calls the module's ``profile_run()`` if it has one.
+
+What it does not do, and why:
 - no logits and no sampling: the model's outputs are the product (``sampled_token_ids`` empty);
-- each output is finalized (per-request owned CPU payloads; an async host copy waited for) once the
-  next step has run, or at epoch end, or at teardown after an error;
-- no memory profiling: before the first batch it caps the process's GPU share
-  (``gpu_memory_utilization``, when given) and calls the module's ``profile_run()`` if it has one
-  (Code2Wav's only synchronizes: no KV cache to size, no forward on random codes).
+- no memory profiling: a Code2Wav stage has no KV cache to size, so ``profile_run`` runs no dummy
+  forward (random codes could index past the codebooks); the footprint is set by
+  ``gpu_memory_utilization`` and by chunked decoding; no forward that did not come from the data;
+- no re-implemented step: Lightning 2.6 has no public point between ``predict_step`` and the
+  batch-end hooks, so the loop wraps ``trainer.strategy.predict_step`` for the duration of the stock
+  ``_predict_step`` instead of copying it (a copy would drift from the stock step silently);
+- no overlapped host copy for plain outputs: stock moves them to the CPU inside its private step.
 
 What it relies on in Lightning (pinned ``lightning>=2.6,<2.7``; ``tests/test_contract.py`` checks the
 shape of each): ``_PredictionLoop.__init__(trainer, inference_mode)``;
 ``_PredictionLoop._predict_step(batch, batch_idx, dataloader_idx, dataloader_iter)`` calls
-``trainer.strategy.predict_step`` once per step and hands its result to the batch-end hooks (the
-loop wraps that method for the duration of the stock step; nothing of the step is re-implemented);
-the fetch-profiling methods ``_on_before_fetch`` / ``_on_after_fetch`` (overridden only to keep
-stock's action name ``[_PredictionLoop].predict_next``); ``_DataLoaderIterDataFetcher._batch`` (the
-batch a ``dataloader_iter`` step pulled last, as stock's hooks receive it).
+``trainer.strategy.predict_step`` once per step, looked up at call time, and hands its result to
+the batch-end hooks; the fetch-profiling methods ``_on_before_fetch`` / ``_on_after_fetch``
+(overridden only to keep stock's action name ``[_PredictionLoop].predict_next``);
+``_DataLoaderIterDataFetcher._batch`` (the batch a ``dataloader_iter`` step pulled last, as stock's
+hooks receive it).
 """
 
 from __future__ import annotations
