@@ -242,28 +242,41 @@ class HookNet(Net):
         return hook
 
 
-def expected_hooks(batches, dataloader_idx=None):
-    dl = "no dataloader_idx" if dataloader_idx is None else dataloader_idx
+def expected_hooks(batches_per_loader):
+    """Lightning's documented predict hook order; batch hooks get a dataloader_idx with several loaders."""
     log = [("callback", "setup"), ("module", "setup"), ("module", "on_predict_model_eval"),
            ("callback", "on_predict_start"), ("module", "on_predict_start"),
            ("callback", "on_predict_epoch_start"), ("module", "on_predict_epoch_start")]  # fmt: skip
-    for i in range(batches):
-        log += [("module", "on_before_batch_transfer"), ("module", "transfer_batch_to_device"),
-                ("module", "on_after_batch_transfer"),
-                ("callback", "on_predict_batch_start", i, dl), ("module", "on_predict_batch_start", i, dl),
-                ("module", "predict_step", i),
-                ("callback", "on_predict_batch_end", i, dl, "Tensor"),
-                ("module", "on_predict_batch_end", i, dl, "Tensor")]  # fmt: skip
+    for dataloader_idx, batches in enumerate(batches_per_loader):
+        dl = dataloader_idx if len(batches_per_loader) > 1 else "no dataloader_idx"
+        for i in range(batches):
+            log += [("module", "on_before_batch_transfer"), ("module", "transfer_batch_to_device"),
+                    ("module", "on_after_batch_transfer"),
+                    ("callback", "on_predict_batch_start", i, dl), ("module", "on_predict_batch_start", i, dl),
+                    ("module", "predict_step", i),
+                    ("callback", "on_predict_batch_end", i, dl, "Tensor"),
+                    ("module", "on_predict_batch_end", i, dl, "Tensor")]  # fmt: skip
     log += [("callback", "on_predict_epoch_end"), ("module", "on_predict_epoch_end"),
             ("callback", "on_predict_end"), ("module", "on_predict_end"),
             ("callback", "teardown"), ("module", "teardown")]  # fmt: skip
     return log
 
 
+class TwoLoaderHookNet(HookNet):
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        return super().predict_step(batch, batch_idx)
+
+
 def test_hook_order(make_trainer):
     log = []
     make_trainer(callbacks=[HookLog(log)]).predict(HookNet(log), loader())
-    assert log == expected_hooks(3)
+    assert log == expected_hooks([3])
+
+
+def test_hook_order_with_two_dataloaders(make_trainer):
+    log = []
+    make_trainer(callbacks=[HookLog(log)]).predict(TwoLoaderHookNet(log), [loader(), loader(ROWS[:2], 2, sampler=None)])
+    assert log == expected_hooks([3, 1])
 
 
 # --- dataloaders and limits ----------------------------------------------------------------------------
