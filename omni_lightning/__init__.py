@@ -11,7 +11,7 @@ from omni_lightning.models import (
     validate_codes,
 )
 from omni_lightning.module import Code2WavModule
-from omni_lightning.runner import OmniModelRunnerOutput, OmniPredictionLoop, build_pooler_output
+from omni_lightning.runner import MultimodalOutputs, OmniModelRunnerOutput, OmniPredictionLoop, build_pooler_output
 from omni_lightning.trainer import Trainer
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "CodesDataModule",
     "CodesDataset",
     "LengthBucketBatchSampler",
+    "MultimodalOutputs",
     "OmniModelRunnerOutput",
     "OmniPredictionLoop",
     "StreamingDecoder",

@@ -13,6 +13,7 @@ import torch
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
+from omni_lightning.runner.output import MultimodalOutputs
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
@@ -134,7 +135,7 @@ class Code2WavModule(pl.LightningModule):
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
-        return {"model_outputs": self.decode_batch(batch), "sr": self.config.sample_rate}
+        return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
 
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""

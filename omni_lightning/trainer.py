@@ -12,6 +12,9 @@ from omni_lightning.runner.loop import OmniPredictionLoop
 class Trainer(pl.Trainer):
     """A ``lightning.Trainer`` whose ``predict`` runs :class:`OmniPredictionLoop`.
 
+    Every argument of ``lightning.Trainer`` means what it means there (``inference_mode`` included);
+    a ``predict_step`` that does not return ``MultimodalOutputs`` runs exactly as on a stock trainer.
+
     ``gpu_memory_utilization``: the fraction of the GPU this process may allocate during predict
     (vLLM's knob; applied with ``torch.cuda.set_per_process_memory_fraction``). None: no cap.
     ``async_d2h``: add an ``AsyncD2HCallback`` unless one is given (it only acts on CUDA); without it
@@ -30,6 +33,5 @@ class Trainer(pl.Trainer):
                 callbacks.append(AsyncD2HCallback())
             kwargs["callbacks"] = callbacks
         super().__init__(*args, **kwargs)
-        self.predict_loop = OmniPredictionLoop(
-            self, inference_mode=kwargs.get("inference_mode", True), gpu_memory_utilization=gpu_memory_utilization
-        )
+        # the loop takes the trainer's inference_mode from the stock loop it replaces
+        self.predict_loop = OmniPredictionLoop(self, gpu_memory_utilization=gpu_memory_utilization)

@@ -14,6 +14,7 @@ from omni_lightning import (
     Code2WavModule,
     CodesDataModule,
     LengthBucketBatchSampler,
+    MultimodalOutputs,
     OmniModelRunnerOutput,
     OmniPredictionLoop,
     Trainer,
@@ -223,16 +224,47 @@ def test_trainer_adds_the_async_copy_callback_once():
     assert not any(isinstance(c, AsyncD2HCallback) for c in Trainer(**trainer_kwargs(), async_d2h=False).callbacks)
 
 
-def test_bad_loop_and_step_configuration(model):
+def test_bad_loop_configuration():
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         Trainer(**trainer_kwargs(), gpu_memory_utilization=1.5)
 
-    class TensorStep(Code2WavModule):
-        def predict_step(self, batch, batch_idx):
-            return torch.zeros(1)
 
-    with pytest.raises(TypeError, match="must return a dict of multimodal outputs"):
-        Trainer(**trainer_kwargs()).predict(TensorStep(model=model), loader(requests([3])))
+def test_only_multimodal_outputs_get_runner_semantics(model):
+    """The rule: a ``MultimodalOutputs`` becomes an OmniModelRunnerOutput; a plain dict, even one shaped
+    like ours, or a tensor from the same module passes through as on a stock trainer."""
+
+    class PlainStep(Code2WavModule):
+        def __init__(self, kind, **kw):
+            super().__init__(**kw)
+            self.kind = kind
+
+        def predict_step(self, batch, batch_idx):
+            out = super().predict_step(batch, batch_idx)
+            assert isinstance(out, MultimodalOutputs)
+            return dict(out) if self.kind == "dict" else out["model_outputs"][0]
+
+    (as_dict,) = Trainer(**trainer_kwargs()).predict(PlainStep("dict", model=model), loader(requests([3, 5]), 2))
+    assert type(as_dict) is dict and as_dict["sr"] == 24000 and len(as_dict["model_outputs"]) == 2
+    (tensor,) = Trainer(**trainer_kwargs()).predict(PlainStep("tensor", model=model), loader(requests([3]), 2))
+    assert isinstance(tensor, torch.Tensor) and tensor.shape == (1, model.output_length(3))
+
+
+def test_dataloader_iter_step_with_multimodal_outputs(model):
+    """A ``predict_step(dataloader_iter)`` may return MultimodalOutputs: the ids are those of the batch it
+    pulled (the one Lightning's batch-end hooks receive)."""
+
+    class IterStep(Code2WavModule):
+        def predict_step(self, dataloader_iter):
+            batch, batch_idx, dataloader_idx = next(dataloader_iter)
+            batch = self.on_before_batch_transfer(batch, dataloader_idx)
+            return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
+
+    reqs = requests([4, 2, 6])
+    preds = Trainer(**trainer_kwargs()).predict(IterStep(model=model), loader(reqs, 2))
+    assert [out.req_ids for out in preds] == [["utt00", "utt01"], ["utt02"]]
+    with torch.inference_mode():
+        want = model(reqs["utt02"][None])[0]
+    assert torch.allclose(preds[1].pooler_output[0]["model_outputs"], want, atol=1e-5)
 
 
 def test_plain_tensor_batches_get_generated_ids(model):

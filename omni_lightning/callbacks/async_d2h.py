@@ -146,6 +146,13 @@ class AsyncD2HCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
+        """Starts the host copy of a runner output; leaves every other output alone.
+
+        Not done for plain outputs (anything not ``MultimodalOutputs``): stock Lightning hands them to
+        the hooks as returned and moves them to the CPU synchronously inside its private
+        ``_predict_step``; overlapping that copy would mean replacing that step, which omni_lightning
+        keeps stock so that such outputs behave exactly as on ``lightning.Trainer``.
+        """
         if self.stream is None or not isinstance(outputs, OmniModelRunnerOutput):
             return
         mm = outputs.multimodal_outputs

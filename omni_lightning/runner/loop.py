@@ -1,12 +1,35 @@
-"""``OmniPredictionLoop``: Lightning's prediction loop with vLLM-Omni's generation-runner step.
+"""``OmniPredictionLoop``: Lightning's prediction loop, plus vLLM-Omni's generation-runner semantics
+for multimodal outputs.
 
-What changes against Lightning's loop is the step alone: ``predict_step``'s multimodal outputs
-become an :class:`OmniModelRunnerOutput` (the same hooks run, in the same order, with it as
-``outputs``). What the loop deliberately does not do, as vLLM-Omni's ``OmniGenerationModelRunner``:
-- no logits and no sampling: the model's outputs are the product;
+The rule: a **multimodal output** is a :class:`MultimodalOutputs` (a dict subclass) returned by
+``predict_step``. The loop turns it, and nothing else, into an :class:`OmniModelRunnerOutput` before
+any ``on_predict_batch_end`` hook sees it. Everything else ``predict_step`` returns (None, a tensor,
+a list, a tuple, a plain dict, any object) takes Lightning's own path untouched: the same object
+reaches the hooks and writers, and ``trainer.predict`` returns it moved to the CPU as stock does.
+
+What the loop adds for runner outputs, as vLLM-Omni's ``OmniGenerationModelRunner``: each output is
+finalized (per-request owned CPU payloads; an async host copy waited for) once the next step has run,
+or at epoch end, or at teardown after an error. Before the first batch it caps the process's GPU share
+(``gpu_memory_utilization``, when given) and calls the module's ``profile_run()`` if it has one.
+
+What it does not do, and why:
+- no logits and no sampling: the model's outputs are the product (``sampled_token_ids`` empty);
 - no memory profiling: a Code2Wav stage has no KV cache to size, so ``profile_run`` runs no dummy
-  forward; the footprint is set by ``gpu_memory_utilization`` and by chunked decoding;
-- no forward that did not come from the dataloader.
+  forward (random codes could index past the codebooks); the footprint is set by
+  ``gpu_memory_utilization`` and by chunked decoding; no forward that did not come from the data;
+- no re-implemented step: Lightning 2.6 has no public point between ``predict_step`` and the
+  batch-end hooks, so the loop wraps ``trainer.strategy.predict_step`` for the duration of the stock
+  ``_predict_step`` instead of copying it (a copy would drift from the stock step silently);
+- no overlapped host copy for plain outputs: stock moves them to the CPU inside its private step.
+
+What it relies on in Lightning (pinned ``lightning>=2.6,<2.7``; ``tests/test_contract.py`` checks the
+shape of each): ``_PredictionLoop.__init__(trainer, inference_mode)``;
+``_PredictionLoop._predict_step(batch, batch_idx, dataloader_idx, dataloader_iter)`` calls
+``trainer.strategy.predict_step`` once per step, looked up at call time, and hands its result to
+the batch-end hooks; the fetch-profiling methods ``_on_before_fetch`` / ``_on_after_fetch``
+(overridden only to keep stock's action name ``[_PredictionLoop].predict_next``);
+``_DataLoaderIterDataFetcher._batch`` (the batch a ``dataloader_iter`` step pulled last, as stock's
+hooks receive it).
 """
 
 from __future__ import annotations
@@ -16,36 +39,37 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
-from lightning.pytorch.trainer import call
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from omni_lightning.runner.output import OmniModelRunnerOutput
+from omni_lightning.runner.output import MultimodalOutputs, OmniModelRunnerOutput
+
+# what stock Lightning names the time spent fetching a batch (it uses the loop's class name)
+FETCH_ACTION = f"[{_PredictionLoop.__name__}].predict_next"
+_NOTHING = object()
 
 
 class OmniPredictionLoop(_PredictionLoop):
-    """Install on any trainer with ``trainer.predict_loop = OmniPredictionLoop(trainer)``."""
+    """Install on any trainer with ``trainer.predict_loop = OmniPredictionLoop(trainer)``.
+
+    ``inference_mode``: None (default) keeps the trainer's own setting (``Trainer(inference_mode=...)``),
+    so installing the loop never changes whether ``predict_step`` runs under ``torch.inference_mode``.
+    ``gpu_memory_utilization``: the fraction of the GPU this process may allocate (None: no cap).
+    """
 
     def __init__(
-        self, trainer: pl.Trainer, inference_mode: bool = True, gpu_memory_utilization: float | None = None
+        self, trainer: pl.Trainer, inference_mode: bool | None = None, gpu_memory_utilization: float | None = None
     ) -> None:
+        if inference_mode is None:
+            inference_mode = getattr(getattr(trainer, "predict_loop", None), "inference_mode", True)
         super().__init__(trainer, inference_mode=inference_mode)
         if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.gpu_memory_utilization = gpu_memory_utilization
-        self._in_flight: list[OmniModelRunnerOutput] = []  # outputs whose host copy is not waited yet
+        self._in_flight: list[OmniModelRunnerOutput] = []  # runner outputs not finalized yet, in order
 
     def on_run_start(self) -> None:
-        self._verify_dataloader_idx_requirement()
-        if isinstance(self._data_fetcher, _DataLoaderIterDataFetcher):
-            raise MisconfigurationException(
-                "OmniPredictionLoop needs `predict_step(batch, ...)`; a `dataloader_iter` step is not supported"
-            )
-        self._on_predict_model_eval()
         self._prepare_device()
-        self._on_predict_start()
-        self._on_predict_epoch_start()
+        super().on_run_start()
 
     def _prepare_device(self) -> None:
         """Caps this process's share of the GPU, then lets the module 'profile' (sync, no forward)."""
@@ -57,7 +81,7 @@ class OmniPredictionLoop(_PredictionLoop):
             profile_run()
 
     def on_run_end(self) -> Any:
-        self._settle(keep=None)  # every output is on the host before epoch-end writers read them
+        self._settle(keep=None)  # every runner output is on the host before epoch-end writers read it
         return super().on_run_end()
 
     def teardown(self) -> None:
@@ -68,6 +92,49 @@ class OmniPredictionLoop(_PredictionLoop):
         finally:
             self._in_flight = []
             super().teardown()
+
+    def _on_before_fetch(self) -> None:
+        self.trainer.profiler.start(FETCH_ACTION)
+
+    def _on_after_fetch(self) -> None:
+        self.trainer.profiler.stop(FETCH_ACTION)
+
+    def _predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int, dataloader_iter: Iterator | None) -> None:
+        """Lightning's own step, with ``strategy.predict_step`` wrapped to turn a
+        :class:`MultimodalOutputs` into an :class:`OmniModelRunnerOutput` (everything else unchanged)."""
+        strategy = self.trainer.strategy
+        stock_step = strategy.predict_step
+        produced: list[OmniModelRunnerOutput] = []
+
+        def predict_step(*args: Any, **kwargs: Any) -> Any:
+            output = stock_step(*args, **kwargs)
+            if isinstance(output, MultimodalOutputs):
+                output = self._runner_output(output, self._step_batch(args, kwargs, dataloader_iter))
+            if isinstance(output, OmniModelRunnerOutput):
+                produced.append(output)
+            return output
+
+        shadowed = strategy.__dict__.get("predict_step", _NOTHING)
+        strategy.predict_step = predict_step  # an instance attribute: only this step sees it
+        try:
+            super()._predict_step(batch, batch_idx, dataloader_idx, dataloader_iter)
+        finally:
+            if shadowed is _NOTHING:
+                del strategy.predict_step
+            else:
+                strategy.predict_step = shadowed
+            self._in_flight.extend(produced)  # teardown finalizes it if a hook raised
+        # the previous step's copy ran under this step's compute: consume it now; a synchronous
+        # output (no copy in flight) is built at once, as Lightning's loop moves predictions at once
+        current = produced[-1] if produced else None
+        self._settle(keep=current if current is not None and current.in_flight else None)
+
+    def _step_batch(self, args: tuple, kwargs: dict, dataloader_iter: Iterator | None) -> Any:
+        """The batch whose requests the step's outputs are: the step's own batch argument, or for a
+        ``dataloader_iter`` step the batch it pulled last (what Lightning's batch-end hooks get)."""
+        if dataloader_iter is not None:
+            return self._data_fetcher._batch
+        return kwargs["batch"] if "batch" in kwargs else args[0]
 
     def _settle(self, keep: OmniModelRunnerOutput | None) -> None:
         """Finalizes every output in flight except ``keep`` (the step just launched), in order."""
@@ -82,49 +149,15 @@ class OmniPredictionLoop(_PredictionLoop):
             self._in_flight = []
             raise
 
-    def _runner_output(self, multimodal_outputs: Any, batch: Any, batch_idx: int) -> OmniModelRunnerOutput:
-        if not isinstance(multimodal_outputs, Mapping):
-            raise TypeError(
-                "predict_step must return a dict of multimodal outputs such as "
-                f"{{'model_outputs': [wav, ...], 'sr': 24000}}, got {type(multimodal_outputs).__name__}"
-            )
+    def _runner_output(self, multimodal_outputs: MultimodalOutputs, batch: Any) -> OmniModelRunnerOutput:
+        """Request ids from the batch's ``req_ids``, else ``"<batch number in the run>-<i>"``."""
         if isinstance(batch, Mapping) and "req_ids" in batch:
             req_ids = list(batch["req_ids"])
-        else:  # a plain batch: ids from the position in the run
+        else:
             num_reqs = _count_requests(multimodal_outputs)
             req_ids = [f"{self.batch_progress.current.completed}-{i}" for i in range(num_reqs)]
         errors = batch.get("errors", {}) if isinstance(batch, Mapping) else {}
         return OmniModelRunnerOutput(req_ids, multimodal_outputs=multimodal_outputs, errors=errors)
-
-    def _predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int, dataloader_iter: Iterator | None) -> None:
-        trainer = self.trainer
-        batch = trainer.precision_plugin.convert_input(batch)
-        batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
-        batch = call._call_strategy_hook(trainer, "batch_to_device", batch, dataloader_idx=dataloader_idx)
-
-        self.batch_progress.increment_ready()
-        any_on_epoch = self._store_data_for_prediction_writer(batch_idx, dataloader_idx)
-        hook_kwargs = self._build_kwargs(batch, batch_idx, dataloader_idx if self.num_dataloaders > 1 else None)
-        call._call_callback_hooks(trainer, "on_predict_batch_start", *hook_kwargs.values())
-        call._call_lightning_module_hook(trainer, "on_predict_batch_start", *hook_kwargs.values())
-        self.batch_progress.increment_started()
-
-        step_args = self._build_step_args_from_hook_kwargs(hook_kwargs, "predict_step")
-        multimodal_outputs = call._call_strategy_hook(trainer, "predict_step", *step_args)
-        output = self._runner_output(multimodal_outputs, batch, batch_idx)
-        self.batch_progress.increment_processed()
-
-        # AsyncD2HCallback, if installed, starts the host copy here and the output goes in flight
-        call._call_callback_hooks(trainer, "on_predict_batch_end", output, *hook_kwargs.values())
-        call._call_lightning_module_hook(trainer, "on_predict_batch_end", output, *hook_kwargs.values())
-        self.batch_progress.increment_completed()
-
-        # the previous step's copy ran under this step's compute: consume it now; a synchronous
-        # output (no copy in flight) is built at once, as Lightning's loop moves predictions at once
-        self._in_flight.append(output)
-        self._settle(keep=output if output.in_flight else None)
-        if self._return_predictions or any_on_epoch:
-            self._predictions[dataloader_idx].append(output)
 
 
 def _count_requests(multimodal_outputs: Mapping[str, Any]) -> int:

@@ -34,6 +34,15 @@ def to_host(value: Any) -> Any:
     return value
 
 
+class MultimodalOutputs(dict):
+    """The mark of a multimodal output: a dict that ``predict_step`` returns to get runner semantics.
+
+    ``OmniPredictionLoop`` turns a ``MultimodalOutputs``, and nothing else, into an
+    :class:`OmniModelRunnerOutput` (split per request by :func:`build_pooler_output`). A plain dict is
+    never taken for one, whatever its keys: a stock module's dict stays a dict, as in Lightning.
+    """
+
+
 def build_pooler_output(
     multimodal_outputs: Mapping[str, Any], num_reqs: int, copy_tensors: bool = False
 ) -> list[dict[str, Any]]:
