@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omni_lightning.models import fused
 from omni_lightning.models.codes import validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
@@ -54,6 +55,8 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(config.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
+        # inference on CUDA: the channels-last decoder with folded biases (models/fast_decoder.py)
+        self.fast_decoder = True
 
     def _code_offset(self, device: torch.device | None = None) -> torch.Tensor:
         q = self.config.num_quantizers
@@ -69,10 +72,11 @@ class Code2Wav(nn.Module):
         return self.config.sample_rate
 
     def set_fused_kernels(self, enabled: bool) -> Code2Wav:
-        """Turns the fused CUDA inference kernels on or off (they are on by default)."""
+        """Turns the fused CUDA inference kernels (and the decoder built on them) on or off (on by default)."""
         for module in self.modules():
             if isinstance(module, SnakeBeta):
                 module.fused = enabled
+        self.fast_decoder = enabled
         return self
 
     def output_length(self, n_frames: int) -> int:
@@ -84,8 +88,13 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             for layer in stage:
                 h = layer(h)
-        for layer in self.decoder:
-            h = layer(h)
+        if self.fast_decoder and h.is_cuda and not torch.is_grad_enabled() and fused.triton_available():
+            from omni_lightning.models.fast_decoder import decoder_forward
+
+            h = decoder_forward(self.decoder, h)
+        else:
+            for layer in self.decoder:
+                h = layer(h)
         return h.clamp(-1.0, 1.0)
 
     def decode(
