@@ -10,6 +10,7 @@ import lightning.pytorch as pl
 import torch
 
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -25,6 +26,11 @@ class Code2WavModule(pl.LightningModule):
     ``Code2WavConfig`` or its dict; random weights). Requests longer than
     ``max_frames_per_request`` frames are decoded with gap-free ``chunked_decode`` (``chunk_size``,
     ``left_context``), so one long request cannot exhaust memory.
+
+    ``fast_path`` (default True): on CUDA, predict pads batches to shape buckets and replays CUDA
+    graphs captured per bucket (``models/cuda_graphs.py``); outputs equal the eager path's up to
+    rounding. False: every batch runs eagerly at its own shape. CPU predict is always eager (no
+    graphs there, and bucket padding would only add work).
     """
 
     def __init__(
@@ -35,6 +41,7 @@ class Code2WavModule(pl.LightningModule):
         max_frames_per_request: int = 1500,
         chunk_size: int = 300,
         left_context: int = 25,
+        fast_path: bool = True,
         # fine-tuning
         learning_rate: float = 1e-4,
         betas: tuple[float, float] = (0.8, 0.99),
@@ -69,6 +76,8 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
+        self.fast_path = fast_path
+        self.graph_decoder: CUDAGraphDecoder | None = None  # made at the first CUDA predict
         self.frozen = self._freeze(freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = None
@@ -144,6 +153,28 @@ class Code2WavModule(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _prepare_fast_path(self) -> None:
+        if not self.fast_path:
+            return
+        if self.device.type == "cuda" and (self.graph_decoder is None or self.graph_decoder.model is not self.model):
+            self.graph_decoder = CUDAGraphDecoder(self.model, out_dtype=torch.float32)
+        if self.graph_decoder is not None:
+            self.graph_decoder.refresh()  # after a move or cast since the last predict: recapture
+            self._graph_stats_start = (self.graph_decoder.stats.captures, self.graph_decoder.stats.capture_s)
+
+    def _report_fast_path(self) -> None:
+        if self.graph_decoder is None or not self.fast_path:
+            return
+        from lightning.pytorch.utilities import rank_zero_info
+
+        stats = self.graph_decoder.stats
+        captures, seconds = self._graph_stats_start
+        if stats.captures > captures:
+            rank_zero_info(
+                f"CUDA graphs: captured {stats.captures - captures} bucket(s) in {stats.capture_s - seconds:.2f} s "
+                f"({len(self.graph_decoder.graphs)} held, {stats.replays} replays, {stats.eager} eager forwards)"
+            )
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
         return {"model_outputs": self.decode_batch(batch), "sr": self.config.sample_rate}
@@ -154,18 +185,20 @@ class Code2WavModule(pl.LightningModule):
         if n_frames is None:
             n_frames = self.on_before_batch_transfer(batch, 0)["n_frames"]
         codes = batch["codes"]
+        forward = self.graph_decoder if self.fast_path and self.graph_decoder is not None else None
         wavs: list[torch.Tensor | None] = [None] * len(n_frames)
         short = [i for i, n in enumerate(n_frames) if n <= self.max_frames_per_request]
         if short:
             # row slices and cat, not an index tensor: nothing here waits for the device
             sub = codes if len(short) == len(n_frames) else torch.cat([codes[i : i + 1] for i in short])
             sub = sub[..., : max(n_frames[i] for i in short)]
-            for i, wav in zip(short, self.model.decode(sub, [n_frames[i] for i in short], validate=False)):
+            lengths = [n_frames[i] for i in short]
+            for i, wav in zip(short, self.model.decode(sub, lengths, validate=False, forward=forward)):
                 wavs[i] = wav
         for i, n in enumerate(n_frames):
             if wavs[i] is None:
                 wavs[i] = self.model.chunked_decode(
-                    codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False
+                    codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False, forward=forward
                 )[0]
         return [w.float() for w in wavs]
 
@@ -298,8 +331,10 @@ class Code2WavModule(pl.LightningModule):
 
     def on_predict_start(self) -> None:
         self.use_ema(True)
+        self._prepare_fast_path()
 
     def on_predict_end(self) -> None:
+        self._report_fast_path()
         self.use_ema(False)
 
     def export_pretrained(self, path: str, ema: bool = True) -> Any:

@@ -12,7 +12,7 @@ why a right-padded batch gives each request exactly what it gives alone, and why
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -103,12 +103,14 @@ class Code2Wav(nn.Module):
         lengths: torch.Tensor | Sequence[int] | None = None,
         req_ids: Sequence[str] | None = None,
         validate: bool = True,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Decodes a right-padded batch; request i's waveform ``[1, output_length(lengths[i])]``.
 
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
         validated on the CPU already (the check on a GPU tensor synchronizes the device).
+        ``forward`` replaces ``self`` for the forward pass (a ``CUDAGraphDecoder``, say).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
@@ -120,7 +122,7 @@ class Code2Wav(nn.Module):
             # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
             # into the codebook on the device (building a pad mask would wait for a host copy)
             codes = codes.clamp(0, self.config.codebook_size - 1)
-        wav = self(codes)
+        wav = (forward or self)(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 
     def chunked_decode(
@@ -129,13 +131,14 @@ class Code2Wav(nn.Module):
         chunk_size: int = 300,
         left_context: int = 25,
         validate: bool = True,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decodes ``[B, Q, T]`` in chunks of ``chunk_size`` frames with bounded peak memory.
 
         Each chunk is decoded with up to ``left_context`` frames before it. Unlike transformers'
         ``chunked_decode``, which drops each chunk's last ``tail`` samples, the chunk after it
         re-decodes them from its left context, so the result has ``output_length(T)`` samples with
-        no gaps, and equals a full decode when ``left_context >= T``.
+        no gaps, and equals a full decode when ``left_context >= T``. ``forward`` as in ``decode``.
         """
         if validate:
             validate_codes(codes, self.config)
@@ -153,7 +156,7 @@ class Code2Wav(nn.Module):
         for start in range(0, n_frames, chunk_size):
             end = min(start + chunk_size, n_frames)
             context = min(left_context, start)
-            wav = self(codes[..., start - context : end])
+            wav = (forward or self)(codes[..., start - context : end])
             # from absolute sample start*up - tail: the previous chunk's missing tail comes first
             pieces.append(wav[..., context * up - (tail if start else 0) :])
         return torch.cat(pieces, dim=-1)
