@@ -62,9 +62,10 @@ def test_random_batches_equal_solo_decodes_with_bounded_shapes(model):
     stats = graphs.stats
     assert stats.captures == len(graphs.graphs) == len(stats.shapes) == len(capture.recorded)
     assert stats.captures <= len(BUCKETS.frames) * len(BUCKETS.batches)
-    assert stats.replays == 8 - stats.captures and stats.eager == 0
-    for g in graphs.graphs.values():
-        assert g.codes.shape[0] in BUCKETS.batches and g.codes.shape[-1] in BUCKETS.frames
+    assert stats.replays >= 1 and stats.eager == 0
+    for batch, frames in graphs.graphs:
+        assert (batch, 24) in graphs.graphs  # each batch size captured its largest bucket first
+        assert graphs.graphs[batch, frames].codes.shape == (batch, model.config.num_quantizers, frames)
 
 
 def test_outputs_own_their_storage_across_replays(model):
@@ -90,7 +91,7 @@ def test_shapes_outside_the_buckets_run_eagerly_at_their_own_shape(model):
     assert graphs.stats.eager == 2 and graphs.stats.captures == 1  # (4, 24) fits max_elements exactly
     with torch.enable_grad():  # graphs only without autograd
         codes = random_codes(1, 4, model.config)
-        assert (graphs(codes) - model(codes)).abs().max() <= 1e-6 and graphs.stats.eager == 3
+        assert (graphs(codes) - model(codes)).abs().max() <= 1e-5 and graphs.stats.eager == 3
 
 
 def test_a_failed_capture_leaves_the_bucket_eager(model):
@@ -100,20 +101,31 @@ def test_a_failed_capture_leaves_the_bucket_eager(model):
         want = model(codes)
         assert (graphs(codes) - want).abs().max() <= 1e-5  # the warm-up's result
         assert (graphs(codes) - want).abs().max() <= 1e-5
-    assert graphs.eager_buckets == {(2, 8)} and not graphs.graphs and graphs.stats.eager == 1
+    assert graphs.eager_buckets == {(2, 8), (2, 24)} and not graphs.graphs and graphs.stats.eager == 1
 
 
-def test_refresh_drops_graphs_when_the_model_moves():
+def test_refresh_puts_moved_weights_back_where_the_graphs_read_them():
     model = random_model(micro_config(), seed=10)
     graphs = CUDAGraphDecoder(model, BUCKETS, capture=RecordingCapture())
     codes = random_codes(1, 5, model.config, seed=5)
     with torch.inference_mode():
         graphs(codes)
-    assert not graphs.refresh() and len(graphs.graphs) == 1
-    model.double()
+    addresses = [t.data_ptr() for t in [*model.parameters(), *model.buffers()]]
+    # what Lightning does between predict calls: the module leaves and comes back as new tensors
+    # (here with a changed weight, as after fine-tuning)
+    model._apply(lambda t: t.clone())
+    model.decoder[-1].conv.bias.data.add_(0.25)
+    assert [t.data_ptr() for t in model.parameters()] != addresses[: len(list(model.parameters()))]
+    want = model.decoder[-1].conv.bias.clone()
+    assert not graphs.refresh() and len(graphs.graphs) == 2
+    assert [t.data_ptr() for t in [*model.parameters(), *model.buffers()]] == addresses
+    assert torch.equal(model.decoder[-1].conv.bias, want)
+    with torch.inference_mode():
+        assert (graphs(codes) - model(codes)).abs().max() <= 1e-5
+    model.double()  # another dtype: the graphs go
     assert graphs.refresh() and not graphs.graphs
     with torch.inference_mode():
-        assert graphs(codes).dtype == torch.float64 and graphs.stats.captures == 2
+        assert graphs(codes).dtype == torch.float64 and graphs.stats.captures == 4
 
 
 def test_trainer_predict_through_the_graph_decoder_equals_solo_decodes(model):

@@ -8,12 +8,25 @@ Triton specializations, a graph capture) would otherwise be paid again and again
 ``T`` frames only (the model is causal up to one trimmed frame of look-ahead, and batch rows never
 mix), so the pad frames and pad rows are cut off and change nothing.
 
-The first batch of a bucket runs eagerly at the bucket's shape (which warms every library for that
-shape, and is that batch's result), then the forward is captured into a CUDA graph with static
-input and output buffers; later batches of the bucket copy their codes into the static input,
-replay, and copy the trimmed output out (the next replay overwrites the static output, while the
-asynchronous host copy of this step may still read it). Every graph allocates from one shared
-memory pool, through PyTorch's caching allocator, so graph memory counts against
+Graphs are bound to the addresses of the weights they read, and Lightning moves the module to the
+GPU at the start of every ``predict`` (new tensors) and back to the CPU at its end. So the decoder
+keeps the GPU tensors its graphs were captured with, and :meth:`refresh` (the module calls it at
+every predict start) copies the model's current weights into them and points the model's
+parameters and buffers back at them (``.data``): graphs survive from one predict call to the next,
+always read the current weights (after fine-tuning too), and the weights are on the GPU once
+while predicting. Between predict calls the decoder holds that set of weights and its graphs on
+the GPU; ``close()`` frees them.
+
+The first batch of a batch-size bucket first captures that batch size's largest frame bucket up to
+``warm_frames`` (on its own codes, repeated to that length: valid codes), then its own bucket: the
+captures of that batch size then fit in the memory the largest one left in the shared pool, so the
+pool holds about one eager peak instead of the sum of every capture's peak (captured in growing
+order, as a length-sorted job would, they took 110 GB for eleven buckets of batch 32). Each capture runs the forward eagerly once
+at the bucket's shape first (which warms cuDNN, cuBLAS and Triton for that shape), and the
+first batch's result is that eager run's. Later batches of the bucket copy their codes into the
+static input, replay, and copy the trimmed output out (the next replay overwrites the static
+output, while the asynchronous host copy of this step may still read it). Every graph allocates
+from one shared memory pool, through PyTorch's caching allocator, so graph memory counts against
 ``torch.cuda.set_per_process_memory_fraction`` (``gpu_memory_utilization``). Shapes outside the
 buckets (more than 64 requests, more than 1500 frames, or more than ``max_elements`` padded frames
 in a batch) run eagerly at their own shape. A capture that runs out of memory leaves its bucket
@@ -27,6 +40,7 @@ capture needs valid codes and the shapes a job will use; the first batch of each
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,6 +60,8 @@ class ShapeBuckets:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     # batch x frames above which a shape runs eagerly (a graph holds its activations' peak)
     max_elements: int = 32 * 400
+    # a batch size's first capture is its largest bucket up to this many frames (see module docstring)
+    warm_frames: int = 400
 
     def bucket(self, batch: int, frames: int) -> tuple[int, int] | None:
         padded_frames = next((f for f in sorted(self.frames) if f >= frames), None)
@@ -53,6 +69,11 @@ class ShapeBuckets:
         if padded_frames is None or padded_batch is None or padded_batch * padded_frames > self.max_elements:
             return None
         return padded_batch, padded_frames
+
+    def largest(self, batch: int) -> tuple[int, int]:
+        """The bucket of batch size ``batch`` (a bucket's) with the most frames, up to ``warm_frames``."""
+        fitting = [f for f in self.frames if batch * f <= self.max_elements and f <= self.warm_frames]
+        return batch, max(fitting, default=min(self.frames))
 
 
 class GraphCapture(Protocol):
@@ -96,8 +117,8 @@ class CUDAGraphDecoder:
     """``model(codes)`` through bucketed CUDA graphs; call it like the model (see module docstring).
 
     Returns ``[B, 1, output_length(T)]`` in ``out_dtype`` (default: the model's), in storage of
-    its own. Call :meth:`refresh` after moving, casting or replacing the model's tensors: graphs
-    hold their addresses (in-place updates, such as optimizer steps or EMA swaps, need nothing).
+    its own. Call :meth:`refresh` before a run in which the model's weights may have changed
+    (moved, cast or updated): graphs replay a private copy of them.
     """
 
     def __init__(
@@ -114,23 +135,40 @@ class CUDAGraphDecoder:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.eager_buckets: set[tuple[int, int]] = set()  # captures that failed
         self.stats = GraphStats()
-        self._fingerprint = self._tensors_fingerprint()
+        self._bound: list[torch.Tensor] | None = None  # the weights the graphs read (module docstring)
+        self._flags = getattr(model, "fast_decoder", None)
 
-    def _tensors_fingerprint(self) -> tuple:
-        tensors = [*self.model.parameters(), *self.model.buffers()]
-        flags = getattr(self.model, "fast_decoder", None)
-        return flags, tuple((t.data_ptr(), t.dtype, t.device, tuple(t.shape)) for t in tensors)
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
 
     def refresh(self) -> bool:
-        """Drops every graph if the model's tensors moved since capture; True if it dropped any."""
-        fingerprint = self._tensors_fingerprint()
-        if fingerprint == self._fingerprint:
+        """Puts the model's current weights where the graphs read them (see module docstring).
+
+        If the model changed dtype, device or shapes (or its kernel switches) since the graphs were
+        captured, every graph goes instead, to be captured again when needed; returns True then.
+        """
+        if self._bound is None:
             return False
-        self._fingerprint = fingerprint
-        dropped = bool(self.graphs)
+        tensors = self._tensors()
+        same = getattr(self.model, "fast_decoder", None) == self._flags and len(tensors) == len(self._bound)
+        same = same and all(
+            (t.dtype, t.device, t.shape) == (h.dtype, h.device, h.shape) for t, h in zip(tensors, self._bound)
+        )
+        if not same:
+            self.close()
+            return True
+        with torch.no_grad():
+            for t, held in zip(tensors, self._bound):
+                if t.data_ptr() != held.data_ptr():
+                    held.copy_(t)
+                    t.data = held
+        return False
+
+    def close(self) -> None:
+        """Frees the graphs and the weights they hold (the memory goes back to PyTorch's cache)."""
         self.graphs.clear()
         self.eager_buckets.clear()
-        return dropped
+        self._bound = None
 
     def _forward(self, codes: torch.Tensor) -> torch.Tensor:
         # static buffers may hold stale (valid or pad) codes: keep every lookup inside the codebook
@@ -149,6 +187,16 @@ class CUDAGraphDecoder:
         self.stats.shapes.add(key)
         graph = self.graphs.get(key)
         if graph is None:
+            if self._bound is None:
+                self._bound = [t.data for t in self._tensors()]
+                self._flags = getattr(self.model, "fast_decoder", None)
+            elif self.refresh():  # the model moved since the last capture (refresh was not called)
+                self._bound = [t.data for t in self._tensors()]
+            largest = self.buckets.largest(key[0])
+            if largest != key and not any(k[0] == key[0] for k in self.graphs):
+                # the largest first: the smaller captures of this batch size fit in its memory
+                repeats = math.ceil(largest[1] / frames)
+                self._capture(largest, codes.repeat(1, 1, repeats)[..., : largest[1]])
             return self._capture(key, codes)
         graph.codes[:batch, :, :frames].copy_(codes)
         graph.replay()
@@ -160,7 +208,8 @@ class CUDAGraphDecoder:
         start = time.perf_counter()
         static = torch.zeros((key[0], n_q, key[1]), dtype=codes.dtype, device=codes.device)
         static[:batch, :, :frames].copy_(codes)
-        result = self._trimmed(self._forward(static), batch, frames)  # warm-up at the bucket's shape
+        # warm-up at the bucket's shape, which is also this batch's result
+        result = self._trimmed(self._forward(static), batch, frames)
         try:
             replay, out = self.capture(lambda: self._forward(static))
         except torch.OutOfMemoryError:
@@ -168,6 +217,7 @@ class CUDAGraphDecoder:
             log.warning("no CUDA graph for batch %d x %d frames: out of memory; it runs eagerly", *key)
             return result
         self.graphs[key] = _Graph(static, out, replay)
+        self.stats.shapes.add(key)
         seconds = time.perf_counter() - start
         self.stats.captures += 1
         self.stats.capture_s += seconds
