@@ -3,15 +3,14 @@
     python scripts/bench_gpu.py --out bench_gpu.json                       # an H200: everything
     python scripts/bench_gpu.py --only e2e,lat1                             # a subset
     python scripts/bench_gpu.py --device cpu --preset tiny --requests 6 --batch 4 --max-s 3 \\
-        --long-s 20 --fwd-batches 1 2 --no-compile --only fidelity,fwd,e2e,long   # smoke test
+        --long-s 20 --fwd-batches 1 2 --only fidelity,fwd,e2e,long   # smoke test
 
 Sections (``--only``, comma-separated; default all):
   fidelity  bf16 error against the fp32 reference (transformers, TF32 off), relative L2 and mel
             distance, ours (default path) vs transformers' own bf16; the guard: ours <= theirs
   fwd       model forward of batches of 10 s clips (``--fwd-batches``): ours through CUDA graphs
             (the default predict path), ours eager, ours eager with the layer-by-layer decoder,
-            transformers, transformers + torch.compile (``dynamic=False``, one compile per shape;
-            ``--compile-batches``)
+            transformers
   lat1      batch-1 latency of one 10 s clip, codes on the GPU to waveform on the GPU
   e2e       a seeded mixed-length job (``--requests`` of ``--min-s``..``--max-s`` s, uniform
             random lengths): the default ``omni_lightning.Trainer`` + ``Code2WavModule`` +
@@ -22,6 +21,10 @@ Sections (``--only``, comma-separated; default all):
   long      one ``--long-s`` request: ours through the Trainer (chunked, graphs) vs transformers'
             ``chunked_decode`` (same chunk 300, left context 25)
   profile   top CUDA kernels of ours, eager, batch 32 of 10 s (``--profile-out``)
+  compile   transformers + torch.compile (defaults, ``dynamic=False``: one compile per shape) on the
+            fwd shapes (``--compile-batches``), last because each compile takes a minute; its
+            batch-1 row is its lat1. Not run on the e2e job: every new shape recompiles (the issue
+            saw no first pass finish in 8 minutes)
 x real time = audio seconds / wall seconds. ``torch.backends.cudnn.benchmark`` is ``--cudnn-benchmark``
 (default off) for every row, and recorded in each. Peak memory = ``torch.cuda.max_memory_allocated``
 (weights included) during the timed run. Prints tables; writes JSON after every section (``--out``).
@@ -41,6 +44,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -51,12 +55,20 @@ from bench_model import reference  # noqa: E402
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, randomize_weights  # noqa: E402
 from omni_lightning.models.cuda_graphs import CUDAGraphDecoder, ShapeBuckets  # noqa: E402
 
-SECTIONS = ("fidelity", "fwd", "lat1", "e2e", "long", "profile")
+SECTIONS = ("fidelity", "fwd", "lat1", "e2e", "long", "profile", "compile")
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -82,6 +94,24 @@ def peak_reset(device: torch.device) -> None:
 
 def peak_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+
+
+def peak_reserved_gib(device: torch.device) -> float | None:
+    """Allocator-reserved peak: unlike ``max_memory_allocated`` it sees CUDA-graph pools."""
+    return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
+
+
+class Clock(pl.Callback):
+    """From the first predict batch's start to the end of predict (setup and teardown left out)."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and not hasattr(self, "start"):
+            self.start = time.perf_counter()
+
+    def on_predict_end(self, trainer, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self.seconds = time.perf_counter() - self.start
 
 
 class Bench:
@@ -157,19 +187,20 @@ class Bench:
 
     # --- fixed-shape forwards and latency ------------------------------------------------------
 
-    def forward_rows(self, batches: list[int], repeats: int) -> list[dict[str, Any]]:
+    def forward_rows(self, batches: list[int], repeats: int, compiled: bool = False) -> list[dict[str, Any]]:
         rows = []
-        graphs = CUDAGraphDecoder(self.ours) if self.device.type == "cuda" else None
+        graphs = CUDAGraphDecoder(self.ours) if self.device.type == "cuda" and not compiled else None
         for batch in batches:
             codes = self.codes(batch, 125, seed=batch)
             impls: dict[str, Callable[[], Any]] = {}
-            if graphs is not None:
-                impls["ours (graphs, default)"] = lambda codes=codes: graphs(codes)
-            impls["ours eager"] = lambda codes=codes: self.ours(codes)
-            impls["ours eager, layer-by-layer decoder"] = lambda codes=codes: self.layer_by_layer(codes)
-            impls["transformers"] = lambda codes=codes: self.ref(codes)
-            if self.args.compile and batch in self.args.compile_batches:
+            if compiled:
                 impls["transformers + torch.compile"] = self.compiled_ref(codes)
+            else:
+                if graphs is not None:
+                    impls["ours (graphs, default)"] = lambda codes=codes: graphs(codes)
+                impls["ours eager"] = lambda codes=codes: self.ours(codes)
+                impls["ours eager, layer-by-layer decoder"] = lambda codes=codes: self.layer_by_layer(codes)
+                impls["transformers"] = lambda codes=codes: self.ref(codes)
             for name, fn in impls.items():
                 with torch.inference_mode():
                     first = timed(fn, self.device)  # capture / compile / first-use costs
@@ -178,6 +209,8 @@ class Bench:
                              "first_call_s": first, "x_realtime": self.audio_s(125, batch) / seconds,
                              "cudnn_benchmark": self.args.cudnn_benchmark})  # fmt: skip
                 print(f"  fwd {name} batch {batch}: {rows[-1]['x_realtime']:,.0f}x", file=sys.stderr, flush=True)
+        if graphs is not None:
+            graphs.close()
         return rows
 
     def layer_by_layer(self, codes: torch.Tensor) -> torch.Tensor:
@@ -198,6 +231,16 @@ class Bench:
         rows = self.forward_rows([1], self.args.latency_repeats)
         return {"rows": [{**r, "latency_ms": 1e3 * r["seconds"]} for r in rows]}
 
+    def compile(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rows": []}
+        for batch in self.args.compile_batches:  # saved row by row: each compile takes a while
+            repeats = self.args.latency_repeats if batch == 1 else self.args.repeats
+            out["rows"] += [{**r, "latency_ms": 1e3 * r["seconds"]}
+                            for r in self.forward_rows([batch], repeats, compiled=True)]  # fmt: skip
+            self.results["compile"] = out
+            self.save()
+        return out
+
     # --- the mixed-length job ------------------------------------------------------------------
 
     def workload(self) -> dict[str, torch.Tensor]:
@@ -211,19 +254,20 @@ class Bench:
                                                  generator=gen)  # fmt: skip
         return reqs
 
-    def trainer(self) -> Trainer:
-        return Trainer(accelerator=self.device.type, devices=1, precision="bf16-true", logger=False,
-                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-
-    def trainer_predict(self, module: Code2WavModule, reqs: dict[str, torch.Tensor]) -> tuple[float, dict, float]:
+    def trainer_predict(self, module: Code2WavModule, reqs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """One ``trainer.predict`` of the default Trainer (a clock callback added to read the batch time)."""
         datamodule = CodesDataModule(predict=reqs, batch_size=self.args.batch)
-        trainer = self.trainer()
+        clock = Clock()
+        trainer = Trainer(accelerator=self.device.type, devices=1, precision="bf16-true", logger=False,
+                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          callbacks=[clock])  # fmt: skip
         peak_reset(self.device)
         start = time.perf_counter()
         preds = trainer.predict(module, datamodule=datamodule)
         seconds = time.perf_counter() - start
         wavs = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
-        return seconds, wavs, peak_gib(self.device)
+        return {"seconds": seconds, "batches_s": clock.seconds, "wavs": wavs, "peak_gib": peak_gib(self.device),
+                "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
 
     def shapes_and_padding(self, lengths: list[int]) -> dict[str, Any]:
         """What the default datamodule's batches cost in padding, before and after the buckets."""
@@ -250,21 +294,27 @@ class Bench:
         out.update(self.shapes_and_padding(lengths))
         # ours: the default Trainer; a fresh fp32 copy that the Trainer moves and casts (bf16-true)
         module = Code2WavModule(model=self.fresh_ours())
-        cold, wavs, _ = self.trainer_predict(module, reqs)
-        warm = []
-        for _ in range(self.args.e2e_repeats):
-            seconds, wavs, peak = self.trainer_predict(module, reqs)
-            warm.append(seconds)
+        cold = self.trainer_predict(module, reqs)
+        runs = [self.trainer_predict(module, reqs) for _ in range(self.args.e2e_repeats)]
+        warm = statistics.median(r["seconds"] for r in runs)
+        warm_batches = statistics.median(r["batches_s"] for r in runs)
         stats = module.graph_decoder.stats if module.graph_decoder is not None else None
-        out["ours"] = {"cold_s": cold, "warm_s": statistics.median(warm), "warm_runs": warm,
-                       "x_realtime": audio / statistics.median(warm), "cold_x_realtime": audio / cold,
-                       "cold_overhead_s": cold - statistics.median(warm), "peak_gib": peak,
+        out["ours"] = {"cold_s": cold["seconds"], "warm_s": warm, "warm_runs": [r["seconds"] for r in runs],
+                       "x_realtime": audio / warm, "cold_x_realtime": audio / cold["seconds"],
+                       "cold_overhead_s": cold["seconds"] - warm, "warm_batches_s": warm_batches,
+                       "x_realtime_batches": audio / warm_batches, "peak_gib": runs[-1]["peak_gib"],
+                       "peak_reserved_gib": runs[-1]["peak_reserved_gib"],
+                       "cold_peak_reserved_gib": cold["peak_reserved_gib"],
                        "graphs": len(module.graph_decoder.graphs) if stats else 0,
-                       "capture_s": stats.capture_s if stats else None,
+                       "captures": stats.captures if stats else 0, "capture_s": stats.capture_s if stats else None,
                        "eager_forwards": stats.eager if stats else None}  # fmt: skip
-        print(f"  e2e ours: {out['ours']['x_realtime']:,.0f}x warm, cold {cold:.1f} s", file=sys.stderr, flush=True)
-        out["equality"] = self.equality(reqs, wavs)
-        del module, wavs
+        print(f"  e2e ours: {out['ours']['x_realtime']:,.0f}x warm ({out['ours']['x_realtime_batches']:,.0f}x "
+              f"batches only), cold {cold['seconds']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+        out["equality"] = self.equality(reqs, runs[-1]["wavs"])
+        if module.graph_decoder is not None:
+            module.graph_decoder.close()
+        del module, runs, cold
+        free_memory()
         out["transformers"] = self.plain_loop(reqs, audio)
         out["ours_over_transformers"] = out["ours"]["x_realtime"] / out["transformers"]["x_realtime"]
         return out
@@ -301,7 +351,7 @@ class Bench:
         warm = timed(run, self.device)
         print(f"  e2e transformers: {audio / warm:,.0f}x warm, cold {cold:.1f} s", file=sys.stderr, flush=True)
         return {"cold_s": cold, "warm_s": warm, "x_realtime": audio / warm, "cold_x_realtime": audio / cold,
-                "peak_gib": peak_gib(self.device)}  # fmt: skip
+                "peak_gib": peak_gib(self.device), "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
 
     # --- one long request ----------------------------------------------------------------------
 
@@ -311,10 +361,15 @@ class Bench:
         audio = self.audio_s(frames)
         module = Code2WavModule(model=self.fresh_ours())
         self.trainer_predict(module, {"long": codes})  # cold: captures the chunk buckets
-        seconds, _, peak = self.trainer_predict(module, {"long": codes})
-        ours = {"seconds": seconds, "x_realtime": audio / seconds, "peak_gib": peak,
+        run = self.trainer_predict(module, {"long": codes})
+        ours = {"seconds": run["seconds"], "x_realtime": audio / run["seconds"], "peak_gib": run["peak_gib"],
+                "peak_reserved_gib": run["peak_reserved_gib"], "batches_s": run["batches_s"],
+                "x_realtime_batches": audio / run["batches_s"],
                 "chunk_size": module.chunk_size, "left_context": module.left_context}  # fmt: skip
-        del module
+        if module.graph_decoder is not None:
+            module.graph_decoder.close()
+        del module, run
+        free_memory()
 
         def theirs() -> None:
             with torch.inference_mode():
@@ -323,7 +378,8 @@ class Bench:
         theirs()
         peak_reset(self.device)
         t = timed(theirs, self.device)
-        ref = {"seconds": t, "x_realtime": audio / t, "peak_gib": peak_gib(self.device)}
+        ref = {"seconds": t, "x_realtime": audio / t, "peak_gib": peak_gib(self.device),
+               "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
         return {"request_s": self.args.long_s, "ours (Trainer, chunked)": ours, "transformers chunked_decode": ref}
 
     # --- profile -------------------------------------------------------------------------------
@@ -362,7 +418,7 @@ def print_tables(results: dict[str, Any]) -> None:
         print("| output | rel L2 | mel distance | max abs |\n|---|---|---|---|")
         for name, r in f["rows"].items():
             print(f"| {name} | {r['rel_l2']:.2e} | {r['mel_distance']:.4f} | {r['max_abs']:.2e} |")
-    for key in ("fwd", "lat1"):
+    for key in ("fwd", "lat1", "compile"):
         if key in results:
             print(f"\n{key}: batches of 10 s clips, median; first call includes capture/compile")
             print("| impl | batch | x real time | ms | first call (s) |\n|---|---|---|---|---|")
@@ -375,11 +431,14 @@ def print_tables(results: dict[str, Any]) -> None:
               f"{e['batches']} batches, {e['distinct_batch_shapes']} distinct batch shapes -> "
               f"{e['distinct_buckets']} buckets; padding {e['padding_in_batch']:.1%} in batch, "
               f"{e['padding_with_buckets']:.1%} with buckets")  # fmt: skip
-        print("| impl | warm x real time | warm (s) | cold (s) | peak GiB |\n|---|---|---|---|---|")
+        print("| impl | warm x real time | warm (s) | cold (s) | peak GiB alloc / reserved |\n|---|---|---|---|---|")
         for name in ("ours", "transformers"):
             r = e[name]
-            peak = f"{r['peak_gib']:.2f}" if r["peak_gib"] is not None else "-"
+            peak = f"{r['peak_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if r["peak_gib"] is not None else "-"
             print(f"| {name} | {r['x_realtime']:,.0f} | {r['warm_s']:.2f} | {r['cold_s']:.2f} | {peak} |")
+        o = e["ours"]
+        print(f"ours batches only (first batch to last output): {o['x_realtime_batches']:,.0f}x; "
+              f"{o['captures']} captures in {o['capture_s'] or 0:.2f} s")  # fmt: skip
         q = e["equality"]
         print(f"ours/transformers {e['ours_over_transformers']:.2f}x; equality vs solo ({q['checked']} requests): "
               f"max rel L2 {q['max_rel_l2']:.2e}, max abs {q['max_abs']:.2e}")  # fmt: skip
@@ -388,8 +447,8 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"\nlong: one {lg['request_s']:g} s request")
         for name in ("ours (Trainer, chunked)", "transformers chunked_decode"):
             r = lg[name]
-            peak = f"{r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "-"
-            print(f"  {name}: {r['x_realtime']:,.0f}x, {r['seconds']:.2f} s, peak {peak}")
+            peak = f"{r['peak_gib']:.2f} / {r['peak_reserved_gib']:.2f} GiB" if r["peak_gib"] is not None else "-"
+            print(f"  {name}: {r['x_realtime']:,.0f}x, {r['seconds']:.2f} s, peak alloc / reserved {peak}")
     if "profile" in results:
         p = results["profile"]
         print(f"\nprofile: ours eager, batch 32 of 10 s: {p['kernel_ms']:.1f} ms of kernels, "
@@ -413,7 +472,6 @@ def main() -> None:
     parser.add_argument("--check-requests", type=int, default=96, help="requests compared with solo decodes")
     parser.add_argument("--fwd-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--compile-batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--latency-repeats", type=int, default=20)
@@ -436,6 +494,7 @@ def main() -> None:
             bench.results[section] = getattr(bench, section)()
             bench.results[section]["section_s"] = time.perf_counter() - start
             bench.save()
+            free_memory()
             print(f"  section {section}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     print_tables(bench.results)
 

@@ -43,8 +43,8 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
     assert sorted(got) == sorted(reqs)
     graphs = module.graph_decoder
     assert graphs is not None and graphs.stats.captures == len(graphs.graphs) >= 1
-    assert graphs.stats.replays + graphs.stats.captures == len(preds) and graphs.stats.eager == 0
-    model = module.model  # on the GPU in the trainer's dtype now
+    assert graphs.stats.replays >= 1 and graphs.stats.eager == 0
+    model = module.model.cuda()  # in the trainer's dtype; Lightning moved it back to the CPU
     worst = 0.0
     with torch.inference_mode():
         for req_id, codes in reqs.items():
@@ -56,10 +56,12 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
     # bf16: other shapes pick other kernels, so roundings differ; a misplaced or mistrimmed request
     # would be off by ~100 %
     assert worst <= (1e-4 if precision == "32-true" else 2e-2), worst
-    # a second predict replays the graphs it has and captures no bucket twice
-    captures = graphs.stats.captures
+    # a second predict (the module moved to the CPU and back in between) replays the graphs it has
+    captures, replays = graphs.stats.captures, graphs.stats.replays
     again = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
-    assert graphs.stats.captures == captures and len(again) == len(preds)
+    assert graphs.stats.captures == captures and graphs.stats.replays == replays + len(again)
+    second = {r: o.pooler_output[i]["model_outputs"] for o in again for i, r in enumerate(o.req_ids)}
+    assert max(rel_l2(second[r], got[r]) for r in reqs) <= (1e-5 if precision == "32-true" else 2e-2)
 
 
 @cuda

@@ -1,9 +1,9 @@
 """``CUDAGraphDecoder``: Code2Wav forwards replayed from CUDA graphs, one per (batch, frames) bucket.
 
 Real jobs have about as many distinct lengths as requests, and every per-shape cost (cuDNN plans,
-Triton specializations, a graph capture) would otherwise be paid again and again. So a batch
-``[B, Q, T]`` is padded up to a bucket: ``B`` to the next of ``ShapeBuckets.batches`` (1, 2, 4, ...,
-64) and ``T`` to the next of ``ShapeBuckets.frames`` (every 25 frames, 2 s, up to 400, then 500 ...
+Triton specializations, a graph capture) would otherwise be paid again and again. So a batch ``[B,
+Q, T]`` is padded up to a bucket: ``B`` to the next of ``ShapeBuckets.batches`` (1, 2, 4, ..., 64)
+and ``T`` to the next of ``ShapeBuckets.frames`` (every 25 frames, 2 s, up to 400, then 500 ...
 1500). Padding is exact: a request's first ``output_length(T)`` samples depend on its own first
 ``T`` frames only (the model is causal up to one trimmed frame of look-ahead, and batch rows never
 mix), so the pad frames and pad rows are cut off and change nothing.
@@ -11,30 +11,31 @@ mix), so the pad frames and pad rows are cut off and change nothing.
 Graphs are bound to the addresses of the weights they read, and Lightning moves the module to the
 GPU at the start of every ``predict`` (new tensors) and back to the CPU at its end. So the decoder
 keeps the GPU tensors its graphs were captured with, and :meth:`refresh` (the module calls it at
-every predict start) copies the model's current weights into them and points the model's
-parameters and buffers back at them (``.data``): graphs survive from one predict call to the next,
-always read the current weights (after fine-tuning too), and the weights are on the GPU once
-while predicting. Between predict calls the decoder holds that set of weights and its graphs on
-the GPU; ``close()`` frees them.
+every predict start) copies the model's current weights into them and points the model's parameters
+and buffers back at them (``.data``): graphs survive from one predict call to the next, always read
+the current weights (after fine-tuning too), and the weights are on the GPU once while predicting.
+Between predict calls the decoder holds that set of weights and its graphs on the GPU; ``close()``
+frees them.
 
 The first batch of a batch-size bucket first captures that batch size's largest frame bucket up to
 ``warm_frames`` (on its own codes, repeated to that length: valid codes), then its own bucket: the
 captures of that batch size then fit in the memory the largest one left in the shared pool, so the
 pool holds about one eager peak instead of the sum of every capture's peak (captured in growing
-order, as a length-sorted job would, they took 110 GB for eleven buckets of batch 32). Each capture runs the forward eagerly once
-at the bucket's shape first (which warms cuDNN, cuBLAS and Triton for that shape), and the
-first batch's result is that eager run's. Later batches of the bucket copy their codes into the
-static input, replay, and copy the trimmed output out (the next replay overwrites the static
-output, while the asynchronous host copy of this step may still read it). Every graph allocates
-from one shared memory pool, through PyTorch's caching allocator, so graph memory counts against
-``torch.cuda.set_per_process_memory_fraction`` (``gpu_memory_utilization``). Shapes outside the
-buckets (more than 64 requests, more than 1500 frames, or more than ``max_elements`` padded frames
-in a batch) run eagerly at their own shape. A capture that runs out of memory leaves its bucket
-eager. ``capture`` replaces ``torch.cuda.graph``; the tests pass a stand-in that records the
-callable, to run the bucket, buffer and fallback logic on a CPU.
+order, as a length-sorted job would, they took 110 GB for eleven buckets of batch 32). Each capture
+runs the forward eagerly once at the bucket's shape first (which warms cuDNN, cuBLAS and Triton for
+that shape), and the first batch's result is that eager run's. Later batches of the bucket copy
+their codes into the static input, replay, and copy the trimmed output out (the next replay
+overwrites the static output, while the asynchronous host copy of this step may still read it).
+Every graph allocates from one shared memory pool, through PyTorch's caching allocator, so graph
+memory counts against ``torch.cuda.set_per_process_memory_fraction`` (``gpu_memory_utilization``).
+Shapes outside the buckets (more than 64 requests, more than 1500 frames, or more than
+``max_elements`` padded frames in a batch) run eagerly at their own shape. A capture that runs out
+of memory leaves its bucket eager. ``capture`` replaces ``torch.cuda.graph``; the tests pass a
+stand-in that records the callable, to run the bucket, buffer and fallback logic on a CPU.
 
 Not done: graphs are not shared across processes, and nothing is captured ahead of the data (a
-capture needs valid codes and the shapes a job will use; the first batch of each bucket brings both).
+capture needs valid codes and the shapes a job will use; the first batch of each bucket brings
+both).
 """
 
 from __future__ import annotations
