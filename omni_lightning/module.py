@@ -13,6 +13,7 @@ import torch
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
+from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
 from omni_lightning.runner.output import MultimodalOutputs
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
@@ -40,6 +41,11 @@ class Code2WavModule(pl.LightningModule):
     fit the model holds the EMA weights, ``use_ema(False)`` the raw ones. Evaluation: metrics are
     logged here (``evaluation/metrics.py``); the W&B run config and media by
     ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
+
+    ``fast_path`` (default True): on CUDA, predict pads batches to shape buckets and replays CUDA
+    graphs captured per bucket (``models/cuda_graphs.py``); outputs equal the eager path's up to
+    rounding. False: every batch runs eagerly at its own shape. CPU predict is always eager (no
+    graphs there, and bucket padding would only add work).
     """
 
     def __init__(
@@ -50,6 +56,7 @@ class Code2WavModule(pl.LightningModule):
         max_frames_per_request: int = 1500,
         chunk_size: int = 300,
         left_context: int = 25,
+        fast_path: bool = True,
         # fine-tuning
         learning_rate: float = 1e-4,
         betas: tuple[float, float] = (0.8, 0.99),
@@ -82,6 +89,8 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
+        self.fast_path = fast_path
+        self.graph_decoder: CUDAGraphDecoder | None = None  # made at the first CUDA predict
         freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = Discriminators() if adversarial else None
@@ -133,6 +142,34 @@ class Code2WavModule(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _prepare_fast_path(self) -> None:
+        if not self.fast_path:
+            return
+        if self.device.type == "cuda" and (self.graph_decoder is None or self.graph_decoder.model is not self.model):
+            self.graph_decoder = CUDAGraphDecoder(self.model, out_dtype=torch.float32)
+        if self.graph_decoder is not None:
+            self.graph_decoder.refresh()  # after a move or cast since the last predict: recapture
+            self._graph_stats_start = (self.graph_decoder.stats.captures, self.graph_decoder.stats.capture_s)
+
+    def _report_fast_path(self) -> None:
+        if self.graph_decoder is None or not self.fast_path:
+            return
+        from lightning.pytorch.utilities import rank_zero_info
+
+        stats = self.graph_decoder.stats
+        captures, seconds = self._graph_stats_start
+        if stats.captures > captures:
+            rank_zero_info(
+                f"CUDA graphs: captured {stats.captures - captures} bucket(s) in {stats.capture_s - seconds:.2f} s "
+                f"({len(self.graph_decoder.graphs)} held, {stats.replays} replays, {stats.eager} eager forwards)"
+            )
+
+    def on_predict_start(self) -> None:
+        self._prepare_fast_path()
+
+    def on_predict_end(self) -> None:
+        self._report_fast_path()
+
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
         return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
@@ -143,18 +180,20 @@ class Code2WavModule(pl.LightningModule):
         if n_frames is None:
             n_frames = self.on_before_batch_transfer(batch, 0)["n_frames"]
         codes = batch["codes"]
+        forward = self.graph_decoder if self.fast_path and self.graph_decoder is not None else None
         wavs: list[torch.Tensor | None] = [None] * len(n_frames)
         short = [i for i, n in enumerate(n_frames) if n <= self.max_frames_per_request]
         if short:
             # row slices and cat, not an index tensor: nothing here waits for the device
             sub = codes if len(short) == len(n_frames) else torch.cat([codes[i : i + 1] for i in short])
             sub = sub[..., : max(n_frames[i] for i in short)]
-            for i, wav in zip(short, self.model.decode(sub, [n_frames[i] for i in short], validate=False)):
+            lengths = [n_frames[i] for i in short]
+            for i, wav in zip(short, self.model.decode(sub, lengths, validate=False, forward=forward)):
                 wavs[i] = wav
         for i, n in enumerate(n_frames):
             if wavs[i] is None:
                 wavs[i] = self.model.chunked_decode(
-                    codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False
+                    codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False, forward=forward
                 )[0]
         return [w.float() for w in wavs]
 

@@ -42,3 +42,33 @@ def test_cuda_model_matches_transformers_and_unfused(monkeypatch):
         batched = model.decode(codes, torch.tensor(lengths))
         for i, n in enumerate(lengths):
             assert (batched[i] - model(codes[i : i + 1, :, :n])[0]).abs().max() <= 1e-4
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_time_major_snake_beta_adds_the_bias_on_any_strides(dtype):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for channels in (96, 40):
+        base = torch.randn(3, 5000, channels, device="cuda", generator=gen).to(dtype) * 4
+        for x in (base[:, 7:4007], base.transpose(1, 2).contiguous().transpose(1, 2)[:, :4000]):
+            log_alpha, log_beta, bias = (torch.randn(channels, device="cuda", generator=gen) * 0.3 for _ in range(3))
+            y = fused.snake_beta_tc(x, log_alpha, log_beta, bias)
+            xf = x.float() + bias
+            want = xf + torch.sin(xf * log_alpha.exp()) ** 2 / (log_beta.exp() + 1e-9)
+            assert y.is_contiguous() and y.dtype == dtype and y.shape == x.shape
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            assert (y.float() - want).abs().max() <= tol * want.abs().max()
+
+
+@cuda
+def test_fast_decoder_matches_the_layers_on_cuda(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = random_model("tiny", seed=3).cuda()
+    codes = random_codes(3, 40, seed=2).cuda()
+    with torch.inference_mode():
+        fast = model(codes)
+        model.fast_decoder = False
+        layers = model(codes)
+        model.fast_decoder = True
+    assert (fast - layers).abs().max() <= 1e-4

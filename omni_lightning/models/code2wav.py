@@ -12,12 +12,13 @@ why a right-padded batch gives each request exactly what it gives alone, and why
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from omni_lightning.models import fused
 from omni_lightning.models.codes import validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
@@ -54,6 +55,8 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(config.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
+        # inference on CUDA: the channels-last decoder with folded biases (models/fast_decoder.py)
+        self.fast_decoder = True
 
     def _code_offset(self, device: torch.device | None = None) -> torch.Tensor:
         q = self.config.num_quantizers
@@ -69,10 +72,11 @@ class Code2Wav(nn.Module):
         return self.config.sample_rate
 
     def set_fused_kernels(self, enabled: bool) -> Code2Wav:
-        """Turns the fused CUDA inference kernels on or off (they are on by default)."""
+        """Turns the fused CUDA inference kernels (and the decoder built on them) on or off (on by default)."""
         for module in self.modules():
             if isinstance(module, SnakeBeta):
                 module.fused = enabled
+        self.fast_decoder = enabled
         return self
 
     def output_length(self, n_frames: int) -> int:
@@ -84,8 +88,13 @@ class Code2Wav(nn.Module):
         for stage in self.upsample:
             for layer in stage:
                 h = layer(h)
-        for layer in self.decoder:
-            h = layer(h)
+        if self.fast_decoder and h.is_cuda and not torch.is_grad_enabled() and fused.triton_available():
+            from omni_lightning.models.fast_decoder import decoder_forward
+
+            h = decoder_forward(self.decoder, h)
+        else:
+            for layer in self.decoder:
+                h = layer(h)
         return h.clamp(-1.0, 1.0)
 
     def decode(
@@ -94,12 +103,14 @@ class Code2Wav(nn.Module):
         lengths: torch.Tensor | Sequence[int] | None = None,
         req_ids: Sequence[str] | None = None,
         validate: bool = True,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Decodes a right-padded batch; request i's waveform ``[1, output_length(lengths[i])]``.
 
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
         validated on the CPU already (the check on a GPU tensor synchronizes the device).
+        ``forward`` replaces ``self`` for the forward pass (a ``CUDAGraphDecoder``, say).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
@@ -111,7 +122,7 @@ class Code2Wav(nn.Module):
             # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
             # into the codebook on the device (building a pad mask would wait for a host copy)
             codes = codes.clamp(0, self.config.codebook_size - 1)
-        wav = self(codes)
+        wav = (forward or self)(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 
     def chunked_decode(
@@ -120,13 +131,14 @@ class Code2Wav(nn.Module):
         chunk_size: int = 300,
         left_context: int = 25,
         validate: bool = True,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Decodes ``[B, Q, T]`` in chunks of ``chunk_size`` frames with bounded peak memory.
 
         Each chunk is decoded with up to ``left_context`` frames before it. Unlike transformers'
         ``chunked_decode``, which drops each chunk's last ``tail`` samples, the chunk after it
         re-decodes them from its left context, so the result has ``output_length(T)`` samples with
-        no gaps, and equals a full decode when ``left_context >= T``.
+        no gaps, and equals a full decode when ``left_context >= T``. ``forward`` as in ``decode``.
         """
         if validate:
             validate_codes(codes, self.config)
@@ -144,7 +156,7 @@ class Code2Wav(nn.Module):
         for start in range(0, n_frames, chunk_size):
             end = min(start + chunk_size, n_frames)
             context = min(left_context, start)
-            wav = self(codes[..., start - context : end])
+            wav = (forward or self)(codes[..., start - context : end])
             # from absolute sample start*up - tail: the previous chunk's missing tail comes first
             pieces.append(wav[..., context * up - (tail if start else 0) :])
         return torch.cat(pieces, dim=-1)

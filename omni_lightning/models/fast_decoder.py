@@ -1,0 +1,91 @@
+"""The waveform decoder for inference: channels-last activations, no separate bias or residual passes.
+
+What the profile of the layer-by-layer decoder showed on an H200 (docs/performance.md): a quarter
+of the kernel time in the convolutions' separate bias adds and a sixth in cuDNN's NCHW <-> NHWC
+conversions around every convolution. This forward of ``Code2Wav.decoder`` (same parameters, same
+function) avoids both:
+- activations stay time-major ``[B, T, C]``, which is cuDNN's NHWC for a ``[B, C, 1, T]``
+  convolution, so convolutions run as ``conv2d`` on channels-last views with no conversion;
+- no convolution adds its bias: each bias is carried as a pending per-channel vector and added in
+  fp32 inside the next fused SnakeBeta (``fused.snake_beta_tc``), which every convolution output
+  meets first;
+- each residual unit's 1x1 convolution is one GEMM over ``[B*T, C]`` that adds the residual in its
+  epilogue, in place (``addmm_``);
+- transposed convolutions trim their look-ahead with the convolution's own ``padding`` (a crop of
+  the full output), so their output needs no copy.
+Numerically it is the same function in a different order of roundings; ``tests/test_fast_decoder.py``
+checks it against the layer-by-layer forward, and the fidelity guard (``scripts/bench_gpu.py``,
+``tests/test_gpu_predict.py``) against fp32. Not done: the pre-transformer and the ConvNeXt
+upsampler keep the layer-by-layer forward (about 5 % of the FLOPs); autograd never runs here
+(training uses the layers).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omni_lightning.models.fused import snake_beta_tc
+from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, DecoderBlock, SnakeBeta
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    """``[B, T, C]`` (channels contiguous) as the ``[B, C, 1, T]`` channels-last view cuDNN takes."""
+    return x.permute(0, 2, 1).unsqueeze(2)
+
+
+def _time_major(y: torch.Tensor) -> torch.Tensor:
+    return y.squeeze(2).permute(0, 2, 1)
+
+
+def _snake(act: SnakeBeta, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return snake_beta_tc(x, act.alpha, act.beta, bias)
+
+
+def _conv(layer: CausalConv1d, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
+    conv = layer.conv
+    y = F.conv2d(_nhwc(x), conv.weight.unsqueeze(2), conv.bias if bias else None,
+                 padding=(0, layer.left_pad), dilation=(1, conv.dilation[0]), groups=conv.groups)  # fmt: skip
+    return _time_major(y)[:, : x.shape[1]]  # causal: drop the right overhang (a view)
+
+
+def _conv_transpose(layer: CausalConvTranspose1d, x: torch.Tensor) -> torch.Tensor:
+    conv = layer.conv
+    y = F.conv_transpose2d(_nhwc(x), conv.weight.unsqueeze(2), None, stride=(1, conv.stride[0]),
+                           padding=(0, layer.trim))  # fmt: skip
+    return _time_major(y)
+
+
+def _add_pointwise_conv_(x: torch.Tensor, layer: CausalConv1d, h: torch.Tensor) -> torch.Tensor:
+    """``x += conv1x1(h)`` without the bias, as one GEMM with the residual in its epilogue."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    channels = x.shape[-1]
+    weight = layer.conv.weight.view(layer.conv.out_channels, -1)
+    x.view(-1, channels).addmm_(h.reshape(-1, h.shape[-1]), weight.t())
+    return x
+
+
+def _block(block: DecoderBlock, x: torch.Tensor, pending: torch.Tensor | None):
+    """One DecoderBlock on the time-major stream ``x`` whose true value is ``x + pending``."""
+    act, upsample, *units = block.block
+    x = _conv_transpose(upsample, _snake(act, x, pending))
+    pending = upsample.conv.bias.float()
+    for unit in units:
+        h = _conv(unit.conv1, _snake(unit.act1, x, pending))
+        h = _snake(unit.act2, h, unit.conv1.conv.bias)
+        x = _add_pointwise_conv_(x, unit.conv2, h)
+        pending = pending + unit.conv2.conv.bias.float()
+    return x, pending
+
+
+def decoder_forward(decoder: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+    """``Code2Wav.decoder`` on ``h [B, hidden, T]``: ``[B, 1, output]`` before the clamp."""
+    first, *blocks, last_act, last_conv = decoder
+    x = _conv(first, h.transpose(1, 2).contiguous())
+    pending = first.conv.bias.float()
+    for block in blocks:
+        x, pending = _block(block, x, pending)
+    y = _conv(last_conv, _snake(last_act, x, pending), bias=True)
+    return y.permute(0, 2, 1)

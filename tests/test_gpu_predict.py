@@ -1,0 +1,86 @@
+"""The default GPU predict path on a real mixed-length job, and its bf16 fidelity (skipped without CUDA).
+
+Run on an H200 through the device tool (docs/performance.md). The default ``omni_lightning.Trainer``
+(async host copies on) and ``Code2WavModule`` (fast path on: shape buckets + CUDA graphs, the
+channels-last decoder) are what is tested, with nothing switched on or off.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import random_codes, random_model, reference_model
+
+from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
+from omni_lightning.callbacks import AsyncD2HCallback
+from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def no_tf32(monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+
+def rel_l2(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@cuda
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
+    rng = random.Random(precision)
+    lengths = [rng.randint(25, 375) for _ in range(40)]  # 2-30 s, random
+    reqs = {f"req {i}/x": random_codes(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)}
+    module = Code2WavModule(model=random_model("tiny", seed=11))
+    trainer = Trainer(accelerator="gpu", devices=1, precision=precision, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    assert any(isinstance(cb, AsyncD2HCallback) for cb in trainer.callbacks)
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    assert sorted(got) == sorted(reqs)
+    graphs = module.graph_decoder
+    assert graphs is not None and graphs.stats.captures == len(graphs.graphs) >= 1
+    assert graphs.stats.replays >= 1 and graphs.stats.eager == 0
+    model = module.model.cuda()  # in the trainer's dtype; Lightning moved it back to the CPU
+    worst = 0.0
+    with torch.inference_mode():
+        for req_id, codes in reqs.items():
+            alone = model(codes[None].cuda())[0].float().cpu()  # eager, this request's own shape
+            assert got[req_id].shape == alone.shape and got[req_id].device.type == "cpu"
+            if precision == "32-true":
+                assert (got[req_id] - alone).abs().max() <= 1e-4, req_id
+            worst = max(worst, rel_l2(got[req_id], alone))
+    # bf16: other shapes pick other kernels, so roundings differ; a misplaced or mistrimmed request
+    # would be off by ~100 %
+    assert worst <= (1e-4 if precision == "32-true" else 2e-2), worst
+    # a second predict (the module moved to the CPU and back in between) replays the graphs it has
+    captures, replays = graphs.stats.captures, graphs.stats.replays
+    again = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
+    assert graphs.stats.captures == captures and graphs.stats.replays == replays + len(again)
+    second = {r: o.pooler_output[i]["model_outputs"] for o in again for i, r in enumerate(o.req_ids)}
+    assert max(rel_l2(second[r], got[r]) for r in reqs) <= (1e-5 if precision == "32-true" else 2e-2)
+
+
+@cuda
+def test_bf16_fidelity_guard_against_transformers_bf16(no_tf32):
+    from omni_lightning.training.losses import MultiResolutionMelLoss
+
+    base = random_model("qwen3-omni", seed=0)
+    codes = random_codes(4, 125, base.config, seed=5).cuda()  # four 10 s clips
+    with torch.inference_mode():
+        want = reference_model(base).cuda()(codes).float()  # fp32, TF32 off
+        theirs = reference_model(base).cuda().to(torch.bfloat16)(codes).float()
+        ours_model = Code2Wav(base.config).cuda().to(torch.bfloat16).eval()
+        ours_model.load_state_dict(base.state_dict())
+        graphs = CUDAGraphDecoder(ours_model)
+        graphs(codes)  # captures
+        ours = graphs(codes).float()  # the default predict path: a graph replay
+    assert graphs.stats.replays == 1
+    mel = MultiResolutionMelLoss(base.config.sample_rate).cuda()
+    ours_err, theirs_err = rel_l2(ours, want), rel_l2(theirs, want)
+    ours_mel, theirs_mel = float(mel(ours[:, 0], want[:, 0])), float(mel(theirs[:, 0], want[:, 0]))
+    assert ours_err <= theirs_err, (ours_err, theirs_err)
+    assert ours_mel <= theirs_mel, (ours_mel, theirs_mel)
