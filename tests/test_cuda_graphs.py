@@ -48,7 +48,7 @@ def test_random_batches_equal_solo_decodes_with_bounded_shapes(model):
     capture = RecordingCapture()
     graphs = CUDAGraphDecoder(model, BUCKETS, capture=capture)
     rng = random.Random(0)
-    for step in range(8):
+    for step in range(5):
         batch = rng.randint(1, 4)
         lengths = [rng.randint(1, 24) for _ in range(batch)]
         codes = random_codes(batch, max(lengths), model.config, seed=step)
