@@ -128,7 +128,8 @@ def test_refresh_puts_moved_weights_back_where_the_graphs_read_them():
         assert graphs(codes).dtype == torch.float64 and graphs.stats.captures == 4
 
 
-def test_trainer_predict_through_the_graph_decoder_equals_solo_decodes(model):
+def test_trainer_predict_through_the_graph_decoder_equals_solo_decodes():
+    model = random_model(micro_config(), seed=9)  # its own: this test changes a weight
     rng = random.Random(3)
     lengths = [rng.randint(1, 24) for _ in range(9)] + [40]  # the last one is chunked (max 24 frames)
     reqs = requests(lengths, seed=60)
@@ -145,6 +146,17 @@ def test_trainer_predict_through_the_graph_decoder_equals_solo_decodes(model):
             with torch.inference_mode():
                 want = model.chunked_decode(codes[None], 16, 8)[0]
         assert got[req_id].shape == want.shape and (got[req_id] - want).abs().max() <= 1e-5
+    # between predict calls Lightning moves the module away and back (new tensors; on a GPU it is
+    # .cpu() then .to("cuda")); here that is a clone, with a weight changed as fine-tuning would
+    captures = stats.captures
+    model._apply(lambda t: t.clone())
+    model.decoder[-1].conv.bias.data.add_(0.1)
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 4))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    assert stats.captures == captures  # the graphs were kept, and read the new weights
+    for (req_id, codes), n in zip(reqs.items(), lengths):
+        if n <= 24:
+            assert (got[req_id] - solo(model, codes, n)).abs().max() <= 1e-5
     # fast_path=False: the same module runs eagerly, the graph decoder untouched
     module.fast_path = False
     replays = stats.replays
