@@ -44,8 +44,10 @@ class Code2WavModule(pl.LightningModule):
 
     ``fast_path`` (default True): on CUDA, predict pads batches to shape buckets and replays CUDA
     graphs captured per bucket (``models/cuda_graphs.py``); outputs equal the eager path's up to
-    rounding. False: every batch runs eagerly at its own shape. CPU predict is always eager (no
-    graphs there, and bucket padding would only add work).
+    rounding. The graphs (and the GPU copy of the weights they read) stay on the GPU between
+    predict calls, so each bucket is captured once per process; ``graph_decoder.close()`` frees
+    them. False: every batch runs eagerly at its own shape. CPU predict is always eager (no graphs
+    there, and bucket padding would only add work).
     """
 
     def __init__(
