@@ -42,12 +42,7 @@ class Code2WavModule(pl.LightningModule):
     logged here (``evaluation/metrics.py``); the W&B run config and media by
     ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
 
-    ``fast_path`` (default True): on CUDA, predict pads batches to shape buckets and replays CUDA
-    graphs captured per bucket (``models/cuda_graphs.py``); outputs equal the eager path's up to
-    rounding. The graphs (and the GPU copy of the weights they read) stay on the GPU between
-    predict calls, so each bucket is captured once per process; ``graph_decoder.close()`` frees
-    them. False: every batch runs eagerly at its own shape. CPU predict is always eager (no graphs
-    there, and bucket padding would only add work).
+    ``fast_path``: CUDA predict in shape buckets through CUDA graphs (``models/cuda_graphs.py``).
     """
 
     def __init__(
@@ -91,8 +86,7 @@ class Code2WavModule(pl.LightningModule):
         self.max_frames_per_request = max_frames_per_request
         self.chunk_size = chunk_size
         self.left_context = left_context
-        self.fast_path = fast_path
-        self.graph_decoder: CUDAGraphDecoder | None = None  # made at the first CUDA predict
+        self.fast_path, self.graph_decoder = fast_path, None  # a CUDAGraphDecoder from the first CUDA predict
         freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = Discriminators() if adversarial else None
@@ -144,33 +138,13 @@ class Code2WavModule(pl.LightningModule):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _prepare_fast_path(self) -> None:
-        if not self.fast_path:
-            return
-        if self.device.type == "cuda" and (self.graph_decoder is None or self.graph_decoder.model is not self.model):
-            self.graph_decoder = CUDAGraphDecoder(self.model, out_dtype=torch.float32)
-        if self.graph_decoder is not None:
-            self.graph_decoder.refresh()  # after a move or cast since the last predict: recapture
-            self._graph_stats_start = (self.graph_decoder.stats.captures, self.graph_decoder.stats.capture_s)
-
-    def _report_fast_path(self) -> None:
-        if self.graph_decoder is None or not self.fast_path:
-            return
-        from lightning.pytorch.utilities import rank_zero_info
-
-        stats = self.graph_decoder.stats
-        captures, seconds = self._graph_stats_start
-        if stats.captures > captures:
-            rank_zero_info(
-                f"CUDA graphs: captured {stats.captures - captures} bucket(s) in {stats.capture_s - seconds:.2f} s "
-                f"({len(self.graph_decoder.graphs)} held, {stats.replays} replays, {stats.eager} eager forwards)"
-            )
-
     def on_predict_start(self) -> None:
-        self._prepare_fast_path()
+        if self.fast_path:  # the CUDA graph decoder (models/cuda_graphs.py), its weights refreshed
+            self.graph_decoder = CUDAGraphDecoder.for_predict(self.graph_decoder, self.model, self.device)
 
     def on_predict_end(self) -> None:
-        self._report_fast_path()
+        if self.fast_path and self.graph_decoder is not None and (line := self.graph_decoder.report()):
+            pl.utilities.rank_zero_info(line)
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
@@ -178,25 +152,9 @@ class Code2WavModule(pl.LightningModule):
 
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""
-        n_frames = batch.get("n_frames")
-        if n_frames is None:
-            n_frames = self.on_before_batch_transfer(batch, 0)["n_frames"]
-        codes = batch["codes"]
-        forward = self.graph_decoder if self.fast_path and self.graph_decoder is not None else None
-        wavs: list[torch.Tensor | None] = [None] * len(n_frames)
-        short = [i for i, n in enumerate(n_frames) if n <= self.max_frames_per_request]
-        if short:
-            # row slices and cat, not an index tensor: nothing here waits for the device
-            sub = codes if len(short) == len(n_frames) else torch.cat([codes[i : i + 1] for i in short])
-            sub = sub[..., : max(n_frames[i] for i in short)]
-            lengths = [n_frames[i] for i in short]
-            for i, wav in zip(short, self.model.decode(sub, lengths, validate=False, forward=forward)):
-                wavs[i] = wav
-        for i, n in enumerate(n_frames):
-            if wavs[i] is None:
-                wavs[i] = self.model.chunked_decode(
-                    codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False, forward=forward
-                )[0]
+        n_frames = batch.get("n_frames") or self.on_before_batch_transfer(batch, 0)["n_frames"]
+        wavs = self.model.decode_requests(batch["codes"], n_frames, self.max_frames_per_request, self.chunk_size,
+                                          self.left_context, self.graph_decoder if self.fast_path else None)
         return [w.float() for w in wavs]
 
     # --- streaming ---------------------------------------------------------------------------------

@@ -125,6 +125,32 @@ class Code2Wav(nn.Module):
         wav = (forward or self)(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 
+    def decode_requests(
+        self,
+        codes: torch.Tensor,
+        n_frames: Sequence[int],
+        max_frames: int,
+        chunk_size: int = 300,
+        left_context: int = 25,
+        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        """A validated right-padded batch, request by request: those of at most ``max_frames`` frames
+        decoded together (``decode``), longer ones alone with ``chunked_decode``; in request order."""
+        wavs: list[torch.Tensor | None] = [None] * len(n_frames)
+        short = [i for i, n in enumerate(n_frames) if n <= max_frames]
+        if short:
+            # row slices and cat, not an index tensor: nothing here waits for the device
+            sub = codes if len(short) == len(n_frames) else torch.cat([codes[i : i + 1] for i in short])
+            sub = sub[..., : max(n_frames[i] for i in short)]
+            lengths = [n_frames[i] for i in short]
+            for i, wav in zip(short, self.decode(sub, lengths, validate=False, forward=forward)):
+                wavs[i] = wav
+        for i, n in enumerate(n_frames):
+            if wavs[i] is None:
+                chunks = self.chunked_decode(codes[i : i + 1, :, :n], chunk_size, left_context, False, forward)
+                wavs[i] = chunks[0]
+        return wavs
+
     def chunked_decode(
         self,
         codes: torch.Tensor,

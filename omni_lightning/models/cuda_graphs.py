@@ -139,6 +139,28 @@ class CUDAGraphDecoder:
         self._bound: list[torch.Tensor] | None = None  # the weights the graphs read (module docstring)
         self._flags = getattr(model, "fast_decoder", None)
 
+    @classmethod
+    def for_predict(
+        cls, decoder: CUDAGraphDecoder | None, model: nn.Module, device: torch.device
+    ) -> CUDAGraphDecoder | None:
+        """The decoder a predict run uses: ``decoder`` if it serves ``model``, else a new one on CUDA
+        (None elsewhere); refreshed, and marked for :meth:`report`."""
+        if decoder is None or decoder.model is not model:
+            decoder = cls(model, out_dtype=torch.float32) if device.type == "cuda" else None
+        if decoder is not None:
+            decoder.refresh()
+            decoder._mark = (decoder.stats.captures, decoder.stats.capture_s)
+        return decoder
+
+    def report(self) -> str | None:
+        """A line on the captures since :meth:`for_predict` marked this decoder; None if none."""
+        captures, seconds = getattr(self, "_mark", (0, 0.0))
+        if self.stats.captures == captures:
+            return None
+        return (f"CUDA graphs: captured {self.stats.captures - captures} bucket(s) in "
+                f"{self.stats.capture_s - seconds:.2f} s ({len(self.graphs)} held, {self.stats.replays} replays, "
+                f"{self.stats.eager} eager forwards)")  # fmt: skip
+
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]
 
