@@ -59,26 +59,26 @@ class EMAWeights(WeightAveraging):
             raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
         super().__init__(use_buffers=False, avg_fn=partial(_lerp, 1.0 - decay))  # a partial pickles
         self.decay = decay
-        self._raw: torch.nn.Module | None = None  # after fit: the raw weights, or the average when they are in
+        self._held: torch.nn.Module | None = None  # after fit: the weights not in the module (raw or average)
         self._average_in = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._raw, self._average_in = None, False  # a new fit averages from the weights it starts with
-            self._device = self._device or trainer.strategy.root_device
+            self._held, self._average_in = None, False  # a new fit averages from the weights it starts with
+            self._device = trainer.strategy.root_device  # where this fit trains
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             self._average_model.float()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _swap(self._average_model.module, pl_module)
-        self._raw, self._average_model, self._average_in = self._average_model.module, None, True
+        self._held, self._average_model, self._average_in = self._average_model.module, None, True
 
     def use_average(self, pl_module: pl.LightningModule, on: bool) -> bool:
         """After fit: the averaged weights (``on``) or the raw ones into ``pl_module``; before, nothing.
         Returns whether the averaged weights were in before."""
         previous = self._average_in
-        if self._raw is not None and on != self._average_in:
-            _swap(self._raw, pl_module)
+        if self._held is not None and on != self._average_in:
+            _swap(self._held, pl_module)
             self._average_in = on
         return previous
