@@ -11,13 +11,13 @@ both, with the update count.
 
 What differs from ``lightning.pytorch.callbacks.EMAWeightAveraging``, and why:
 - the update is ``torch.lerp(average, weight, 1 - decay)``, not ``decay * average + (1 - decay) *
-  weight``: lerp leaves an equal pair bit-identical, so a frozen parameter (``freeze`` /
-  ``train_only``) never drifts by rounding;
-- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and an
-  average of its integer codebook offsets would round them down;
-- the average is float32 on the training device: Lightning builds it in ``setup``, before the
-  strategy moves the module, so by default it would stay on the CPU (a device-to-host copy of every
-  weight each step) and in the module's dtype (a bf16 average barely moves at decay 0.999);
+  weight``: lerp leaves an equal pair bit-identical, the sum does not always (float rounding), and a
+  frozen parameter (``freeze`` / ``train_only``) must not drift;
+- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and the
+  average of its int64 codebook offsets can truncate them (at decay 0.9, 6 of 16 end off by one);
+- the average is float32 whatever the module's dtype: Lightning copies the module as ``setup`` finds
+  it, so a module built in bf16 (``Code2Wav.from_pretrained(dtype=torch.bfloat16)``) would get a bf16
+  average, which barely moves at decay 0.999;
 - at the end of fit the averaged and raw weights are swapped, not copied, so the raw weights can be
   restored; the averaging state is then released, so a later validate, test or ``save_checkpoint``
   sees the module's (averaged) weights as they are.
@@ -59,26 +59,25 @@ class EMAWeights(WeightAveraging):
             raise ValueError(f"ema_decay must be in (0, 1), got {decay}")
         super().__init__(use_buffers=False, avg_fn=partial(_lerp, 1.0 - decay))  # a partial pickles
         self.decay = decay
-        self._raw: torch.nn.Module | None = None  # after fit: the raw weights, or the average when they are in
+        self._held: torch.nn.Module | None = None  # after fit: the weights not in the module (raw or average)
         self._average_in = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._raw, self._average_in = None, False  # a new fit averages from the weights it starts with
-            self._device = self._device or trainer.strategy.root_device
+            self._held, self._average_in = None, False  # a new fit averages from the weights it starts with
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             self._average_model.float()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _swap(self._average_model.module, pl_module)
-        self._raw, self._average_model, self._average_in = self._average_model.module, None, True
+        self._held, self._average_model, self._average_in = self._average_model.module, None, True
 
     def use_average(self, pl_module: pl.LightningModule, on: bool) -> bool:
         """After fit: the averaged weights (``on``) or the raw ones into ``pl_module``; before, nothing.
         Returns whether the averaged weights were in before."""
         previous = self._average_in
-        if self._raw is not None and on != self._average_in:
-            _swap(self._raw, pl_module)
+        if self._held is not None and on != self._average_in:
+            _swap(self._held, pl_module)
             self._average_in = on
         return previous
