@@ -166,7 +166,7 @@ class Code2WavModule(pl.LightningModule):
             if wavs[i] is None:
                 wavs[i] = self.model.chunked_decode(
                     codes[i : i + 1, :, :n], self.chunk_size, self.left_context, validate=False
-                )[0]
+                )
         return [w.float() for w in wavs]
 
     # --- fine-tuning -------------------------------------------------------------------------------
