@@ -31,10 +31,12 @@ class AudioProgressBar(TQDMProgressBar):
         loaders = trainer.predict_dataloaders
         loader = loaders[dataloader_idx] if isinstance(loaders, (list, tuple)) else loaders
         lengths = getattr(getattr(loader, "dataset", None), "lengths", None)
-        batch_sampler = getattr(loader, "batch_sampler", None)
-        if config is None or lengths is None or batch_sampler is None:
+        # the batch sampler's own sampler (this rank's share), never the batch sampler itself: Lightning
+        # wraps that in an object whose iterator is shared with the running loader
+        sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+        if config is None or lengths is None or sampler is None:
             return False
-        indices = [i for batch in batch_sampler for i in batch]
+        indices = list(sampler)
         self._total_s = sum(config.output_length(lengths[i]) for i in indices) / config.sample_rate
         self._total_reqs, self._done_s, self._done_reqs = len(indices), 0.0, 0
         return True

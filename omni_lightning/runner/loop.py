@@ -21,6 +21,7 @@ from lightning.pytorch.loops.prediction_loop import _PredictionLoop
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from omni_lightning.runner.host_memory import release_free_host_memory
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 
@@ -58,6 +59,7 @@ class OmniPredictionLoop(_PredictionLoop):
 
     def on_run_end(self) -> Any:
         self._settle(keep=None)  # every output is on the host before epoch-end writers read them
+        release_free_host_memory()  # what stays resident is the returned predictions (host_memory.py)
         return super().on_run_end()
 
     def teardown(self) -> None:
