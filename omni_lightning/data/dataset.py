@@ -151,6 +151,19 @@ class CodesDataset(Dataset):
         codes = load_codes_file(entry.codes) if isinstance(entry.codes, Path) else entry.codes
         return check_request(codes, self.config, entry.id)
 
+    def _crop_rng(self) -> random.Random:
+        """In a loader worker, a generator seeded by torch's per-worker, per-epoch seed: each worker
+        holds a copy of this dataset, and copies of one generator would crop alike in every worker
+        and every epoch."""
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        if info is None:
+            return self._rng
+        if getattr(self, "_worker_seed", None) != info.seed:
+            self._worker_seed, self._worker_rng = info.seed, random.Random(info.seed)
+        return self._worker_rng
+
     def drop(self, ids: set[str]) -> int:
         """Removes the entries with these ids (a resumed run's finished requests); returns how many."""
         before = len(self.entries)
@@ -191,7 +204,7 @@ class CodesDataset(Dataset):
         item: dict[str, Any] = {"id": entry.id, "codes": codes}
         start = 0
         if self.crop_frames is not None and codes.shape[-1] > self.crop_frames:
-            start = self._rng.randrange(codes.shape[-1] - self.crop_frames + 1)
+            start = self._crop_rng().randrange(codes.shape[-1] - self.crop_frames + 1)
             item["codes"] = codes = codes[:, start : start + self.crop_frames]
         if audio is not None:
             # the rule: request samples [start * up, start * up + output_length(n)) of the audio
