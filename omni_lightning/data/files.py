@@ -31,4 +31,3 @@ def scan_folder(folder: str | Path) -> tuple[list[tuple[str, Path]], list[Path]]
             else:
                 others.append(path)
     return codes, others
-
