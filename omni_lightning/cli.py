@@ -5,96 +5,108 @@ CodesDataModule with omni_lightning's Trainer, plus ``demo``.
     omni-lightning fit --config configs/finetune.yaml --data.train train.jsonl --data.val val.jsonl
     omni-lightning validate --config configs/eval_wandb.yaml --data.val val.jsonl --model.checkpoint ckpt/
     omni-lightning demo
+
+Exit status: 0 done (predict: every request has its WAV); 1 an unexpected error (a bug or a broken
+environment: the traceback is printed); 2 a usage error (a bad argument, path, preset or config: one
+``error:`` line); 3 predict finished but some requests failed (each is in <out_dir>/manifest.jsonl
+with its reason); 130 interrupted. ``--debug`` (or OMNI_LIGHTNING_DEBUG=1) prints the traceback of
+usage errors too.
 """
 
 from __future__ import annotations
 
-import argparse
+import logging
+import os
 import sys
+import warnings
 from typing import Any
 
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
-
-from omni_lightning.callbacks.writer import SUBTYPES, WaveformWriter
-from omni_lightning.data.datamodule import CodesDataModule
-from omni_lightning.module import Code2WavModule
-from omni_lightning.trainer import Trainer
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
 
 
-class SaveConfigWithLogger(SaveConfigCallback):
-    """Saves the run's config.yaml into the logger's folder; with no logger (predict), nowhere."""
+def quiet_known_noise() -> None:
+    """Silences, precisely, what a user of this CLI can do nothing about.
 
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if trainer.logger is not None:
-            super().setup(trainer, pl_module, stage)
-
-
-class OmniCLI(LightningCLI):
-    """LightningCLI plus ``--out_dir`` for predict (WaveformWriter) and an end-of-run summary."""
-
-    def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument("--out_dir", type=str | None, default=None, help="predict: WAV files + manifest.jsonl")
-        parser.add_argument("--subtype", type=str, default="PCM_16", help=f"predict: WAV sample format {SUBTYPES}")
-
-    def before_predict(self) -> None:
-        config = self.config[self.subcommand]
-        self.writer = None
-        if config.get("out_dir"):
-            self.writer = WaveformWriter(config["out_dir"], subtype=config.get("subtype", "PCM_16"))
-            self.trainer.callbacks.append(self.writer)
-            self.config_init[self.subcommand]["return_predictions"] = False  # the files are the output
-
-    def after_predict(self) -> None:
-        if self.writer is not None and self.trainer.is_global_zero:
-            print(f"predict: {self.writer.summary()}")
-            errors = [r for r in _manifest_rows(self.writer) if r.get("status") == "error"]
-            for row in errors[:20]:
-                print(f"  error {row['id']}: {row['reason']}")
-
-    def after_validate(self) -> None:
-        self._print_metrics("validate")
-
-    def after_test(self) -> None:
-        self._print_metrics("test")
-
-    def after_fit(self) -> None:
-        ckpt = self.trainer.checkpoint_callback
-        if self.trainer.is_global_zero and ckpt is not None and ckpt.best_model_path:
-            print(f"fit: best checkpoint {ckpt.best_model_path}; last {ckpt.last_model_path or '-'}")
-
-    def _print_metrics(self, stage: str) -> None:
-        if self.trainer.is_global_zero:
-            metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-            print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+    - torch deprecated ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls;
+    - Lightning's advertisements for the litlogger and litmodels packages, printed by every trainer.
+    Each filter matches one message; everything else (our own warnings included) still shows.
+    """
+    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(_drop_litlogger_tip)
 
 
-def _manifest_rows(writer: WaveformWriter) -> list[dict[str, Any]]:
-    from omni_lightning.callbacks.writer import MANIFEST, read_manifest
-
-    return read_manifest(writer.out_dir / MANIFEST)
-
-
-def run_cli(argv: list[str]) -> OmniCLI:
-    return OmniCLI(
-        Code2WavModule,
-        CodesDataModule,
-        trainer_class=Trainer,
-        args=argv,
-        save_config_callback=SaveConfigWithLogger,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"description": __doc__, "formatter_class": argparse.RawDescriptionHelpFormatter},
-    )
+def _drop_litlogger_tip(record: logging.LogRecord) -> bool:
+    message = str(record.msg)
+    return not message.startswith("💡 Tip") or ("litlogger" not in message and "litmodels" not in message)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "demo":
-        from omni_lightning.demo import main as demo_main
+def _compact_warnings() -> None:
+    """Warnings as one ``warning: ...`` line, not Python's file:line plus source line."""
+    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
 
-        demo_main(argv[1:])
-        return
-    run_cli(argv)
+
+def _is_usage_error(err: BaseException) -> bool:
+    from omni_lightning.preflight import UsageError
+
+    if isinstance(err, (UsageError, ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return True
+    exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
+    return exceptions is not None and isinstance(err, exceptions.MisconfigurationException)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the command line; returns the exit status (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
+    if debug:
+        os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
+    quiet_known_noise()
+    _compact_warnings()
+    try:
+        if argv and argv[0] == "demo":
+            from omni_lightning.demo import main as demo_main
+
+            demo_main(argv[1:])
+            return EXIT_OK
+        from omni_lightning.preflight import check_command_line
+
+        check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
+        return _run(argv)
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as err:
+        if debug or not _is_usage_error(err):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _run(argv: list[str]) -> int:
+    # LightningCLI reads sys.argv (passing args as well makes it warn), and DDP starts the other
+    # ranks from sys.argv: both see exactly these arguments
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    try:
+        cli = run_cli(None)
+    finally:
+        sys.argv = saved
+    writer = getattr(cli, "writer", None)
+    if cli.subcommand == "predict" and writer is not None and not writer.all_written:
+        return EXIT_FAILED_REQUESTS
+    return EXIT_OK
+
+
+def run_cli(argv: list[str] | None) -> Any:
+    """Builds and runs the LightningCLI (this imports torch and Lightning)."""
+    from omni_lightning.lightning_cli import run_lightning_cli
+
+    _compact_warnings()  # again: importing Lightning replaced the format
+    return run_lightning_cli(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

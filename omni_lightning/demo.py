@@ -7,36 +7,86 @@
 4. evaluates the student with the eval metrics into a CSV log (and a W&B offline run when wandb is
    installed),
 and prints where everything is.
+
+A rerun in the same ``--work-dir`` recomputes everything: the folders a previous demo made there
+(``data``, ``wavs_before``, ``wavs_after``, ``runs``) are removed first, and the demo says so. A folder
+that was not made by the demo (no ``.omni_lightning_demo`` marker in it) and is not empty is refused,
+so nothing of yours is ever deleted.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import shutil
 import time
-import warnings
 from pathlib import Path
 
-import torch
+MARKER = ".omni_lightning_demo"
+OUTPUTS = ("data", "wavs_before", "wavs_after", "runs")
 
 
 def quiet() -> None:
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("lightning.fabric").setLevel(logging.ERROR)
-    warnings.filterwarnings("ignore", module=r"lightning\..*")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    """The demo prints its own four lines: Lightning's per-trainer banners (accelerator, seed) and
+    wandb's run summary would bury them. Warnings still show."""
+    from omni_lightning.cli import quiet_known_noise
+
+    quiet_known_noise()
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
+                 "lightning.fabric.utilities.rank_zero"):  # fmt: skip
+        logging.getLogger(name).setLevel(logging.WARNING)
+    os.environ.setdefault("WANDB_SILENT", "true")
 
 
-def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12, fit_steps: int = 40) -> dict:
+def prepare_work_dir(work: Path) -> bool:
+    """Makes ``work`` ready for a fresh run; True when a previous demo's outputs were removed.
+
+    ValueError when ``work`` is a file, or a non-empty folder the demo did not make.
+    """
+    if work.exists() and not work.is_dir():
+        raise ValueError(f"--work-dir {work} is a file: give a folder (it is created when missing)")
+    if work.is_dir() and any(work.iterdir()) and not (work / MARKER).is_file():
+        raise ValueError(f"--work-dir {work} is not empty and was not made by the demo: give a new or empty folder")
+    previous = [work / name for name in OUTPUTS if (work / name).exists()]
+    for path in previous:
+        shutil.rmtree(path)
+    work.mkdir(parents=True, exist_ok=True)
+    (work / MARKER).write_text("made by `omni-lightning demo`; its outputs here are replaced on every run\n")
+    return bool(previous)
+
+
+def run_demo(
+    work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12, fit_steps: int = 40, threads: int = 1
+) -> dict:
+    """Runs the four steps; ``threads``: torch's intra-op threads while it runs (restored after).
+
+    One thread by default: the tiny preset's tensors are too small for intra-op parallelism to pay,
+    and on a busy 2-core machine two threads made the demo ~5x slower (docs/performance.md).
+    """
+    start = time.perf_counter()
+    work = Path(work_dir)
+    if prepare_work_dir(work):
+        print(f"[0/4] {work.resolve()} holds a previous demo run: removed its outputs, everything is recomputed")
+    quiet()
+    import torch
+
+    saved_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(work, n_requests, fit_steps, start)
+    finally:
+        torch.set_num_threads(saved_threads)
+
+
+def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
+    import torch
     from lightning.pytorch.loggers import CSVLogger
 
     from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
     from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
-    quiet()
     torch.manual_seed(0)
-    work = Path(work_dir)
-    start = time.perf_counter()
     teacher = make_teacher("tiny")
     train = make_demo_data(work / "data", n_requests, 1.0, 3.0, teacher=teacher, seed=0, name="train.jsonl")
     val = make_demo_data(work / "data", max(4, n_requests // 3), 1.0, 3.0, teacher=teacher, seed=1, name="val.jsonl")
@@ -51,8 +101,8 @@ def run_demo(work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12,
     print(f"[2/4] predict (OmniPredictionLoop + WaveformWriter): {before.summary()}")
 
     logger = CSVLogger(str(work / "runs"), name="demo")
-    data = CodesDataModule(train=str(train), val=str(val), batch_size=4, crop_frames=25)
-    trainer = Trainer(max_steps=fit_steps, logger=logger, enable_checkpointing=False, log_every_n_steps=5,
+    data = CodesDataModule(train=str(train), val=str(val), batch_size=4, crop_frames=12)
+    trainer = Trainer(max_steps=fit_steps, logger=logger, enable_checkpointing=False, log_every_n_steps=2,
                       num_sanity_val_steps=0, limit_val_batches=0, **common)  # fmt: skip
     mel_before = Trainer(logger=False, **common).validate(module, datamodule=data, verbose=False)[0]
     trainer.fit(module, datamodule=data)
@@ -91,6 +141,8 @@ def main(argv: list[str] | None = None) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--work-dir", default="omni_lightning_demo")
     parser.add_argument("--requests", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40, help="fine-tuning steps")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
-    result = run_demo(args.work_dir, args.requests)
+    result = run_demo(args.work_dir, args.requests, args.steps, args.threads)
     print(f"demo done in {result['seconds']:.1f} s; WAV files in {Path(result['wavs']).resolve()}")

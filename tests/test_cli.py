@@ -68,7 +68,13 @@ def export(module, tmp_path: Path) -> Path:
 
 
 def test_demo_runs_and_fine_tuning_moves_toward_the_teacher(tmp_path):
-    log = run("demo", "--work-dir", str(tmp_path / "demo"), timeout=300)
+    # a folder a previous demo left, holding a stale WAV: the rerun recomputes and says so
+    work = tmp_path / "demo"
+    (work / "wavs_after").mkdir(parents=True)
+    (work / ".omni_lightning_demo").write_text("")
+    (work / "wavs_after" / "stale.wav").write_bytes(b"not from this run")
+    log = run("demo", "--work-dir", str(work), timeout=300)
+    assert "[0/4]" in log and "recomputed" in log and not (work / "wavs_after" / "stale.wav").exists()
     assert "[4/4] evaluation" in log and "demo done" in log
     line = next(x for x in log.splitlines() if x.startswith("[4/4]"))
     before, after = (float(x.split()[0]) for x in line.split("teacher ")[1].split(" before fine-tuning, "))

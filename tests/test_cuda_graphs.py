@@ -144,7 +144,7 @@ def test_trainer_predict_through_the_graph_decoder_equals_solo_decodes():
             want = solo(model, codes, n)
         else:
             with torch.inference_mode():
-                want = model.chunked_decode(codes[None], 16, 8)[0]
+                want = model.chunked_decode(codes[None], 16, 8)
         assert got[req_id].shape == want.shape and (got[req_id] - want).abs().max() <= 1e-5
     # between predict calls Lightning moves the module away and back (new tensors; on a GPU it is
     # .cpu() then .to("cuda")); here that is a clone, with a weight changed as fine-tuning would

@@ -122,8 +122,8 @@ def test_cli_predict_with_bad_entries_and_summary(tmp_path):
     proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
                "--data.predict", str(manifest), "--out_dir", str(out))  # fmt: skip
     log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0, log
-    assert "2 requests written" in log and "2 errors" in log and "error r001" in log
+    assert proc.returncode == 3, log  # finished, but not every request was written
+    assert "2 requests written" in log and "2 failed" in log and "failed r001" in log
     rows = {r["id"]: r["status"] for r in manifest_rows(out)}
     assert rows == {"r000": "ok", "r001": "error", "r002": "error", "r003": "ok"}
 
@@ -137,6 +137,7 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
                "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")  # fmt: skip
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
+    assert "predict: 13 requests written" in log  # the summary counts every rank's requests
     rows = manifest_rows(out)
     assert sorted(r["id"] for r in rows) == [f"r{i:03d}" for i in range(13)]
     assert not list(out.glob("manifest.rank*.jsonl"))

@@ -21,7 +21,11 @@ class CodesDataModule(pl.LightningDataModule):
     dataloader each). The codebook geometry comes from ``config`` or from the trainer's module.
 
     ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
-    ``"raise"`` stops before any compute. ``crop_frames``: random training crops.
+    ``"raise"`` stops before any compute. ``duplicate_ids``: ``"error"`` (default) refuses a source
+    whose ids repeat, ``"rename"`` numbers the repeats (see ``CodesDataset``). ``crop_frames``: random
+    training crops. ``num_workers``: loader processes; None picks Lightning's suggestion for this
+    machine (0 when it suggests one or fewer, else up to 4), so file reading overlaps compute where
+    there are cores to spare.
     """
 
     def __init__(
@@ -32,11 +36,12 @@ class CodesDataModule(pl.LightningDataModule):
         test: Source | None = None,
         batch_size: int = 8,
         max_frames: int | None = None,
-        num_workers: int = 0,
+        num_workers: int | None = None,
         on_bad_input: str = "skip",
         crop_frames: int | None = None,
         config: str | None = None,
         seed: int = 0,
+        duplicate_ids: str = "error",
     ) -> None:
         super().__init__()
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
@@ -47,6 +52,7 @@ class CodesDataModule(pl.LightningDataModule):
         self.crop_frames = crop_frames
         self.config = config
         self.seed = seed
+        self.duplicate_ids = duplicate_ids
         self.datasets: dict[str, Any] = {}
 
     def _config(self) -> Code2WavConfig | str:
@@ -58,7 +64,7 @@ class CodesDataModule(pl.LightningDataModule):
     def _dataset(self, source: Any, train: bool = False) -> CodesDataset:
         if isinstance(source, CodesDataset):
             return source
-        return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input,
+        return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input, duplicate_ids=self.duplicate_ids,
                             crop_frames=self.crop_frames if train else None, seed=self.seed)  # fmt: skip
 
     def setup(self, stage: str) -> None:
@@ -77,11 +83,28 @@ class CodesDataModule(pl.LightningDataModule):
         """Drops already finished requests from the predict data (called by ``WaveformWriter``)."""
         return sum(ds.drop(ids) for ds in self.datasets.get("predict", []))
 
+    def predict_ids(self) -> list[str]:
+        """Every predict request's id, over all predict sources (``WaveformWriter`` checks them)."""
+        return [req_id for ds in self.datasets.get("predict", []) for req_id in ds.ids]
+
+    def unread_files(self) -> list[Path]:
+        """Files of the predict folders that are not code files (listed in the writer's summary)."""
+        return [p for ds in self.datasets.get("predict", []) for p in ds.unread]
+
+    def _workers(self) -> int:
+        if self.num_workers is not None:
+            return self.num_workers
+        from lightning.fabric.utilities.data import suggested_max_num_workers
+
+        devices = self.trainer.num_devices if self.trainer is not None else 1
+        suggested = suggested_max_num_workers(devices)
+        return 0 if suggested <= 1 else min(suggested, 4)
+
     def _loader(self, dataset: CodesDataset, shuffle: bool = False) -> DataLoader:
         sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,
                                            max_frames=self.max_frames, shuffle=shuffle, seed=self.seed)  # fmt: skip
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self.num_workers)
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers())
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:

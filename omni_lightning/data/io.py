@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-CODE_SUFFIXES = (".npy", ".pt", ".safetensors")
+from omni_lightning.data.files import CODE_SUFFIXES
 
 
 def load_codes_file(path: Path) -> torch.Tensor:
@@ -24,7 +24,7 @@ def load_codes_file(path: Path) -> torch.Tensor:
         if path.suffix == ".npy":
             import numpy as np
 
-            value: Any = torch.from_numpy(np.array(np.load(path, allow_pickle=False)))
+            value: Any = np.load(path, allow_pickle=False)
         elif path.suffix == ".pt":
             value = torch.load(path, map_location="cpu", weights_only=True)
         else:
@@ -33,6 +33,8 @@ def load_codes_file(path: Path) -> torch.Tensor:
             value = load_file(str(path))
     except Exception as err:  # corrupt files raise anything from pickle, zip, numpy or safetensors
         raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
+    if path.suffix == ".npy":
+        value = _numpy_to_tensor(path, value)
     if isinstance(value, dict):  # safetensors: the tensor named 'codes', or the only one
         if "codes" not in value and len(value) != 1:
             raise ValueError(f"codes file {path} holds tensors {sorted(value)}; name one 'codes'")
@@ -40,6 +42,18 @@ def load_codes_file(path: Path) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"codes file {path} holds a {type(value).__name__}, not a tensor")
     return value
+
+
+def _numpy_to_tensor(path: Path, array: Any) -> torch.Tensor:
+    import numpy as np
+
+    if not isinstance(array, np.ndarray):
+        raise ValueError(f"codes file {path} holds a {type(array).__name__}, not an array")
+    if array.dtype.kind not in "biuf":  # strings, objects, records: nothing torch can hold
+        raise ValueError(f"codes file {path} holds {array.dtype} values; codes must be integers")
+    if not array.dtype.isnative:  # big-endian files: torch takes native byte order only
+        array = array.astype(array.dtype.newbyteorder("="))
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def check_audio(path: Path) -> None:

@@ -116,6 +116,18 @@ def load_pretrained(
     return model.eval()
 
 
+def _plain_file_mode() -> int:
+    """The mode ``open()`` gives a new file: 0666 minus the process's umask (read without changing it
+    where Linux reports it, else by setting and restoring it)."""
+    try:
+        with open("/proc/self/status") as f:
+            umask = next(int(line.split()[1], 8) for line in f if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError):
+        umask = os.umask(0o022)
+        os.umask(umask)
+    return 0o666 & ~umask
+
+
 def save_pretrained(model: Code2Wav, path: str | Path) -> Path:
     """Writes the standalone layout; files land atomically (temp name, then rename)."""
     from safetensors.torch import save_file
@@ -125,6 +137,7 @@ def save_pretrained(model: Code2Wav, path: str | Path) -> Path:
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     tmp = folder / f".{WEIGHTS_FILE}.tmp"
     save_file(state, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, _plain_file_mode())  # safetensors creates its files 0600; others may need to read them
     os.replace(tmp, folder / WEIGHTS_FILE)
     config = model.config.to_hf()
     config["architectures"] = ["Qwen3OmniMoeCode2Wav"]

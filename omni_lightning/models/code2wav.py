@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from omni_lightning.models import fused
-from omni_lightning.models.codes import validate_codes
+from omni_lightning.models.codes import check_codes_layout, validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
     CausalConv1d,
@@ -83,6 +83,18 @@ class Code2Wav(nn.Module):
         return self.config.output_length(n_frames)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes ``[B, Q, T]`` of any integer dtype to ``[B, 1, output_length(T)]``.
+
+        Always checked, at no cost: type, integer dtype, rank, codebook count, empty. The code range
+        is checked only when ``codes`` is on the CPU: on CUDA, ``forward`` trusts its input, because
+        the check needs a host sync in the hot path (out-of-range codes there end in a device-side
+        assert). ``decode`` checks everything, range included, on any device.
+        """
+        check_codes_layout(codes, self.config)
+        if codes.device.type == "cpu":
+            validate_codes(codes, self.config)
+        if codes.dtype not in (torch.int32, torch.int64):  # the embedding takes int32/int64 only
+            codes = codes.long()
         h = self.code_embedding(codes + self.code_offset).mean(1)
         h = self.pre_transformer(h).transpose(1, 2)
         for stage in self.upsample:
@@ -118,6 +130,8 @@ class Code2Wav(nn.Module):
             lengths = torch.full((codes.shape[0],), codes.shape[-1], dtype=torch.long)
         n = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
         codes = codes[..., : max(n)]
+        if codes.dtype not in (torch.int32, torch.int64):  # uint16 & co. have no clamp kernel
+            codes = codes.long()
         if min(n) < codes.shape[-1]:
             # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
             # into the codebook on the device (building a pad mask would wait for a host copy)
@@ -147,8 +161,7 @@ class Code2Wav(nn.Module):
                 wavs[i] = wav
         for i, n in enumerate(n_frames):
             if wavs[i] is None:
-                chunks = self.chunked_decode(codes[i : i + 1, :, :n], chunk_size, left_context, False, forward)
-                wavs[i] = chunks[0]
+                wavs[i] = self.chunked_decode(codes[i : i + 1, :, :n], chunk_size, left_context, False, forward)
         return wavs
 
     def chunked_decode(
@@ -159,7 +172,8 @@ class Code2Wav(nn.Module):
         validate: bool = True,
         forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Decodes ``[B, Q, T]`` in chunks of ``chunk_size`` frames with bounded peak memory.
+        """Decodes ``[B, Q, T]`` to ``[B, output_length(T)]`` in chunks of ``chunk_size`` frames with
+        bounded peak memory: one request ``[1, Q, T]`` gives ``[1, N]``, as ``decode`` gives per request.
 
         Each chunk is decoded with up to ``left_context`` frames before it. Unlike transformers'
         ``chunked_decode``, which drops each chunk's last ``tail`` samples, the chunk after it
@@ -185,7 +199,7 @@ class Code2Wav(nn.Module):
             wav = (forward or self)(codes[..., start - context : end])
             # from absolute sample start*up - tail: the previous chunk's missing tail comes first
             pieces.append(wav[..., context * up - (tail if start else 0) :])
-        return torch.cat(pieces, dim=-1)
+        return torch.cat(pieces, dim=-1)[:, 0]
 
     @classmethod
     def from_pretrained(

@@ -10,6 +10,27 @@ import torch
 from omni_lightning.models.config import Code2WavConfig
 
 
+def _name(req_ids: Sequence[str] | None, i: int) -> str:
+    return f"request {req_ids[i]!r}" if req_ids is not None and i < len(req_ids) else f"request {i}"
+
+
+def check_codes_layout(codes: Any, config: Code2WavConfig, req_ids: Sequence[str] | None = None) -> None:
+    """The checks that cost nothing (no pass over the values, no device sync): type, dtype, rank,
+    batch size, codebook count, frames. ValueError on the first problem."""
+    if not isinstance(codes, torch.Tensor):
+        raise ValueError(f"codes must be a torch.Tensor [B, Q, T], got {type(codes).__name__}")
+    if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
+        raise ValueError(f"codes must be an integer tensor, got dtype {codes.dtype}")
+    if codes.dim() != 3:
+        raise ValueError(f"codes must have shape [batch, codebooks, frames], got {tuple(codes.shape)}")
+    if codes.shape[0] == 0:
+        raise ValueError("codes hold no request (batch size 0)")
+    if codes.shape[1] != config.num_quantizers:
+        raise ValueError(f"codes have {codes.shape[1]} codebooks, this model expects {config.num_quantizers}")
+    if codes.shape[2] == 0:
+        raise ValueError(f"{_name(req_ids, 0)} is empty (0 frames)")
+
+
 def validate_codes(
     codes: Any,
     config: Code2WavConfig,
@@ -19,25 +40,17 @@ def validate_codes(
     """Checks a batch ``[B, Q, T]`` (and its ``lengths``) before any lookup; returns ``lengths``.
 
     Raises ``ValueError`` naming the request (id or index), codebook and frame of the first problem.
-    Only frames inside each request's length are checked, so any pad value is accepted.
+    Only frames inside each request's length are checked, so any pad value is accepted. Any integer
+    dtype is accepted: values are compared after widening to int64 (a uint8 or uint16 tensor compared
+    with the codebook size in its own dtype would wrap, or has no comparison kernel at all). On a GPU
+    tensor the range check waits for the device (one host sync).
     """
-    if not isinstance(codes, torch.Tensor):
-        raise ValueError(f"codes must be a torch.Tensor [B, Q, T], got {type(codes).__name__}")
-    if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
-        raise ValueError(f"codes must be an integer tensor, got dtype {codes.dtype}")
-    if codes.dim() != 3:
-        raise ValueError(f"codes must have shape [batch, codebooks, frames], got {tuple(codes.shape)}")
+    check_codes_layout(codes, config, req_ids)
     batch, n_q, n_frames = codes.shape
 
     def name(i: int) -> str:
-        return f"request {req_ids[i]!r}" if req_ids is not None and i < len(req_ids) else f"request {i}"
+        return _name(req_ids, i)
 
-    if batch == 0:
-        raise ValueError("codes hold no request (batch size 0)")
-    if n_q != config.num_quantizers:
-        raise ValueError(f"codes have {n_q} codebooks, this model expects {config.num_quantizers}")
-    if n_frames == 0:
-        raise ValueError(f"{name(0)} is empty (0 frames)")
     if lengths is None:
         lengths = torch.full((batch,), n_frames, dtype=torch.long)
     else:
@@ -53,11 +66,12 @@ def validate_codes(
                 raise ValueError(f"{name(i)} has length {n}, longer than the {n_frames} padded frames")
     frame = torch.arange(n_frames, device=codes.device)
     in_request = (frame[None, :] < lengths.to(codes.device)[:, None])[:, None, :]
-    bad = ((codes < 0) | (codes >= config.codebook_size)) & in_request
+    wide = codes if codes.dtype == torch.long else codes.long()  # uint64 past int64's range wraps negative: still bad
+    bad = ((wide < 0) | (wide >= config.codebook_size)) & in_request
     if bool(bad.any()):
         b, q, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"{name(b)}: code {int(codes[b, q, t])} at codebook {q}, frame {t} is outside "
+            f"{name(b)}: code {int(wide[b, q, t])} at codebook {q}, frame {t} is outside "
             f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the batch)"
         )
     return lengths

@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
 
+from omni_lightning.runner.host_memory import release_free_host_memory
 from omni_lightning.runner.output import MultimodalOutputs, OmniModelRunnerOutput
 
 # what stock Lightning names the time spent fetching a batch (it uses the loop's class name)
@@ -82,6 +83,7 @@ class OmniPredictionLoop(_PredictionLoop):
 
     def on_run_end(self) -> Any:
         self._settle(keep=None)  # every runner output is on the host before epoch-end writers read it
+        release_free_host_memory()  # what stays resident is the returned predictions (host_memory.py)
         return super().on_run_end()
 
     def teardown(self) -> None:

@@ -1,0 +1,33 @@
+"""Which files of an input folder are requests. Standard library only: the CLI checks a folder with it
+before torch or Lightning is imported.
+
+Every code file under the folder is a request, subfolders included (``x/a.npy`` has the id ``x/a``).
+Every other file is listed as not read (never dropped silently); the dataset reports them.
+Symbolic links to folders are not followed (a link cycle cannot make a scan endless).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CODE_SUFFIXES = (".npy", ".pt", ".safetensors")
+
+
+def scan_folder(folder: str | Path) -> tuple[list[tuple[str, Path]], list[Path]]:
+    """``([(id, code file), ...], [other files])`` under ``folder``, both sorted.
+
+    The id is the file's path relative to ``folder`` in POSIX form, without its suffix.
+    """
+    folder = Path(folder)
+    codes: list[tuple[str, Path]] = []
+    others: list[Path] = []
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root) / name
+            if path.suffix in CODE_SUFFIXES:
+                codes.append((path.relative_to(folder).with_suffix("").as_posix(), path))
+            else:
+                others.append(path)
+    return codes, others

@@ -1,0 +1,218 @@
+"""Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
+either is imported (which takes ~10 s on a small machine): data sources, checkpoint folders, the
+preset name, ``--ckpt_path``, ``--out_dir``, config files.
+
+A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>``. Values come
+from the subcommand's ``--config`` files (a top-level ``--config`` too, under the subcommand's key) and
+from ``--key value`` / ``--key=value`` options, the last one winning as in jsonargparse. What these
+checks cannot see (a value set through an environment variable, a custom ``class_path`` for the
+model or data, a whole group given as ``--data file.yaml``) is left to the parser and the classes,
+whose ``ValueError``s the CLI also prints as one ``error:`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
+
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+# the data source each subcommand needs (fit may add data.val)
+REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+OWN_CLASSES = {"model": "Code2WavModule", "data": "CodesDataModule"}
+CKPT_KEYWORDS = ("last", "best", "hpc")
+
+
+class UsageError(Exception):
+    """A mistake on the command line: printed as one ``error:`` line, exit status 2."""
+
+
+def check_command_line(argv: list[str]) -> None:
+    """Raises UsageError for the first problem found in ``argv`` (the arguments after the program)."""
+    if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
+        return  # help and config printing need nothing to exist
+    sub_at = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
+    if sub_at is None:
+        return  # the parser says which subcommands exist
+    sub = argv[sub_at]
+    values: dict[str, Any] = {}
+    for path in _config_paths(argv[:sub_at]):
+        _merge(values, _read_config(path).get(sub) or {})
+    for path in _config_paths(argv[sub_at + 1 :]):
+        _merge(values, _read_config(path))
+    _merge(values, _options(argv[sub_at + 1 :]))
+    _check(sub, values)
+
+
+def _config_paths(args: list[str]) -> list[str]:
+    paths = []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            paths.append(args[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def _read_config(text: str) -> dict[str, Any]:
+    import yaml
+
+    path = Path(text)
+    inline = not path.is_file() and (":" in text or "{" in text)  # jsonargparse also takes YAML inline
+    if not path.is_file() and not inline:
+        raise UsageError(f"config file {text} does not exist: check the path (the examples are in configs/)")
+    try:
+        data = yaml.safe_load(text if inline else path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UsageError(f"config file {text} is not valid YAML ({problem}): fix it or pass another --config") from err
+    return data if isinstance(data, dict) else {}
+
+
+def _options(args: list[str]) -> dict[str, Any]:
+    """``--a.b value`` and ``--a.b=value`` as a nested dict; values parsed as YAML, as jsonargparse does."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg.startswith("--") or arg.startswith("--config"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i >= len(args) or args[i].startswith("--"):
+                continue  # a flag, or a value we cannot see: left to the parser
+            value, i = args[i], i + 1
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        _merge(out, _nest(key.split("."), value if isinstance(parsed, (int, float, bool)) else parsed))
+    return out
+
+
+def _nest(keys: list[str], value: Any) -> dict[str, Any]:
+    return {keys[0]: value} if len(keys) == 1 else {keys[0]: _nest(keys[1:], value)}
+
+
+def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        else:
+            into[key] = value
+
+
+def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:
+    """The init arguments of ``model`` or ``data``; None when another class is configured."""
+    group = values.get(name)
+    if group is None:
+        return {}
+    if not isinstance(group, dict):
+        return None  # a whole group given as a file or string: the parser checks it
+    class_path = group.get("class_path")
+    if class_path is not None and not str(class_path).endswith(OWN_CLASSES[name]):
+        return None
+    return {**group.get("init_args", {}), **{k: v for k, v in group.items() if k not in ("class_path", "init_args")}}
+
+
+def _check(sub: str, values: dict[str, Any]) -> None:
+    data = _group(values, "data")
+    if data is not None:
+        required = REQUIRED_DATA[sub]
+        if not data.get(required):
+            raise UsageError(
+                f"{sub} needs data: --data.{required} is not set: give a folder of code files "
+                f"({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+            )
+        for key in ("train", "val", "test", "predict"):
+            source = data.get(key)
+            for item in source if isinstance(source, list) else [source]:
+                if isinstance(item, str):
+                    check_source(f"--data.{key}", item)
+    model = _group(values, "model")
+    if model is not None:
+        checkpoint = model.get("checkpoint")
+        if isinstance(checkpoint, str):
+            check_checkpoint(checkpoint)
+        preset = model.get("config")
+        if isinstance(preset, str) and checkpoint in (None, ""):
+            check_preset(preset)
+    ckpt_path = values.get("ckpt_path")
+    local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
+    if local and ckpt_path not in CKPT_KEYWORDS and not Path(ckpt_path).is_file():
+        raise UsageError(f"--ckpt_path {ckpt_path} does not exist: give a Lightning .ckpt file (fit saves them)")
+    out_dir = values.get("out_dir")
+    if sub == "predict" and isinstance(out_dir, str):
+        check_out_dir(out_dir)
+
+
+def check_source(flag: str, value: str) -> None:
+    """A data source: a folder holding code files, or a non-empty JSONL manifest."""
+    path = Path(value)
+    fix = f"give a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+    if not path.exists():
+        raise UsageError(f"{flag} {value} does not exist: {fix}")
+    if path.is_dir():
+        codes, others = scan_folder(path)
+        if not codes:
+            seen = f" (it holds {len(others)} other file(s), e.g. {others[0].name})" if others else " (it is empty)"
+            raise UsageError(f"{flag} {value} holds no code files{seen}: {fix}")
+        return
+    if path.suffix in CODE_SUFFIXES:
+        raise UsageError(f"{flag} {value} is a single code file: give its folder, or a JSONL manifest listing it")
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), None)
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({type(err).__name__}): {fix}") from err
+    if first is None:
+        raise UsageError(f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
+                         '{"id": "utt1", "codes": "codes/utt1.npy"}')  # fmt: skip
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        row = None
+    if not isinstance(row, dict):
+        raise UsageError(f"{flag} {value} is not a JSONL manifest (its first line is not a JSON object): {fix}")
+
+
+def check_checkpoint(value: str) -> None:
+    path = Path(value)
+    what = "give a Code2Wav or Qwen3-Omni checkpoint folder (config.json and model.safetensors or its index)"
+    if not path.exists():
+        raise UsageError(f"--model.checkpoint {value} does not exist: {what}")
+    if not path.is_dir():
+        raise UsageError(f"--model.checkpoint {value} is a file, not a folder: {what}")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model.checkpoint {value} has no config.json: {what}")
+    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
+        raise UsageError(f"--model.checkpoint {value} has no model.safetensors or model.safetensors.index.json: {what}")
+
+
+def check_preset(value: str) -> None:
+    from omni_lightning.models.config import PRESETS
+
+    if value not in PRESETS:
+        raise UsageError(
+            f"--model.config {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, "
+            "or load weights with --model.checkpoint <folder>"
+        )
+
+
+def check_out_dir(value: str) -> None:
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise UsageError(f"--out_dir {value} is a file: give a folder (it is created when missing)")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--out_dir {value} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--out_dir {value} cannot be written (no permission on {parent}): pick another folder")
