@@ -6,8 +6,9 @@ check its arguments before torch and Lightning are loaded (seconds on a small ma
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omni_lightning.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -32,34 +33,9 @@ _EXPORTS = {
     "Trainer": "omni_lightning.trainer",
 }
 
-__all__ = [
-    "AsyncD2HCallback",
-    "Code2Wav",
-    "Code2WavConfig",
-    "Code2WavModule",
-    "CodesDataModule",
-    "CodesDataset",
-    "LengthBucketBatchSampler",
-    "MultimodalOutputs",
-    "OmniModelRunnerOutput",
-    "OmniPredictionLoop",
-    "StreamingDecoder",
-    "Trainer",
-    "WaveformWriter",
-    "build_pooler_output",
-    "collate_codes",
-    "randomize_weights",
-    "resolve_config",
-    "validate_codes",
-]
+__all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
 def __dir__() -> list[str]:

@@ -15,37 +15,14 @@ usage errors too.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-import warnings
 from typing import Any
+
+from omni_lightning.console import compact_warnings, quiet_known_noise
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
-
-
-def quiet_known_noise() -> None:
-    """Silences, precisely, what a user of this CLI can do nothing about.
-
-    - torch deprecated ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls;
-    - Lightning's advertisements for the litlogger and litmodels packages, printed by every trainer.
-    Each filter matches one message; everything else (our own warnings included) still shows.
-    """
-    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_drop_litlogger_tip)
-
-
-def _drop_litlogger_tip(record: logging.LogRecord) -> bool:
-    message = str(record.msg)
-    return not message.startswith("💡 Tip") or ("litlogger" not in message and "litmodels" not in message)
-
-
-def _compact_warnings() -> None:
-    """Warnings as one ``warning: ...`` line, not Python's file:line plus source line."""
-    warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
 
 
 def _is_usage_error(err: BaseException) -> bool:
@@ -65,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if debug:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
     quiet_known_noise()
-    _compact_warnings()
+    compact_warnings()
     try:
         if argv and argv[0] == "demo":
             from omni_lightning.demo import main as demo_main
@@ -104,8 +81,8 @@ def run_cli(argv: list[str] | None) -> Any:
     """Builds and runs the LightningCLI (this imports torch and Lightning)."""
     from omni_lightning.lightning_cli import run_lightning_cli
 
-    _compact_warnings()  # again: importing Lightning replaced the format
-    return run_lightning_cli(argv)
+    compact_warnings()  # again: importing Lightning replaced the format
+    return run_lightning_cli(argv, description=__doc__)
 
 
 if __name__ == "__main__":

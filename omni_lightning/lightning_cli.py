@@ -69,10 +69,8 @@ class OmniCLI(LightningCLI):
             print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
 
-def run_lightning_cli(argv: list[str] | None = None) -> OmniCLI:
+def run_lightning_cli(argv: list[str] | None = None, description: str | None = None) -> OmniCLI:
     """Parses ``argv`` (None: ``sys.argv``), builds model, data and trainer, runs the subcommand."""
-    from omni_lightning import cli
-
     return OmniCLI(
         Code2WavModule,
         CodesDataModule,
@@ -82,7 +80,7 @@ def run_lightning_cli(argv: list[str] | None = None) -> OmniCLI:
         save_config_kwargs={"overwrite": True},
         parser_kwargs={
             "prog": "omni-lightning",
-            "description": cli.__doc__,
+            "description": description,
             "formatter_class": argparse.RawDescriptionHelpFormatter,
         },
     )

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from omni_lightning import (
     Code2Wav,
     Code2WavConfig,
+    Code2WavModule,
     CodesDataset,
     OmniModelRunnerOutput,
     collate_codes,
@@ -83,3 +84,25 @@ def cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "omni_lightning.cli", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def save_model(folder: Path) -> Path:
+    random_model("tiny", seed=4).save_pretrained(folder)
+    return folder
+
+
+def waveforms(preds):
+    """req_id -> waveform, from predictions of one or several dataloaders."""
+    outs = [o for p in preds for o in (p if isinstance(p, list) else [p])]
+    return {r: o.pooler_output[i]["model_outputs"] for o in outs for i, r in enumerate(o.req_ids)}
+
+
+class FailingModule(Code2WavModule):
+    def __init__(self, fail_at, exc=RuntimeError, **kw):
+        super().__init__(**kw)
+        self.fail_at, self.exc = fail_at, exc
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == self.fail_at:
+            raise self.exc("boom")
+        return super().predict_step(batch, batch_idx)

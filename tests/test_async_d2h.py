@@ -5,7 +5,7 @@ import signal
 import pytest
 import torch
 from conftest import random_model
-from helpers import Collector, loader, requests, trainer_kwargs
+from helpers import Collector, FailingModule, loader, requests, trainer_kwargs, waveforms
 
 from omni_lightning import Code2WavModule, OmniModelRunnerOutput, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback
@@ -17,12 +17,6 @@ ACCELERATORS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 @pytest.fixture(scope="module")
 def model():
     return random_model("tiny", seed=5)
-
-
-def waveforms(preds):
-    """req_id -> waveform, from predictions of one or several dataloaders."""
-    outs = [o for p in preds for o in (p if isinstance(p, list) else [p])]
-    return {r: o.pooler_output[i]["model_outputs"] for o in outs for i, r in enumerate(o.req_ids)}
 
 
 def run(model, accelerator, callbacks=(), dataloaders=None, module=None, **predict_kw):
@@ -75,17 +69,6 @@ def test_multiple_dataloaders(model, accelerator):
     assert [len(p) for p in with_cb] == [2, 1]
     a, b = waveforms(plain), waveforms(with_cb)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-class FailingModule(Code2WavModule):
-    def __init__(self, fail_at, exc=RuntimeError, **kw):
-        super().__init__(**kw)
-        self.fail_at, self.exc = fail_at, exc
-
-    def predict_step(self, batch, batch_idx, dataloader_idx=0):
-        if batch_idx == self.fail_at:
-            raise self.exc("boom")
-        return super().predict_step(batch, batch_idx)
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)

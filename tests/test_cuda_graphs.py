@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 from conftest import micro_config, random_codes, random_model
-from test_runner import loader, requests, trainer_kwargs
+from helpers import loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, Trainer
 from omni_lightning.models.cuda_graphs import CUDAGraphDecoder, ShapeBuckets

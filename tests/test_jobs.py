@@ -14,9 +14,8 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_codes, random_model
+from helpers import ROOT, cli, save_model, trainer_kwargs
 from safetensors.torch import save_file
-from test_runner import trainer_kwargs
-from test_writer import ROOT, cli, save_model
 
 from omni_lightning import Code2WavConfig, Code2WavModule, CodesDataModule, CodesDataset, Trainer, WaveformWriter
 from omni_lightning.callbacks.progress import AudioProgressBar

@@ -10,9 +10,8 @@ import signal
 import pytest
 import torch
 from conftest import micro_config, random_model
+from helpers import Collector, FailingModule, loader, requests, trainer_kwargs, waveforms
 from host_copies import HostCopies
-from test_async_d2h import FailingModule, waveforms
-from test_runner import Collector, loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback, PinnedPool

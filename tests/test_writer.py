@@ -11,7 +11,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_codes, random_model
-from helpers import cli, trainer_kwargs
+from helpers import cli, save_model, trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter
 
@@ -74,11 +74,6 @@ def test_float_subtype_and_bad_configuration(tmp_path):
         assert np.array_equal(data, model(random_codes(1, 4, seed=0))[0, 0].numpy())
     with pytest.raises(ValueError, match="subtype"):
         WaveformWriter(tmp_path, subtype="MP3")
-
-
-def save_model(folder: Path) -> Path:
-    random_model("tiny", seed=4).save_pretrained(folder)
-    return folder
 
 
 def test_kill_9_then_rerun_writes_every_request_exactly_once(tmp_path):

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from omni_lightning.lazy import lazy_exports
 
 _EXPORTS = {
     "Code2Wav": "omni_lightning.models.code2wav",
@@ -15,22 +16,9 @@ _EXPORTS = {
     "StreamingDecoder": "omni_lightning.models.streaming",
 }
 
-__all__ = [
-    "Code2Wav",
-    "Code2WavConfig",
-    "randomize_weights",
-    "resolve_config",
-    "StreamingDecoder",
-    "validate_codes",
-]
+__all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(globals(), _EXPORTS)
 
 
 if TYPE_CHECKING:
