@@ -257,6 +257,7 @@ class StreamingDecoder:
             raise ValueError(f"{name}: a chunk must have shape [codebooks, frames], got {tuple(codes.shape)}")
         if codes.shape[0] != cfg.num_quantizers:
             raise ValueError(f"{name}: chunk has {codes.shape[0]} codebooks, this model expects {cfg.num_quantizers}")
+        codes = codes.long()  # compare in int64, as validate_codes does: uint16 has no `<` on the CPU, uint8 wraps
         bad = (codes < 0) | (codes >= cfg.codebook_size)
         if codes.numel() and bool(bad.any()):
             q, t = (int(i) for i in bad.nonzero()[0])
@@ -265,7 +266,7 @@ class StreamingDecoder:
                 f"{name}: code {int(codes[q, t])} at codebook {q}, frame {at} is outside "
                 f"[0, {cfg.codebook_size}) ({int(bad.sum())} bad values in this chunk)"
             )
-        return codes.long()
+        return codes
 
     # --- batching, graphs ------------------------------------------------------------------------
 
