@@ -14,6 +14,7 @@ from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
 from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
+from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
@@ -27,7 +28,7 @@ warnings.filterwarnings(
 )
 
 
-class Code2WavModule(pl.LightningModule):
+class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     """Code2Wav in Lightning: predict (vLLM-Omni runner semantics), fine-tune, evaluate.
 
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
@@ -43,6 +44,7 @@ class Code2WavModule(pl.LightningModule):
     ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
 
     ``fast_path``: CUDA predict in shape buckets through CUDA graphs (``models/cuda_graphs.py``).
+    After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
     """
 
     def __init__(
@@ -98,7 +100,7 @@ class Code2WavModule(pl.LightningModule):
         return self.model.config
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if "hyper_parameters" in checkpoint:  # weights and architecture are in the checkpoint: no HF folder reread
+        if "hyper_parameters" in checkpoint:  # weights and architecture are in it: no HF folder reread
             checkpoint["hyper_parameters"]["checkpoint"] = None
 
     def configure_callbacks(self) -> list[pl.Callback]:
@@ -185,8 +187,7 @@ class Code2WavModule(pl.LightningModule):
 
     def reconstruction(self, wav: torch.Tensor, audio: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
         """Weighted multi-resolution mel L1 + STFT loss on the real samples only."""
-        # built on first use, never under inference mode (validate, predict): training reuses it;
-        # kept in a list, out of the state dict
+        # built on first use, never under inference mode (training reuses it); a list: out of the state dict
         with torch.inference_mode(False):
             if not self._losses:
                 hp = self.hparams
@@ -278,8 +279,7 @@ class Code2WavModule(pl.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._eval_metrics().reset()
 
-    def on_test_epoch_start(self) -> None:
-        self._eval_metrics().reset()
+    on_test_epoch_start = on_validation_epoch_start
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)

@@ -18,8 +18,9 @@ Sections (``--only``, comma-separated; default all):
             and warm; a plain transformers loop (batches in file order padded to their longest,
             ``.cpu()`` per request), cold and warm; shapes seen and padding cost; per-request
             equality of the Trainer's output with solo eager decodes (``--check-requests`` of them)
-  long      one ``--long-s`` request: ours through the Trainer (chunked, graphs) vs transformers'
-            ``chunked_decode`` (same chunk 300, left context 25)
+  long      one ``--long-s`` request: ours through the Trainer (chunked, graphs), ours' ``chunked_decode``
+            through the graphs without the Trainer, transformers' ``chunked_decode`` (same chunk 300,
+            left context 25); peaks also above the memory allocated before the call (the weights)
   profile   top CUDA kernels of ours, eager, batch 32 of 10 s (``--profile-out``)
   compile   transformers + torch.compile (defaults, ``dynamic=False``: one compile per shape) on the
             fwd shapes (``--compile-batches``), last because each compile takes a minute; its
@@ -371,16 +372,30 @@ class Bench:
         del module, run
         free_memory()
 
+        graphs = CUDAGraphDecoder(self.ours, out_dtype=torch.float32) if self.device.type == "cuda" else None
+
+        def ours_api() -> None:  # the module's decode path without the Trainer: chunks through the graphs
+            with torch.inference_mode():
+                self.ours.chunked_decode(codes[None].to(self.device), 300, 25, False, graphs).cpu()
+
         def theirs() -> None:
             with torch.inference_mode():
                 self.ref.chunked_decode(codes[None].to(self.device), chunk_size=300, left_context_size=25).cpu()
 
-        theirs()
-        peak_reset(self.device)
-        t = timed(theirs, self.device)
-        ref = {"seconds": t, "x_realtime": audio / t, "peak_gib": peak_gib(self.device),
-               "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
-        return {"request_s": self.args.long_s, "ours (Trainer, chunked)": ours, "transformers chunked_decode": ref}
+        out = {"request_s": self.args.long_s, "ours (Trainer, chunked)": ours}
+        rows = (("ours chunked_decode (graphs, no Trainer)", ours_api), ("transformers chunked_decode", theirs))
+        for name, fn in rows:
+            fn()
+            base = torch.cuda.memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+            peak_reset(self.device)
+            t = timed(fn, self.device)
+            peak = peak_gib(self.device)
+            out[name] = {"seconds": t, "x_realtime": audio / t, "peak_gib": peak,
+                         "peak_above_weights_gib": peak - base if peak is not None else None,
+                         "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
+        if graphs is not None:
+            graphs.close()
+        return out
 
     # --- profile -------------------------------------------------------------------------------
 
@@ -445,10 +460,15 @@ def print_tables(results: dict[str, Any]) -> None:
     if "long" in results:
         lg = results["long"]
         print(f"\nlong: one {lg['request_s']:g} s request")
-        for name in ("ours (Trainer, chunked)", "transformers chunked_decode"):
-            r = lg[name]
+        for name, r in lg.items():
+            if not isinstance(r, dict):
+                continue
             peak = f"{r['peak_gib']:.2f} / {r['peak_reserved_gib']:.2f} GiB" if r["peak_gib"] is not None else "-"
-            print(f"  {name}: {r['x_realtime']:,.0f}x, {r['seconds']:.2f} s, peak alloc / reserved {peak}")
+            above = f", {r['peak_above_weights_gib']:.2f} GiB above the resident weights" if r.get(
+                "peak_above_weights_gib") is not None else ""  # fmt: skip
+            batches = f" ({r['x_realtime_batches']:,.0f}x first batch to end)" if "x_realtime_batches" in r else ""
+            print(f"  {name}: {r['x_realtime']:,.0f}x{batches}, {r['seconds']:.2f} s, "
+                  f"peak alloc / reserved {peak}{above}")  # fmt: skip
     if "profile" in results:
         p = results["profile"]
         print(f"\nprofile: ours eager, batch 32 of 10 s: {p['kernel_ms']:.1f} ms of kernels, "

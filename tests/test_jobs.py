@@ -369,7 +369,7 @@ def test_forward_and_decode_take_any_integer_dtype(tiny_model):
 
 
 def test_training_crops_differ_between_loader_workers_and_epochs():
-    # data loader workers are the default on machines with cores to spare (num_workers=None)
+    # loader workers are the default for files on machines with cores to spare (num_workers=None)
     from torch.utils.data import DataLoader
 
     frames = torch.arange(60).repeat(16, 1)  # code == frame index: a crop's first code is its start

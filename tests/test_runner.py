@@ -272,3 +272,21 @@ def test_plain_tensor_batches_get_generated_ids(model):
     preds = Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), DataLoader([codes[0], codes[1]], 2))
     assert preds[0].req_ids == ["0-0", "0-1"]
     assert preds[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
+
+
+def test_loader_workers_only_for_data_read_from_files(tmp_path):
+    from lightning.fabric.utilities.data import suggested_max_num_workers
+
+    reqs = requests()
+    in_memory = CodesDataModule(predict=reqs, config="tiny")
+    in_memory.setup("predict")
+    assert in_memory.predict_dataloader()[0].num_workers == 0  # nothing to read: no fork, no shared-memory copies
+    for name, codes in reqs.items():
+        np.save(tmp_path / f"{name}.npy", codes.numpy())
+    files = CodesDataModule(predict=str(tmp_path), config="tiny")
+    files.setup("predict")
+    suggested = suggested_max_num_workers(1)
+    assert files.predict_dataloader()[0].num_workers == (0 if suggested <= 1 else min(suggested, 4))
+    chosen = CodesDataModule(predict=reqs, config="tiny", num_workers=2)
+    chosen.setup("predict")
+    assert chosen.predict_dataloader()[0].num_workers == 2

@@ -23,9 +23,10 @@ class CodesDataModule(pl.LightningDataModule):
     ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
     ``"raise"`` stops before any compute. ``duplicate_ids``: ``"error"`` (default) refuses a source
     whose ids repeat, ``"rename"`` numbers the repeats (see ``CodesDataset``). ``crop_frames``: random
-    training crops. ``num_workers``: loader processes; None picks Lightning's suggestion for this
-    machine (0 when it suggests one or fewer, else up to 4), so file reading overlaps compute where
-    there are cores to spare.
+    training crops. ``num_workers``: loader processes; None picks 0 for data already in memory
+    (tensors: a worker would only add a fork and a copy of every batch through shared memory) and
+    otherwise Lightning's suggestion for this machine (0 when it suggests one or fewer, else up to
+    4), so file reading overlaps compute where there are cores to spare.
     """
 
     def __init__(
@@ -91,9 +92,11 @@ class CodesDataModule(pl.LightningDataModule):
         """Files of the predict folders that are not code files (listed in the writer's summary)."""
         return [p for ds in self.datasets.get("predict", []) for p in ds.unread]
 
-    def _workers(self) -> int:
+    def _workers(self, dataset: CodesDataset) -> int:
         if self.num_workers is not None:
             return self.num_workers
+        if not dataset.reads_files:
+            return 0
         from lightning.fabric.utilities.data import suggested_max_num_workers
 
         devices = self.trainer.num_devices if self.trainer is not None else 1
@@ -104,7 +107,7 @@ class CodesDataModule(pl.LightningDataModule):
         sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,
                                            max_frames=self.max_frames, shuffle=shuffle, seed=self.seed)  # fmt: skip
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers())
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset))
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:

@@ -184,6 +184,11 @@ class CodesDataset(Dataset):
         return {e.id: e.error for e in self.entries if e.error is not None}
 
     @property
+    def reads_files(self) -> bool:
+        """Whether loading an item reads a file (else every item is already in memory)."""
+        return any(isinstance(e.codes, Path) or e.audio is not None for e in self.entries)
+
+    @property
     def has_audio(self) -> bool:
         return any(e.audio is not None for e in self.entries)
 

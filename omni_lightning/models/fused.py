@@ -6,9 +6,11 @@ convolutions around it. One Triton pass reads x once and writes y once, computin
 
 Two layouts: :func:`snake_beta` for ``[B, C, T]`` tensors (the layers' own layout), and
 :func:`snake_beta_tc` for time-major ``[B, T, C]`` tensors (the channels-last inference decoder,
-``models/fast_decoder.py``), which also adds the preceding convolution's bias on the way in, so no
-convolution needs a separate bias pass. Offsets are 64-bit: a batch of 32 thirty-second clips at
-96 channels is 2.2e9 elements, past int32.
+``models/fast_decoder.py``, and the streaming decoder), which also adds the preceding convolution's
+bias on the way in, so no convolution needs a separate bias pass. The kernels live in
+``models/triton_kernels.py`` (imported on first CUDA use); their sine is the GPU's fast one after an
+exact range reduction (that file says why and what it costs in accuracy); ``precise=True`` keeps
+libdevice's.
 """
 
 from __future__ import annotations
@@ -28,93 +30,71 @@ def triton_available() -> bool:
     return True
 
 
-@functools.cache
-def _snake_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def snake_beta_kernel(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, channels, length,
-                          stride_b, stride_c, stride_t, BLOCK: tl.constexpr):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)  # b * channels + c
-        b = row // channels
-        c = row % channels
-        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < length
-        x = tl.load(x_ptr + b * stride_b + c * stride_c + offs * stride_t, mask=mask).to(tl.float32)
-        alpha = tl.load(alpha_ptr + c)
-        inv_beta = tl.load(inv_beta_ptr + c)
-        s = tl.sin(x * alpha)
-        y = x + inv_beta * s * s
-        tl.store(y_ptr + row * length + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    return snake_beta_kernel
-
-
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor) -> torch.Tensor:
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor, precise: bool = False) -> torch.Tensor:
     """``x + inv_beta * sin(x * alpha)^2`` for ``x [B, C, T]`` (any strides) on CUDA; contiguous out."""
     import triton
+
+    from omni_lightning.models.triton_kernels import snake_beta_kernel
 
     batch, channels, length = x.shape
     y = torch.empty((batch, channels, length), dtype=x.dtype, device=x.device)
     block = 1024 if length >= 1024 else triton.next_power_of_2(max(length, 16))
     grid = (batch * channels, triton.cdiv(length, block))
-    _snake_kernel()[grid](
+    snake_beta_kernel[grid](
         x, y, alpha.float().contiguous(), inv_beta.float().contiguous(), channels, length,
-        x.stride(0), x.stride(1), x.stride(2), BLOCK=block,
+        x.stride(0), x.stride(1), x.stride(2), PRECISE=precise, BLOCK=block,
     )  # fmt: skip
     return y
 
 
-@functools.cache
-def _snake_tc_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def snake_beta_tc_kernel(x_ptr, y_ptr, log_alpha_ptr, log_beta_ptr, bias_ptr, length, channels,
-                             stride_b, stride_t, stride_c, HAS_BIAS: tl.constexpr,
-                             BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
-        b = tl.program_id(2).to(tl.int64)
-        t = (tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        in_c = c < channels
-        alpha = tl.exp(tl.load(log_alpha_ptr + c, mask=in_c, other=0.0).to(tl.float32))
-        inv_beta = 1.0 / (tl.exp(tl.load(log_beta_ptr + c, mask=in_c, other=0.0).to(tl.float32)) + 1e-9)
-        mask = (t[:, None] < length) & in_c[None, :]
-        x = tl.load(x_ptr + b * stride_b + t[:, None] * stride_t + c[None, :] * stride_c, mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        if HAS_BIAS:
-            x += tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
-        s = tl.sin(x * alpha[None, :])
-        y = x + inv_beta[None, :] * s * s
-        out = y_ptr + (b * length + t[:, None]) * channels + c[None, :]
-        tl.store(out, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-    return snake_beta_tc_kernel
-
-
 def snake_beta_tc(
-    x: torch.Tensor, log_alpha: torch.Tensor, log_beta: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    precise: bool = False,
 ) -> torch.Tensor:
     """SnakeBeta of ``x [B, T, C] (+ bias[C])`` with the layer's log-scale parameters; contiguous out.
 
     Any strides (channels contiguous is the fast case). CUDA tensors take one Triton pass; others
     (CPU, no Triton) the same math in eager torch, fp32 inside, as the kernel.
     """
-    batch, length, channels = x.shape
     if not (x.is_cuda and triton_available()):
         xf = x.float() if bias is None else x.float() + bias.float()
         s = torch.sin(xf * log_alpha.float().exp())
         return (xf + s * s / (log_beta.float().exp() + 1e-9)).to(x.dtype).contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    snake_beta_tc_into(x, y, log_alpha, log_beta, bias, log_params=True, precise=precise)
+    return y
+
+
+def snake_beta_tc_into(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    fresh: torch.Tensor | None = None,
+    junk: int = 0,
+    log_params: bool = False,
+    precise: bool = False,
+) -> None:
+    """The time-major kernel into ``out [B, T, C]`` (channels contiguous), CUDA only.
+
+    ``alpha``/``beta``: ``alpha`` and ``1 / beta``, or their logs with ``log_params``. Rows ``b``
+    with ``fresh[b] != 0`` get zeros for ``t < junk`` (the streaming decoder's new streams).
+    """
     import triton
 
-    y = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device)
-    block_c = 64 if channels % 64 == 0 else (32 if channels % 32 == 0 else min(64, triton.next_power_of_2(channels)))
-    block_t = 4096 // block_c
+    from omni_lightning.models.triton_kernels import snake_beta_tc_kernel
+
+    batch, length, channels = x.shape
+    block_c = 64 if channels % 64 == 0 else (32 if channels % 32 == 0 else min(128, triton.next_power_of_2(channels)))
+    block_t = max(1, 4096 // block_c)
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_c), batch)
-    _snake_tc_kernel()[grid](
-        x, y, log_alpha, log_beta, bias if bias is not None else log_alpha, length, channels,
-        x.stride(0), x.stride(1), x.stride(2), HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_C=block_c,
+    snake_beta_tc_kernel[grid](
+        x, out, alpha, beta, bias if bias is not None else alpha, fresh if fresh is not None else alpha,
+        length, channels, x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), junk,
+        LOG_PARAMS=log_params, HAS_BIAS=bias is not None, HAS_JUNK=fresh is not None and junk > 0,
+        PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
-    return y

@@ -530,7 +530,7 @@ class StreamingDecoder:
         if out is None:
             out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         if x.is_cuda and site.module.fused and fused.triton_available():
-            _snake_cl_triton(x, out, site.alpha, site.inv_beta, site.bias, fresh, junk)
+            fused.snake_beta_tc_into(x, out, site.alpha, site.inv_beta, site.bias, fresh, junk)
             return out
         t = x.float()
         if site.bias is not None:
@@ -600,54 +600,3 @@ def _conv_transpose_cl(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     y = F.conv_transpose2d(x.transpose(1, 2).unsqueeze(2), weight.unsqueeze(2), bias, stride=(1, stride),
                            padding=(0, trim))  # fmt: skip
     return y.squeeze(2).transpose(1, 2).contiguous()
-
-
-def _snake_cl_triton(x: torch.Tensor, out: torch.Tensor, alpha: torch.Tensor, inv_beta: torch.Tensor,
-                     bias: torch.Tensor | None, fresh: torch.Tensor, junk: int) -> None:  # fmt: skip
-    import triton
-
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    batch, length, channels = x.shape
-    block_c = min(128, triton.next_power_of_2(channels))
-    block_t = max(1, 4096 // block_c)
-    grid = (triton.cdiv(length, block_t), batch, triton.cdiv(channels, block_c))
-    _snake_cl_kernel()[grid](
-        x, out, alpha, inv_beta, bias if bias is not None else alpha, fresh, length, channels,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), junk,
-        HAS_BIAS=bias is not None, BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
-
-
-_KERNEL = None
-
-
-def _snake_cl_kernel():
-    """``y[b, t, c] = snake(x + bias)``, 0 where ``fresh[b]`` and ``t < junk``; fp32 math."""
-    global _KERNEL
-    if _KERNEL is None:
-        import triton
-        import triton.language as tl
-
-        @triton.jit(do_not_specialize=["length", "junk"])  # one compile for every chunk size
-        def snake_cl(x_ptr, y_ptr, alpha_ptr, inv_beta_ptr, bias_ptr, fresh_ptr, length, channels,
-                     x_sb, x_st, y_sb, y_st, junk, HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr,
-                     BLOCK_C: tl.constexpr):  # fmt: skip
-            b = tl.program_id(1).to(tl.int64)
-            t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-            c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-            c_in = c < channels
-            inside = (t < length)[:, None] & c_in[None, :]
-            x = tl.load(x_ptr + b * x_sb + t[:, None] * x_st + c[None, :], mask=inside, other=0.0).to(tl.float32)
-            if HAS_BIAS:
-                x += tl.load(bias_ptr + c, mask=c_in, other=0.0)[None, :]
-            alpha = tl.load(alpha_ptr + c, mask=c_in, other=0.0)[None, :]
-            inv_beta = tl.load(inv_beta_ptr + c, mask=c_in, other=0.0)[None, :]
-            s = tl.sin(x * alpha)
-            y = x + inv_beta * s * s
-            junk_row = tl.load(fresh_ptr + b) != 0
-            y = tl.where((t[:, None] < junk) & junk_row, 0.0, y)
-            tl.store(y_ptr + b * y_sb + t[:, None] * y_st + c[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
-
-        _KERNEL = snake_cl
-    return _KERNEL

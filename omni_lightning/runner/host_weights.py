@@ -1,0 +1,71 @@
+"""Moving a module's weights back to the CPU after predict into the memory they came from.
+
+Lightning moves the module to the accelerator when ``predict`` starts and back to the CPU when it
+ends (``Strategy.teardown`` calls ``module.cpu()``), so a job of many ``predict`` calls moves the
+weights both ways every time. The way back allocates a new host tensor per parameter and faults in
+every page of it: on an H200 host that was 0.31 s for qwen3-omni's 432 MB of bf16 weights, an eighth
+of a 6,000 s predict (docs/performance.md). The host tensors the weights had before the move are
+still the right size and already resident; :class:`HostWeights` keeps them during the run and, at
+the move back, copies the current values into them and points the parameters there.
+
+The values are always copied (whatever changed them during the run, the host gets the current
+ones). A parameter whose shape, dtype or identity changed during the run (a precision plugin's cast
+on the first predict, a replaced parameter) is left to the stock move. Buffers are left to it too:
+``nn.Module._apply`` replaces buffer objects, so there is no held tensor to match them to, and they
+are small. Only predict holds weights: the host copies stay allocated during the run (as they would
+before it), and a fit's changed weights are better written to new memory than into tensors a
+caller's earlier ``state_dict()`` may still share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class HostWeights:
+    """The host tensors of a module's parameters, held while the module runs elsewhere."""
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        self._pairs = pairs
+
+    @classmethod
+    def hold(cls, module: nn.Module) -> HostWeights | None:
+        """Holds ``module``'s parameters' host tensors; None if any parameter is not on the CPU."""
+        params = list(module.parameters())
+        if not params or any(p.device.type != "cpu" for p in params):
+            return None
+        return cls([(p, p.data) for p in params])
+
+    def restore(self) -> int:
+        """Copies every moved parameter's values into its held host tensor and points it there;
+        returns how many moved. Releases what it held: a second call does nothing."""
+        pairs, self._pairs = self._pairs, []
+        moved = 0
+        with torch.no_grad():
+            for param, host in pairs:
+                data = param.data
+                if data.data_ptr() == host.data_ptr() or data.shape != host.shape or data.dtype != host.dtype:
+                    continue
+                host.copy_(data)
+                param.data = host
+                moved += 1
+        return moved
+
+
+class HostWeightsOnPredict:
+    """LightningModule mixin (first base): during ``predict`` it holds the parameters' host tensors
+    from the ``setup`` hook (before Lightning moves the module) and ``cpu()`` restores into them.
+    ``Code2WavModule`` has it; any LightningModule can take it."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self._host_weights = HostWeights.hold(self) if stage == "predict" else None
+
+    def cpu(self) -> Any:
+        held, self._host_weights = getattr(self, "_host_weights", None), None
+        if held is not None:
+            held.restore()
+        return super().cpu()

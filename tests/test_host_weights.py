@@ -1,0 +1,96 @@
+"""After predict, the weights go back into the host tensors they left (runner/host_weights.py)."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from conftest import random_model
+from helpers import requests, trainer_kwargs, waveforms
+from torch.utils.data import DataLoader
+
+from omni_lightning import Code2WavModule, CodesDataModule, Trainer
+from omni_lightning.runner.host_weights import HostWeights, HostWeightsOnPredict
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def storages(module):
+    return [p.data_ptr() for p in module.parameters()]
+
+
+def test_restore_copies_current_values_into_the_held_tensors():
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    before = storages(module)
+    held = HostWeights.hold(module)
+    for p in module.parameters():  # a move: new storage, and values the run changed
+        p.data = p.data * 2 + 1
+    moved = [p.data.clone() for p in module.parameters()]
+    assert storages(module) != before
+    assert held.restore() == len(before)
+    assert storages(module) == before
+    assert all(torch.equal(p.data, m) for p, m in zip(module.parameters(), moved))
+    assert held.restore() == 0  # released
+
+
+def test_a_cast_or_a_module_off_the_cpu_is_left_to_the_stock_move():
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    held = HostWeights.hold(module)
+    module.to(torch.bfloat16)  # the first bf16-true predict casts the weights
+    assert held.restore() == 0
+    assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert HostWeights.hold(torch.nn.Linear(2, 2, device="meta")) is None
+    assert HostWeights.hold(torch.nn.ReLU()) is None  # no parameters
+
+
+def test_only_predict_holds_weights():
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    for stage in ("fit", "validate", "test"):
+        module.setup(stage)
+        assert module._host_weights is None
+    module.setup("predict")
+    assert isinstance(module._host_weights, HostWeights)
+    module.cpu()
+    assert module._host_weights is None
+
+
+class Plain(HostWeightsOnPredict, pl.LightningModule):
+    """A stock LightningModule taking the mixin."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 3)
+        self.setups = []
+
+    def setup(self, stage):
+        super().setup(stage)
+        self.setups.append(stage)
+
+    def predict_step(self, batch, batch_idx):
+        return self.layer(batch)
+
+
+def test_real_trainers_predict_as_before_with_the_mixin():
+    module = Code2WavModule(model=random_model("tiny", seed=2))
+    reqs = requests()
+    before = storages(module)
+    trainer = Trainer(**trainer_kwargs())
+    first = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+    second = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+    assert storages(module) == before and module._host_weights is None
+    assert all(torch.equal(first[r], second[r]) for r in reqs)
+    plain = Plain()
+    out = pl.Trainer(**trainer_kwargs()).predict(plain, DataLoader(torch.ones(2, 4), batch_size=2))
+    assert plain.setups == ["predict"] and out[0].shape == (2, 3)
+
+
+@cuda
+def test_cuda_predicts_return_the_weights_to_their_host_tensors():
+    module = Code2WavModule(model=random_model("tiny", seed=2).to(torch.bfloat16))
+    reqs = requests()
+    want = {n: p.detach().clone() for n, p in module.named_parameters()}
+    before = storages(module)
+    kwargs = trainer_kwargs(accelerator="gpu", precision="bf16-true")
+    for _ in range(2):
+        Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3))
+        assert all(p.device.type == "cpu" for p in module.parameters())  # as stock Lightning leaves it
+        assert storages(module) == before
+        assert all(torch.equal(p, want[n]) for n, p in module.named_parameters())
