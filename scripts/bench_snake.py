@@ -55,6 +55,11 @@ def measure(channels: int, length: int, batch: int, repeats: int, gen: torch.Gen
     row = {"channels": channels, "length": length, "batch": batch, "gbytes": nbytes / 1e9}
     out = torch.empty_like(inputs[0])
     row["copy_ms"] = time_ms(out.copy_, inputs, repeats)
+    for block_c in (32, 64, 128):
+        if block_c < channels and channels % block_c == 0 or block_c >= channels > block_c // 2:
+            row[f"fast_block{block_c}_ms"] = time_ms(
+                lambda x, b=block_c: fused.snake_beta_tc(x, log_alpha, log_beta, bias, block_c=b), inputs, repeats
+            )
     for name, precise in (("fast", False), ("precise", True)):
 
         def snake(x: torch.Tensor, precise: bool = precise) -> torch.Tensor:
@@ -87,6 +92,10 @@ def main() -> None:
         print(f"| {r['channels']} | {r['length']} | {r['gbytes']:.2f} | {r['copy_ms']:.3f} | {r['fast_ms']:.3f} "
               f"({r['fast_gbs']:,.0f}) | {r['precise_ms']:.3f} | {r['fast_rel_l2']:.2e} / {r['fast_max_abs']:.1e} | "
               f"{r['precise_rel_l2']:.2e} / {r['precise_max_abs']:.1e} |")  # fmt: skip
+    for r in rows:
+        tiles = [f"{k[len('fast_block') : -3]} ch {v:.3f} ms" for k, v in r.items() if k.startswith("fast_block")]
+        tiles = ", ".join(tiles)
+        print(f"C={r['channels']}: tiles {tiles}")
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
 

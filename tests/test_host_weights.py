@@ -88,7 +88,7 @@ def test_cuda_predicts_return_the_weights_to_their_host_tensors():
     reqs = requests()
     want = {n: p.detach().clone() for n, p in module.named_parameters()}
     before = storages(module)
-    kwargs = trainer_kwargs(accelerator="gpu", precision="bf16-true")
+    kwargs = {**trainer_kwargs(precision="bf16-true"), "accelerator": "gpu"}
     for _ in range(2):
         Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3))
         assert all(p.device.type == "cpu" for p in module.parameters())  # as stock Lightning leaves it

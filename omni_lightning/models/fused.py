@@ -53,6 +53,7 @@ def snake_beta_tc(
     log_beta: torch.Tensor,
     bias: torch.Tensor | None = None,
     precise: bool = False,
+    block_c: int | None = None,
 ) -> torch.Tensor:
     """SnakeBeta of ``x [B, T, C] (+ bias[C])`` with the layer's log-scale parameters; contiguous out.
 
@@ -64,7 +65,7 @@ def snake_beta_tc(
         s = torch.sin(xf * log_alpha.float().exp())
         return (xf + s * s / (log_beta.float().exp() + 1e-9)).to(x.dtype).contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    snake_beta_tc_into(x, y, log_alpha, log_beta, bias, log_params=True, precise=precise)
+    snake_beta_tc_into(x, y, log_alpha, log_beta, bias, log_params=True, precise=precise, block_c=block_c)
     return y
 
 
@@ -78,18 +79,22 @@ def snake_beta_tc_into(
     junk: int = 0,
     log_params: bool = False,
     precise: bool = False,
+    block_c: int | None = None,
 ) -> None:
     """The time-major kernel into ``out [B, T, C]`` (channels contiguous), CUDA only.
 
     ``alpha``/``beta``: ``alpha`` and ``1 / beta``, or their logs with ``log_params``. Rows ``b``
     with ``fresh[b] != 0`` get zeros for ``t < junk`` (the streaming decoder's new streams).
+    ``block_c``: channels per tile (a power of two; default: 64 where it divides ``C``, else whole
+    rows, e.g. 128 lanes for 96 channels, so each tile reads whole contiguous rows).
     """
     import triton
 
     from omni_lightning.models.triton_kernels import snake_beta_tc_kernel
 
     batch, length, channels = x.shape
-    block_c = 64 if channels % 64 == 0 else (32 if channels % 32 == 0 else min(128, triton.next_power_of_2(channels)))
+    if block_c is None:
+        block_c = 64 if channels % 64 == 0 else min(256, triton.next_power_of_2(channels))
     block_t = max(1, 4096 // block_c)
     grid = (triton.cdiv(length, block_t), triton.cdiv(channels, block_c), batch)
     snake_beta_tc_kernel[grid](
