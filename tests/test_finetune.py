@@ -210,6 +210,15 @@ def test_bf16_mixed_and_adversarial_training_run(pairs):
     Trainer(**fit_kwargs(3, precision="bf16-mixed", callbacks=[log])).fit(module, datamodule=datamodule(pairs))
     assert len(log.losses) == 3 and all(math.isfinite(x) for x in log.losses)
 
+    # bf16-true: Lightning makes bf16 the default dtype inside the steps, where the losses and the
+    # metrics are first built (their filterbanks once came out in bf16 and the mel matmul failed)
+    module, log = student(), LossLog()
+    trainer = Trainer(**{**fit_kwargs(3, precision="bf16-true", callbacks=[log]), "limit_val_batches": 1})
+    trainer.fit(module, datamodule=datamodule(pairs))
+    assert len(log.losses) == 3 and all(math.isfinite(x) for x in log.losses)
+    assert math.isfinite(float(trainer.callback_metrics["val/loss"]))
+    assert all(b.dtype == torch.float32 for b in module._losses[0].buffers())
+
     gan = student(adversarial=True)
     disc_before = [p.detach().clone() for p in gan.discriminators.parameters()]
     log = LossLog()

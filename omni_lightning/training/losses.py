@@ -1,16 +1,30 @@
 """Reconstruction losses for fine-tuning Code2Wav (multi-resolution mel L1 and STFT), as ``nn.Module``s.
 
 Every loss takes ``lengths`` (real samples per item) so right-padding never enters a loss: each
-item is cut to its own length before its spectrogram is taken.
+item is cut to its own length before its spectrogram is taken. Losses compute in fp32 whatever the
+model's precision: their filterbanks and windows are built in fp32 even when they are first built
+inside a ``precision="bf16-true"`` step (Lightning sets bf16 as the default dtype there), and inputs
+are cast to fp32.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@contextlib.contextmanager
+def _fp32_default() -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _items(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None):
@@ -34,10 +48,11 @@ class MultiResolutionMelLoss(nn.Module):
         super().__init__()
         import torchaudio
 
-        self.mels = nn.ModuleList(
-            torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
-            for n, m in zip(n_ffts, n_mels)
-        )
+        with _fp32_default():
+            self.mels = nn.ModuleList(
+                torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
+                for n, m in zip(n_ffts, n_mels)
+            )
         self.eps = eps
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
@@ -57,7 +72,7 @@ class MultiResolutionSTFTLoss(nn.Module):
         self.n_ffts = tuple(n_ffts)
         self.eps = eps
         for n in self.n_ffts:
-            self.register_buffer(f"window_{n}", torch.hann_window(n), persistent=False)
+            self.register_buffer(f"window_{n}", torch.hann_window(n, dtype=torch.float32), persistent=False)
 
     def magnitude(self, x: torch.Tensor, n_fft: int) -> torch.Tensor:
         window = getattr(self, f"window_{n_fft}")
