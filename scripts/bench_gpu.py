@@ -102,6 +102,19 @@ def peak_reserved_gib(device: torch.device) -> float | None:
     return torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None
 
 
+def mixed_workload(config: Any, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The seeded e2e job: ``args.requests`` requests of uniform random ``args.min_s``..``args.max_s``
+    seconds (``args.seed``); also ``scripts/profile_predict.py``'s."""
+    rng = random.Random(args.seed)
+    lo, hi = round(args.min_s * config.frame_rate), round(args.max_s * config.frame_rate)
+    gen = torch.Generator().manual_seed(args.seed)
+    reqs = {}
+    for i in range(args.requests):
+        n = rng.randint(lo, hi)
+        reqs[f"req-{i:04d}"] = torch.randint(0, config.codebook_size, (config.num_quantizers, n), generator=gen)
+    return reqs
+
+
 class Clock(pl.Callback):
     """From the first predict batch's start to the end of predict (setup and teardown left out)."""
 
@@ -244,16 +257,6 @@ class Bench:
 
     # --- the mixed-length job ------------------------------------------------------------------
 
-    def workload(self) -> dict[str, torch.Tensor]:
-        rng = random.Random(self.args.seed)
-        lo, hi = round(self.args.min_s * self.config.frame_rate), round(self.args.max_s * self.config.frame_rate)
-        gen = torch.Generator().manual_seed(self.args.seed)
-        reqs = {}
-        for i in range(self.args.requests):
-            n = rng.randint(lo, hi)
-            reqs[f"req-{i:04d}"] = torch.randint(0, self.config.codebook_size, (self.config.num_quantizers, n),
-                                                 generator=gen)  # fmt: skip
-        return reqs
 
     def trainer_predict(self, module: Code2WavModule, reqs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One ``trainer.predict`` of the default Trainer (a clock callback added to read the batch time)."""
@@ -286,7 +289,7 @@ class Bench:
                 "padding_in_batch": in_batch / real - 1, "padding_with_buckets": bucketed / real - 1}  # fmt: skip
 
     def e2e(self) -> dict[str, Any]:
-        reqs = self.workload()
+        reqs = mixed_workload(self.config, self.args)
         lengths = [c.shape[-1] for c in reqs.values()]
         audio = sum(self.config.output_length(n) for n in lengths) / self.config.sample_rate
         out: dict[str, Any] = {"requests": len(reqs), "audio_s": audio, "batch": self.args.batch,

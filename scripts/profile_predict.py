@@ -1,7 +1,7 @@
 """Where one warm ``trainer.predict`` of the mixed-length job spends its wall time.
 
 Phases (host clock, device synchronized at each mark) from the Trainer's own hooks, then the top
-functions of a cProfile of the same warm run. The job is ``bench_gpu.py``'s e2e workload.
+functions of a cProfile of the same warm run. The job is ``bench_gpu.py``'s e2e workload (``mixed_workload``).
 
     python scripts/profile_predict.py                      # an H200
     python scripts/profile_predict.py --device cpu --preset tiny --requests 24 --batch 8 --max-s 4
@@ -13,7 +13,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import random
 import sys
 import time
 from pathlib import Path
@@ -21,7 +20,10 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_gpu import mixed_workload  # noqa: E402
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, randomize_weights  # noqa: E402
 
@@ -54,13 +56,6 @@ class Marks(pl.Callback):
         self._mark("teardown hook", pl_module)
 
 
-def workload(args: argparse.Namespace, config) -> dict[str, torch.Tensor]:
-    rng, gen = random.Random(args.seed), torch.Generator().manual_seed(args.seed)
-    lo, hi = round(args.min_s * config.frame_rate), round(args.max_s * config.frame_rate)
-    return {f"req-{i:04d}": torch.randint(0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)),
-                                          generator=gen) for i in range(args.requests)}  # fmt: skip
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="qwen3-omni")
@@ -75,7 +70,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the cProfile table here")
     args = parser.parse_args()
     model = randomize_weights(Code2Wav(args.preset), seed=0).eval()
-    reqs = workload(args, model.config)
+    reqs = mixed_workload(model.config, args)
     audio = sum(model.config.output_length(c.shape[-1]) for c in reqs.values()) / model.config.sample_rate
     module = Code2WavModule(model=model)
 
