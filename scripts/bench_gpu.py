@@ -274,19 +274,49 @@ class Bench:
                 "peak_reserved_gib": peak_reserved_gib(self.device)}  # fmt: skip
 
     def shapes_and_padding(self, lengths: list[int]) -> dict[str, Any]:
-        """What the default datamodule's batches cost in padding, before and after the buckets."""
+        """What the default datamodule's batches cost in padding: as they come, in one bucket per batch,
+        and split into the groups the graph decoder runs (``ShapeBuckets.plan``)."""
         from omni_lightning.data import LengthBucketBatchSampler
 
         buckets = ShapeBuckets()
         batches = list(LengthBucketBatchSampler(range(len(lengths)), self.args.batch, lengths=lengths))
+        groups = [[b[i] for i in g] for b in batches for g in buckets.plan([lengths[i] for i in b])]
         real = sum(lengths)
+
+        def padded(runs: list[list[int]]) -> tuple[int, set]:
+            keys = [buckets.bucket(len(r), max(lengths[i] for i in r)) for r in runs]
+            work = sum(k[0] * k[1] if k else len(r) * max(lengths[i] for i in r) for k, r in zip(keys, runs))
+            return work, {k for k in keys if k}
+
         in_batch = sum(len(b) * max(lengths[i] for i in b) for b in batches)
-        keys = [buckets.bucket(len(b), max(lengths[i] for i in b)) for b in batches]
-        bucketed = sum(k[0] * k[1] if k else len(b) * max(lengths[i] for i in b) for k, b in zip(keys, batches))
+        one, one_keys = padded(batches)
+        split, split_keys = padded(groups)
         return {"batches": len(batches), "distinct_batch_shapes": len({(len(b), max(lengths[i] for i in b))
                                                                        for b in batches}),
-                "distinct_buckets": len({k for k in keys if k}), "eager_batches": sum(k is None for k in keys),
-                "padding_in_batch": in_batch / real - 1, "padding_with_buckets": bucketed / real - 1}  # fmt: skip
+                "padding_in_batch": in_batch / real - 1, "padding_one_bucket_per_batch": one / real - 1,
+                "buckets_one_per_batch": len(one_keys), "groups": len(groups),
+                "padding_with_buckets": split / real - 1, "distinct_buckets": len(split_keys)}  # fmt: skip
+
+    def ours_job(self, module: Code2WavModule, reqs: dict[str, torch.Tensor], audio: float) -> dict[str, Any]:
+        """The job through ``module``: a cold run then ``--e2e-repeats`` warm ones."""
+        cold = self.trainer_predict(module, reqs)
+        runs = [self.trainer_predict(module, reqs) for _ in range(self.args.e2e_repeats)]
+        warm = statistics.median(r["seconds"] for r in runs)
+        warm_batches = statistics.median(r["batches_s"] for r in runs)
+        stats = module.graph_decoder.stats if module.graph_decoder is not None else None
+        out = {"cold_s": cold["seconds"], "warm_s": warm, "warm_runs": [r["seconds"] for r in runs],
+               "x_realtime": audio / warm, "cold_x_realtime": audio / cold["seconds"],
+               "cold_overhead_s": cold["seconds"] - warm, "warm_batches_s": warm_batches,
+               "x_realtime_batches": audio / warm_batches, "peak_gib": runs[-1]["peak_gib"],
+               "peak_reserved_gib": runs[-1]["peak_reserved_gib"], "cold_peak_reserved_gib": cold["peak_reserved_gib"],
+               "graphs": len(module.graph_decoder.graphs) if stats else 0,
+               "captures": stats.captures if stats else 0, "capture_s": stats.capture_s if stats else None,
+               "eager_forwards": stats.eager if stats else None, "wavs": runs[-1]["wavs"]}  # fmt: skip
+        print(f"  e2e ours: {out['x_realtime']:,.0f}x warm ({out['x_realtime_batches']:,.0f}x batches only), "
+              f"cold {cold['seconds']:.1f} s, {out['captures']} captures", file=sys.stderr, flush=True)  # fmt: skip
+        if module.graph_decoder is not None:
+            module.graph_decoder.close()
+        return out
 
     def e2e(self) -> dict[str, Any]:
         reqs = mixed_workload(self.config, self.args)
@@ -297,30 +327,19 @@ class Bench:
                                "cudnn_benchmark": self.args.cudnn_benchmark}  # fmt: skip
         out.update(self.shapes_and_padding(lengths))
         # ours: the default Trainer; a fresh fp32 copy that the Trainer moves and casts (bf16-true)
-        module = Code2WavModule(model=self.fresh_ours())
-        cold = self.trainer_predict(module, reqs)
-        runs = [self.trainer_predict(module, reqs) for _ in range(self.args.e2e_repeats)]
-        warm = statistics.median(r["seconds"] for r in runs)
-        warm_batches = statistics.median(r["batches_s"] for r in runs)
-        stats = module.graph_decoder.stats if module.graph_decoder is not None else None
-        out["ours"] = {"cold_s": cold["seconds"], "warm_s": warm, "warm_runs": [r["seconds"] for r in runs],
-                       "x_realtime": audio / warm, "cold_x_realtime": audio / cold["seconds"],
-                       "cold_overhead_s": cold["seconds"] - warm, "warm_batches_s": warm_batches,
-                       "x_realtime_batches": audio / warm_batches, "peak_gib": runs[-1]["peak_gib"],
-                       "peak_reserved_gib": runs[-1]["peak_reserved_gib"],
-                       "cold_peak_reserved_gib": cold["peak_reserved_gib"],
-                       "graphs": len(module.graph_decoder.graphs) if stats else 0,
-                       "captures": stats.captures if stats else 0, "capture_s": stats.capture_s if stats else None,
-                       "eager_forwards": stats.eager if stats else None}  # fmt: skip
-        print(f"  e2e ours: {out['ours']['x_realtime']:,.0f}x warm ({out['ours']['x_realtime_batches']:,.0f}x "
-              f"batches only), cold {cold['seconds']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
-        out["equality"] = self.equality(reqs, runs[-1]["wavs"])
-        if module.graph_decoder is not None:
-            module.graph_decoder.close()
-        del module, runs, cold
+        out["ours"] = self.ours_job(Code2WavModule(model=self.fresh_ours()), reqs, audio)
+        out["equality"] = self.equality(reqs, out["ours"].pop("wavs"))
+        for cost in self.args.group_costs if self.device.type == "cuda" else []:  # variants of the batch split's replay cost (ShapeBuckets.plan)
+            module = Code2WavModule(model=self.fresh_ours())
+            buckets = ShapeBuckets(group_cost=cost)
+            module.graph_decoder = CUDAGraphDecoder(module.model, buckets, out_dtype=torch.float32)
+            out[f"ours_group_cost_{cost}"] = self.ours_job(module, reqs, audio)
+            out[f"ours_group_cost_{cost}"].pop("wavs")
+            del module
         free_memory()
-        out["transformers"] = self.plain_loop(reqs, audio)
-        out["ours_over_transformers"] = out["ours"]["x_realtime"] / out["transformers"]["x_realtime"]
+        if not self.args.no_peer:
+            out["transformers"] = self.plain_loop(reqs, audio)
+            out["ours_over_transformers"] = out["ours"]["x_realtime"] / out["transformers"]["x_realtime"]
         return out
 
     def equality(self, reqs: dict[str, torch.Tensor], wavs: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -448,9 +467,12 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"\ne2e: {e['requests']} requests, {e['audio_s']:.0f} s of audio, batch {e['batch']}; "
               f"{e['batches']} batches, {e['distinct_batch_shapes']} distinct batch shapes -> "
               f"{e['distinct_buckets']} buckets; padding {e['padding_in_batch']:.1%} in batch, "
-              f"{e['padding_with_buckets']:.1%} with buckets")  # fmt: skip
+              f"{e['padding_one_bucket_per_batch']:.1%} one bucket per batch, {e['padding_with_buckets']:.1%} in "
+              f"{e['groups']} groups")  # fmt: skip
         print("| impl | warm x real time | warm (s) | cold (s) | peak GiB alloc / reserved |\n|---|---|---|---|---|")
-        for name in ("ours", "transformers"):
+        for name in ["ours", *(k for k in e if k.startswith("ours_group_cost_")), "transformers"]:
+            if name not in e:
+                continue
             r = e[name]
             peak = f"{r['peak_gib']:.2f} / {r['peak_reserved_gib']:.2f}" if r["peak_gib"] is not None else "-"
             print(f"| {name} | {r['x_realtime']:,.0f} | {r['warm_s']:.2f} | {r['cold_s']:.2f} | {peak} |")
@@ -458,7 +480,8 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"ours batches only (first batch to last output): {o['x_realtime_batches']:,.0f}x; "
               f"{o['captures']} captures in {o['capture_s'] or 0:.2f} s")  # fmt: skip
         q = e["equality"]
-        print(f"ours/transformers {e['ours_over_transformers']:.2f}x; equality vs solo ({q['checked']} requests): "
+        print(f"ours/transformers {e.get('ours_over_transformers', float('nan')):.2f}x; "
+              f"equality vs solo ({q['checked']} requests): "
               f"max rel L2 {q['max_rel_l2']:.2e}, max abs {q['max_abs']:.2e}")  # fmt: skip
     if "long" in results:
         lg = results["long"]
@@ -492,6 +515,8 @@ def main() -> None:
     parser.add_argument("--max-s", type=float, default=30.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--e2e-repeats", type=int, default=2, help="warm runs of the Trainer")
+    parser.add_argument("--group-costs", type=int, nargs="*", default=[], help="e2e again with these plan costs")
+    parser.add_argument("--no-peer", action="store_true", help="e2e without the transformers loop")
     parser.add_argument("--check-requests", type=int, default=96, help="requests compared with solo decodes")
     parser.add_argument("--fwd-batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--compile-batches", type=int, nargs="+", default=[1, 8, 32])

@@ -55,7 +55,7 @@ def measure(channels: int, length: int, batch: int, repeats: int, gen: torch.Gen
     row = {"channels": channels, "length": length, "batch": batch, "gbytes": nbytes / 1e9}
     out = torch.empty_like(inputs[0])
     row["copy_ms"] = time_ms(out.copy_, inputs, repeats)
-    for block_c in (32, 64, 128):
+    for block_c in (32, 64, 128, 256):
         if block_c < channels and channels % block_c == 0 or block_c >= channels > block_c // 2:
             row[f"fast_block{block_c}_ms"] = time_ms(
                 lambda x, b=block_c: fused.snake_beta_tc(x, log_alpha, log_beta, bias, block_c=b), inputs, repeats

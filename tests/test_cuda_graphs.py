@@ -68,6 +68,49 @@ def test_random_batches_equal_solo_decodes_with_bounded_shapes(model):
         assert graphs.graphs[batch, frames].codes.shape == (batch, model.config.num_quantizers, frames)
 
 
+def _cost(buckets, lengths, groups):
+    keys = [buckets.bucket(len(g), max(lengths[i] for i in g)) for g in groups]
+    return sum(buckets.group_cost + (k[0] * k[1] if k else 2 * len(g) * max(lengths[i] for i in g))
+               for k, g in zip(keys, groups))  # fmt: skip
+
+
+def test_plan_splits_mixed_batches_into_runs_of_similar_length():
+    buckets = ShapeBuckets(frames=(8, 16, 24), batches=(1, 2, 4), max_elements=4 * 24, group_cost=8)
+    rng = random.Random(7)
+    for _ in range(200):
+        lengths = [rng.randint(1, 24) for _ in range(rng.randint(1, 9))]
+        groups = buckets.plan(lengths)
+        assert sorted(i for g in groups for i in g) == list(range(len(lengths)))  # each row once
+        assert all(g == sorted(g) for g in groups)  # batch order inside a group
+        for a, b in zip(groups, groups[1:]):  # runs of the length-sorted rows
+            assert max(lengths[i] for i in a) <= min(lengths[i] for i in b)
+        assert _cost(buckets, lengths, groups) <= _cost(buckets, lengths, [list(range(len(lengths)))])
+    # short and long rows apart; one length stays together; 5 rows (no bucket) become graphable groups
+    assert buckets.plan([2, 24, 3, 23]) == [[0, 2], [1, 3]]
+    assert buckets.plan([9] * 4) == [[0, 1, 2, 3]]
+    assert all(buckets.bucket(len(g), 9) for g in buckets.plan([9] * 5))
+    # a replay costing more than any padding: never split what one bucket holds
+    assert ShapeBuckets(frames=(8, 16, 24), batches=(1, 2, 4), group_cost=10**6).plan([2, 24, 3]) == [[0, 1, 2]]
+
+
+def test_mixed_batches_run_in_groups_and_equal_solo_decodes(model):
+    buckets = ShapeBuckets(frames=(8, 16, 24), batches=(1, 2, 4), max_elements=4 * 24, group_cost=8)
+    graphs = CUDAGraphDecoder(model, buckets, capture=RecordingCapture())
+    lengths = [3, 22, 5, 24, 20, 2]  # unsorted, and more rows than the largest batch bucket
+    codes = random_codes(len(lengths), 24, model.config, seed=11).to(torch.int32)
+    for i, n in enumerate(lengths):
+        codes[i, :, n:] = -1
+    with torch.inference_mode():
+        wavs = model.decode(codes, lengths, forward=graphs)
+        again = model.decode(codes, lengths, forward=graphs)  # replays
+    assert graphs.stats.eager == 0 and graphs.stats.replays >= 2
+    assert any(frames == 8 for _, frames in graphs.stats.shapes)  # the short rows ran apart, unpadded to 24
+    for i, n in enumerate(lengths):
+        want = solo(model, codes[i], n)
+        assert wavs[i].shape == want.shape == again[i].shape
+        assert (wavs[i] - want).abs().max() <= 1e-5 and torch.equal(wavs[i], again[i])
+
+
 def test_outputs_own_their_storage_across_replays(model):
     graphs = CUDAGraphDecoder(model, BUCKETS, capture=RecordingCapture())
     # the first fills its bucket (2, 16) exactly: its output is the whole static buffer

@@ -122,7 +122,8 @@ class Code2Wav(nn.Module):
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
         validated on the CPU already (the check on a GPU tensor synchronizes the device).
-        ``forward`` replaces ``self`` for the forward pass (a ``CUDAGraphDecoder``, say).
+        ``forward`` replaces ``self`` for the forward pass (a ``CUDAGraphDecoder``, say; one with a
+        ``decode_rows`` method takes the whole decode, rows and lengths).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
@@ -136,6 +137,8 @@ class Code2Wav(nn.Module):
             # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
             # into the codebook on the device (building a pad mask would wait for a host copy)
             codes = codes.clamp(0, self.config.codebook_size - 1)
+        if hasattr(forward, "decode_rows"):  # a CUDAGraphDecoder: runs rows of similar lengths together
+            return forward.decode_rows(codes, n)
         wav = (forward or self)(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 
