@@ -329,7 +329,8 @@ class Bench:
         # ours: the default Trainer; a fresh fp32 copy that the Trainer moves and casts (bf16-true)
         out["ours"] = self.ours_job(Code2WavModule(model=self.fresh_ours()), reqs, audio)
         out["equality"] = self.equality(reqs, out["ours"].pop("wavs"))
-        for cost in self.args.group_costs if self.device.type == "cuda" else []:  # variants of the batch split's replay cost (ShapeBuckets.plan)
+        # variants of the batch split's replay cost (ShapeBuckets.plan)
+        for cost in self.args.group_costs if self.device.type == "cuda" else []:
             module = Code2WavModule(model=self.fresh_ours())
             buckets = ShapeBuckets(group_cost=cost)
             module.graph_decoder = CUDAGraphDecoder(module.model, buckets, out_dtype=torch.float32)

@@ -30,6 +30,26 @@ def test_fast_decoder_equals_the_layers():
         assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+def test_dilated_convolutions_as_dilation_one_over_a_folded_view():
+    from omni_lightning.models.fast_decoder import _dilated_conv, _snake_rows
+    from omni_lightning.models.layers import DecoderResidualUnit
+
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(1)
+    channels = 24
+    for dilation in (3, 9):
+        unit = DecoderResidualUnit(channels, dilation).eval()
+        for length in (1, dilation, 4 * dilation, 4 * dilation + 1, 50):  # multiples of d and not
+            x = torch.randn(2, length, channels, generator=gen)
+            with torch.inference_mode():
+                want = unit.conv1(unit.act1(x.transpose(1, 2))) - unit.conv1.conv.bias[:, None]
+                rows = _snake_rows(unit.act1, x, None, dilation)
+                got = _dilated_conv(unit.conv1, rows, length)
+            assert rows.shape[1] % dilation == 0 and not rows[:, length:].any()
+            assert got.shape == (2, length, channels)
+            assert (got.transpose(1, 2) - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_forward_with_the_fast_decoder_matches_decode_of_each_request():
     model = random_model("tiny", seed=2)
     codes = random_codes(2, 6, model.config, seed=3)

@@ -60,7 +60,9 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
     # a second predict (the module moved to the CPU and back in between) replays the graphs it has
     captures, replays = graphs.stats.captures, graphs.stats.replays
     again = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
-    assert graphs.stats.captures == captures and graphs.stats.replays == replays + len(again)
+    # every forward of it a replay (a batch may run as several groups of similar length)
+    assert graphs.stats.captures == captures and graphs.stats.eager == 0
+    assert graphs.stats.replays >= replays + len(again)
     second = {r: o.pooler_output[i]["model_outputs"] for o in again for i, r in enumerate(o.req_ids)}
     assert max(rel_l2(second[r], got[r]) for r in reqs) <= (1e-5 if precision == "32-true" else 2e-2)
 

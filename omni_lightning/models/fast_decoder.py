@@ -11,6 +11,8 @@ function) avoids both:
   meets first;
 - each residual unit's 1x1 convolution is one GEMM over ``[B*T, C]`` that adds the residual in its
   epilogue, in place (``addmm_``);
+- dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
+  memory (``_dilated_conv``): cuDNN's Hopper kernels take dilation 1 only;
 - transposed convolutions trim their look-ahead with the convolution's own ``padding`` (a crop of
   the full output), so their output needs no copy.
 Numerically it is the same function in a different order of roundings; ``tests/test_fast_decoder.py``
@@ -26,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_lightning.models.fused import snake_beta_tc
+from omni_lightning.models.fused import snake_beta_tc, snake_beta_tc_into, triton_available
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, DecoderBlock, SnakeBeta
 
 
@@ -41,6 +43,35 @@ def _time_major(y: torch.Tensor) -> torch.Tensor:
 
 def _snake(act: SnakeBeta, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return snake_beta_tc(x, act.alpha, act.beta, bias)
+
+
+def _snake_rows(act: SnakeBeta, x: torch.Tensor, bias: torch.Tensor | None, multiple: int) -> torch.Tensor:
+    """``_snake`` into ``[B, T', C]`` rows, ``T'`` the next multiple of ``multiple``; rows past ``T`` zero."""
+    batch, length, channels = x.shape
+    rows = -(-length // multiple) * multiple
+    if rows == length:
+        return _snake(act, x, bias)
+    out = torch.empty((batch, rows, channels), dtype=x.dtype, device=x.device)
+    if x.is_cuda and triton_available():
+        snake_beta_tc_into(x, out[:, :length], act.alpha, act.beta, bias, log_params=True)
+    else:
+        out[:, :length] = _snake(act, x, bias)
+    out[:, length:].zero_()
+    return out
+
+
+def _dilated_conv(layer: CausalConv1d, x: torch.Tensor, length: int) -> torch.Tensor:
+    """The causal convolution of dilation ``d`` on ``x [B, T', C]`` (``T'`` a multiple of ``d``) as a
+    dilation-1 convolution: time-major ``[B, T', C]`` is the channels-last ``[B, C, T'/d, d]``, in which
+    time step ``q * d + r`` is row ``q`` of column ``r``, and ``d`` steps apart are adjacent rows.
+    cuDNN runs dilation 1 with Hopper kernels and dilations 3 and 9 with Ampere ones, at ~half their
+    rate (docs/performance.md). Returns the first ``length`` steps ``[B, length, C_out]`` (a view)."""
+    conv = layer.conv
+    dilation = conv.dilation[0]
+    batch, rows, channels = x.shape
+    grid = x.view(batch, rows // dilation, dilation, channels).permute(0, 3, 1, 2)
+    y = F.conv2d(grid, conv.weight.unsqueeze(3), None, padding=(layer.left_pad // dilation, 0), groups=conv.groups)
+    return y.permute(0, 2, 3, 1).reshape(batch, -1, y.shape[1])[:, :length]
 
 
 def _conv(layer: CausalConv1d, x: torch.Tensor, bias: bool = False) -> torch.Tensor:
@@ -73,7 +104,11 @@ def _block(block: DecoderBlock, x: torch.Tensor, pending: torch.Tensor | None):
     x = _conv_transpose(upsample, _snake(act, x, pending))
     pending = upsample.conv.bias.float()
     for unit in units:
-        h = _conv(unit.conv1, _snake(unit.act1, x, pending))
+        dilation = unit.conv1.conv.dilation[0]
+        if dilation > 1:
+            h = _dilated_conv(unit.conv1, _snake_rows(unit.act1, x, pending, dilation), x.shape[1])
+        else:
+            h = _conv(unit.conv1, _snake(unit.act1, x, pending))
         h = _snake(unit.act2, h, unit.conv1.conv.bias)
         x = _add_pointwise_conv_(x, unit.conv2, h)
         pending = pending + unit.conv2.conv.bias.float()
