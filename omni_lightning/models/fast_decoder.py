@@ -9,8 +9,10 @@ function) avoids both:
 - no convolution adds its bias: each bias is carried as a pending per-channel vector and added in
   fp32 inside the next fused SnakeBeta (``fused.snake_beta_tc``), which every convolution output
   meets first;
-- each residual unit's 1x1 convolution is one GEMM over ``[B*T, C]`` that adds the residual in its
-  epilogue, in place (``addmm_``);
+- each residual unit's second SnakeBeta and 1x1 convolution are one Triton GEMM
+  (``fused.snake_pointwise_residual_``): SnakeBeta in its prologue, the residual added in its
+  epilogue, in place, so the SnakeBeta output never goes to memory (``FUSE_POINTWISE = False``: a
+  separate SnakeBeta and an ``addmm_``, for comparison);
 - dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
   memory (``_dilated_conv``): cuDNN's Hopper kernels take dilation 1 only;
 - transposed convolutions trim their look-ahead with the convolution's own ``padding`` (a crop of
@@ -28,8 +30,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_lightning.models.fused import snake_beta_tc, snake_beta_tc_into, triton_available
+from omni_lightning.models.fused import snake_beta_tc, snake_beta_tc_into, snake_pointwise_residual_, triton_available
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, DecoderBlock, SnakeBeta
+
+FUSE_POINTWISE = True  # see the module docstring; benchmarks switch it off to compare
 
 
 def _nhwc(x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +113,12 @@ def _block(block: DecoderBlock, x: torch.Tensor, pending: torch.Tensor | None):
             h = _dilated_conv(unit.conv1, _snake_rows(unit.act1, x, pending, dilation), x.shape[1])
         else:
             h = _conv(unit.conv1, _snake(unit.act1, x, pending))
-        h = _snake(unit.act2, h, unit.conv1.conv.bias)
-        x = _add_pointwise_conv_(x, unit.conv2, h)
+        if FUSE_POINTWISE:
+            x = snake_pointwise_residual_(x if x.is_contiguous() else x.contiguous(), h, unit.act2.alpha,
+                                          unit.act2.beta, unit.conv1.conv.bias, unit.conv2.conv.weight)  # fmt: skip
+        else:
+            h = _snake(unit.act2, h, unit.conv1.conv.bias)
+            x = _add_pointwise_conv_(x, unit.conv2, h)
         pending = pending + unit.conv2.conv.bias.float()
     return x, pending
 

@@ -104,3 +104,47 @@ def snake_beta_tc_into(
         LOG_PARAMS=log_params, HAS_BIAS=bias is not None, HAS_JUNK=fresh is not None and junk > 0,
         PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
+
+
+def pointwise_tiles(channels: int) -> tuple[int, int, int, int]:
+    """``(BLOCK_T, BLOCK_N, BLOCK_K, num_warps)`` of :func:`snake_pointwise_residual_` for ``C`` channels."""
+    block_k = 64 if channels % 64 == 0 else 32
+    if channels <= 128:
+        return 128, 128, block_k, 4  # one tile of output channels: each row of h is read once
+    return 128, (64 if channels % 128 else 128), block_k, 8
+
+
+def snake_pointwise_residual_(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    bias: torch.Tensor,
+    weight: torch.Tensor,
+    precise: bool = False,
+    tiles: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """``x += conv1x1(snake_beta(h + bias))`` without the 1x1 convolution's bias, in place, for
+    time-major ``x, h [B, T, C]`` (channels contiguous; ``x`` contiguous) and ``weight [C, C, 1]``:
+    one Triton pass on CUDA (SnakeBeta in the GEMM's prologue, the residual in its epilogue; the
+    SnakeBeta output never goes to memory); elsewhere the two steps in torch. ``tiles``: overrides
+    :func:`pointwise_tiles` (benchmarks sweep it). Returns ``x``."""
+    if not (x.is_cuda and triton_available()):
+        hs = snake_beta_tc(h, log_alpha, log_beta, bias)
+        x.view(-1, x.shape[-1]).addmm_(hs.reshape(-1, hs.shape[-1]), weight.view(weight.shape[0], -1).t())
+        return x
+    import triton
+
+    from omni_lightning.models.triton_kernels import snake_pointwise_residual_kernel
+
+    batch, length, channels = x.shape
+    if h.stride(2) != 1 or not x.is_contiguous() or not weight.is_contiguous():
+        raise ValueError("snake_pointwise_residual_ needs channels-contiguous h, contiguous x and weight")
+    block_t, block_n, block_k, warps = tiles or pointwise_tiles(channels)
+    grid = (triton.cdiv(channels, block_n), triton.cdiv(length, block_t), batch)
+    snake_pointwise_residual_kernel[grid](
+        h, x, weight, log_alpha, log_beta, bias, length, channels, h.stride(0), h.stride(1),
+        x.stride(0), x.stride(1), PRECISE=precise, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return x

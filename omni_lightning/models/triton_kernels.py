@@ -74,3 +74,36 @@ def snake_beta_tc_kernel(x_ptr, y_ptr, alpha_ptr, beta_ptr, bias_ptr, fresh_ptr,
         fresh = tl.load(fresh_ptr + b) != 0
         y = tl.where((t[:, None] < junk) & fresh, 0.0, y)
     tl.store(y_ptr + b * y_sb + t[:, None] * y_st + c[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def snake_pointwise_residual_kernel(h_ptr, x_ptr, w_ptr, alpha_ptr, beta_ptr, bias_ptr, length, channels,
+                                    h_sb, h_st, x_sb, x_st, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """``x[b, t, :] += W @ snake(h[b, t, :] + bias)`` for time-major ``h``, ``x`` (channels contiguous,
+    ``x`` in place) and ``W [C, C]`` (a 1x1 convolution's weight): a residual unit's second SnakeBeta
+    in the prologue of its 1x1 convolution, whose residual add is the epilogue. ``alpha_ptr`` and
+    ``beta_ptr`` hold ``log alpha`` and ``log beta``; SnakeBeta in fp32, rounded to ``x``'s dtype
+    before the product (as the separate kernel's output would be), fp32 accumulation."""
+    b = tl.program_id(2).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_t = t < length
+    in_n = n < channels
+    acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, channels, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        in_k = k < channels
+        a = tl.load(h_ptr + b * h_sb + t[:, None] * h_st + k[None, :], mask=in_t[:, None] & in_k[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        a += tl.load(bias_ptr + k, mask=in_k, other=0.0).to(tl.float32)[None, :]
+        alpha = tl.exp(tl.load(alpha_ptr + k, mask=in_k, other=0.0).to(tl.float32))
+        inv_beta = 1.0 / (tl.exp(tl.load(beta_ptr + k, mask=in_k, other=0.0).to(tl.float32)) + 1e-9)
+        s = _sin(a * alpha[None, :], PRECISE)
+        a = (a + inv_beta[None, :] * s * s).to(x_ptr.dtype.element_ty)
+        w = tl.load(w_ptr + n[None, :] * channels + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
+        acc = tl.dot(a, w, acc)
+    inside = in_t[:, None] & in_n[None, :]
+    x_at = x_ptr + b * x_sb + t[:, None] * x_st + n[None, :]
+    x = tl.load(x_at, mask=inside, other=0.0).to(tl.float32)
+    tl.store(x_at, (x + acc).to(x_ptr.dtype.element_ty), mask=inside)
