@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent(
         grid = (triton.cdiv(channels, block_n), triton.cdiv(length, block_t), batch)
         snake_pointwise_residual_kernel[grid](h, x, weight, log_alpha, log_beta, bias, length, channels,
                                               h.stride(0), h.stride(1), x.stride(0), x.stride(1), PRECISE=True,
-                                              BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
+                                              DOT_PRECISION="ieee", BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
         err = float((x - want).abs().max() / want.abs().max())
         assert err < 1e-5, (channels, length, err)
         y = torch.full((batch, length, channels), float("nan"))

@@ -141,10 +141,12 @@ def snake_pointwise_residual_(
     if h.stride(2) != 1 or not x.is_contiguous() or not weight.is_contiguous():
         raise ValueError("snake_pointwise_residual_ needs channels-contiguous h, contiguous x and weight")
     block_t, block_n, block_k, warps = tiles or pointwise_tiles(channels)
+    # fp32 products as torch's matmul would make them: TF32 only where torch allows it
+    dot_precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
     grid = (triton.cdiv(channels, block_n), triton.cdiv(length, block_t), batch)
     snake_pointwise_residual_kernel[grid](
         h, x, weight, log_alpha, log_beta, bias, length, channels, h.stride(0), h.stride(1),
-        x.stride(0), x.stride(1), PRECISE=precise, BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
+        x.stride(0), x.stride(1), PRECISE=precise, DOT_PRECISION=dot_precision, BLOCK_T=block_t,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=3,
     )  # fmt: skip
     return x

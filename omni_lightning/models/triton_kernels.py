@@ -78,13 +78,15 @@ def snake_beta_tc_kernel(x_ptr, y_ptr, alpha_ptr, beta_ptr, bias_ptr, fresh_ptr,
 
 @triton.jit
 def snake_pointwise_residual_kernel(h_ptr, x_ptr, w_ptr, alpha_ptr, beta_ptr, bias_ptr, length, channels,
-                                    h_sb, h_st, x_sb, x_st, PRECISE: tl.constexpr, BLOCK_T: tl.constexpr,
-                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+                                    h_sb, h_st, x_sb, x_st, PRECISE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                                    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                                    BLOCK_K: tl.constexpr):  # fmt: skip
     """``x[b, t, :] += W @ snake(h[b, t, :] + bias)`` for time-major ``h``, ``x`` (channels contiguous,
     ``x`` in place) and ``W [C, C]`` (a 1x1 convolution's weight): a residual unit's second SnakeBeta
     in the prologue of its 1x1 convolution, whose residual add is the epilogue. ``alpha_ptr`` and
     ``beta_ptr`` hold ``log alpha`` and ``log beta``; SnakeBeta in fp32, rounded to ``x``'s dtype
-    before the product (as the separate kernel's output would be), fp32 accumulation."""
+    before the product (as the separate kernel's output would be), fp32 accumulation;
+    ``DOT_PRECISION`` is ``tl.dot``'s ``input_precision`` for fp32 inputs ("ieee" or "tf32")."""
     b = tl.program_id(2).to(tl.int64)
     t = tl.program_id(1).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -102,7 +104,7 @@ def snake_pointwise_residual_kernel(h_ptr, x_ptr, w_ptr, alpha_ptr, beta_ptr, bi
         s = _sin(a * alpha[None, :], PRECISE)
         a = (a + inv_beta[None, :] * s * s).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptr + n[None, :] * channels + k[:, None], mask=in_k[:, None] & in_n[None, :], other=0.0)
-        acc = tl.dot(a, w, acc)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     inside = in_t[:, None] & in_n[None, :]
     x_at = x_ptr + b * x_sb + t[:, None] * x_st + n[None, :]
     x = tl.load(x_at, mask=inside, other=0.0).to(tl.float32)
