@@ -5,11 +5,13 @@ eager twin does the same fp32 math as the Triton kernel), so the bias folding, t
 residual GEMMs and the transposed convolutions' padding crop are checked on every machine.
 """
 
+import pytest
 import torch
 from conftest import micro_config, random_codes, random_model
 
+from omni_lightning.models import fast_decoder
 from omni_lightning.models.fast_decoder import decoder_forward
-from omni_lightning.models.fused import snake_beta_tc
+from omni_lightning.models.fused import snake_beta_tc, triton_available
 
 
 def layer_by_layer(model, h):
@@ -18,7 +20,9 @@ def layer_by_layer(model, h):
     return h
 
 
-def test_fast_decoder_equals_the_layers():
+@pytest.mark.parametrize("fuse_pointwise", [False, True])
+def test_fast_decoder_equals_the_layers(monkeypatch, fuse_pointwise):
+    monkeypatch.setattr(fast_decoder, "FUSE_POINTWISE", fuse_pointwise)
     model = random_model(micro_config(decoder_dim=32), seed=4)
     gen = torch.Generator().manual_seed(0)
     for batch, frames in ((1, 3), (3, 7)):
@@ -73,3 +77,21 @@ def test_snake_beta_tc_adds_the_bias_and_reads_any_strides():
     xb = x + bias
     want = xb + torch.sin(xb * log_alpha.exp()) ** 2 / (log_beta.exp() + 1e-9)
     assert y.is_contiguous() and (y - want).abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_fused_residual_gemm_equals_the_unfused_decoder(monkeypatch, dtype):
+    # the Triton GEMM (SnakeBeta prologue, residual epilogue) against the SnakeBeta + addmm_ path
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = random_model("tiny", seed=6).cuda().to(dtype)
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    h = torch.randn(3, model.config.hidden_size, 4 * 37, device="cuda", generator=gen).to(dtype)
+    with torch.inference_mode():
+        monkeypatch.setattr(fast_decoder, "FUSE_POINTWISE", False)
+        want = decoder_forward(model.decoder, h).float()
+        monkeypatch.setattr(fast_decoder, "FUSE_POINTWISE", True)
+        got = decoder_forward(model.decoder, h).float()
+    err = (got - want).norm() / want.norm()
+    assert err <= (1e-5 if dtype == torch.float32 else 2e-2), err

@@ -9,10 +9,14 @@ function) avoids both:
 - no convolution adds its bias: each bias is carried as a pending per-channel vector and added in
   fp32 inside the next fused SnakeBeta (``fused.snake_beta_tc``), which every convolution output
   meets first;
-- each residual unit's second SnakeBeta and 1x1 convolution are one Triton GEMM
-  (``fused.snake_pointwise_residual_``): SnakeBeta in its prologue, the residual added in its
-  epilogue, in place, so the SnakeBeta output never goes to memory (``FUSE_POINTWISE = False``: a
-  separate SnakeBeta and an ``addmm_``, for comparison);
+- each residual unit's second SnakeBeta (with the pending bias) is one fused pass and its 1x1
+  convolution an ``addmm_`` into the residual stream, in place. ``FUSE_POINTWISE = True`` makes the
+  two one Triton GEMM instead (``fused.snake_pointwise_residual_``: SnakeBeta in its prologue, the
+  residual added in its epilogue, so the SnakeBeta output never goes to memory). It is off by
+  default because it has not been timed on a GPU yet (the device could not be started in the
+  sessions that wrote it): its kernels are tested in Triton's interpreter on the CPU
+  (``tests/test_triton_kernels.py``) and against the layers on CUDA (``tests/test_fast_decoder.py``);
+  ``scripts/bench_gpu.py --fused-variant`` and ``scripts/bench_pointwise.py`` time it;
 - dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
   memory (``_dilated_conv``): cuDNN's Hopper kernels take dilation 1 only;
 - transposed convolutions trim their look-ahead with the convolution's own ``padding`` (a crop of
@@ -33,7 +37,7 @@ from torch import nn
 from omni_lightning.models.fused import snake_beta_tc, snake_beta_tc_into, snake_pointwise_residual_, triton_available
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, DecoderBlock, SnakeBeta
 
-FUSE_POINTWISE = True  # see the module docstring; benchmarks switch it off to compare
+FUSE_POINTWISE = False  # see the module docstring: the fused residual GEMM is opt-in until timed on a GPU
 
 
 def _nhwc(x: torch.Tensor) -> torch.Tensor:
