@@ -13,10 +13,13 @@ function) avoids both:
   convolution an ``addmm_`` into the residual stream, in place. ``FUSE_POINTWISE = True`` makes the
   two one Triton GEMM instead (``fused.snake_pointwise_residual_``: SnakeBeta in its prologue, the
   residual added in its epilogue, so the SnakeBeta output never goes to memory). It is off by
-  default because it has not been timed on a GPU yet (the device could not be started in the
-  sessions that wrote it): its kernels are tested in Triton's interpreter on the CPU
-  (``tests/test_triton_kernels.py``) and against the layers on CUDA (``tests/test_fast_decoder.py``);
-  ``scripts/bench_gpu.py --fused-variant`` and ``scripts/bench_pointwise.py`` time it;
+  default because it is slower where it matters (H200, docs/performance.md): the prologue recomputes
+  the SnakeBeta of each ``h`` tile once per output-channel tile, so at 192-768 channels the GEMM
+  takes 1.6-4x the time of the two separate passes and the mixed job drops from 4,222x to 3,892x;
+  only at 96 channels (one output tile) is it faster (1.78 vs 2.14 ms per unit at batch 32). It is
+  kept, tested (``tests/test_triton_kernels.py`` in Triton's interpreter, ``tests/test_fast_decoder.py``
+  on CUDA) and timed (``scripts/bench_pointwise.py``, ``scripts/bench_gpu.py --fused-variant``) for
+  that next step;
 - dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
   memory (``_dilated_conv``): cuDNN's Hopper kernels take dilation 1 only;
 - transposed convolutions trim their look-ahead with the convolution's own ``padding`` (a crop of
@@ -37,7 +40,7 @@ from torch import nn
 from omni_lightning.models.fused import snake_beta_tc, snake_beta_tc_into, snake_pointwise_residual_, triton_available
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, DecoderBlock, SnakeBeta
 
-FUSE_POINTWISE = False  # see the module docstring: the fused residual GEMM is opt-in until timed on a GPU
+FUSE_POINTWISE = False  # see the module docstring: the fused residual GEMM is opt-in (slower on an H200)
 
 
 def _nhwc(x: torch.Tensor) -> torch.Tensor:
