@@ -488,8 +488,8 @@ def print_tables(results: dict[str, Any]) -> None:
         print(f"ours batches only (first batch to last output): {o['x_realtime_batches']:,.0f}x; "
               f"{o['captures']} captures in {o['capture_s'] or 0:.2f} s")  # fmt: skip
         q = e["equality"]
-        print(f"ours/transformers {e.get('ours_over_transformers', float('nan')):.2f}x; "
-              f"equality vs solo ({q['checked']} requests): "
+        ratio = f"{e['ours_over_transformers']:.2f}x" if "ours_over_transformers" in e else "not run (--no-peer)"
+        print(f"ours/transformers {ratio}; equality vs solo ({q['checked']} requests): "
               f"max rel L2 {q['max_rel_l2']:.2e}, max abs {q['max_abs']:.2e}")  # fmt: skip
     if "long" in results:
         lg = results["long"]

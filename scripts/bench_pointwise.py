@@ -12,8 +12,6 @@ checks both against an fp64 computation from the same bf16 inputs (relative L2).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_snake import reference, time_ms  # noqa: E402
+from bench_snake import reference, run_stages, time_ms  # noqa: E402
 
 from omni_lightning.models import fused  # noqa: E402
 
@@ -74,16 +72,7 @@ def measure(channels: int, length: int, batch: int, repeats: int, gen: torch.Gen
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [measure(c, round(rate * args.seconds), args.batch, args.repeats, gen) for c, rate in STAGES]
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch} of {args.seconds:g} s, bf16")
+def report(rows: list[dict]) -> None:
     print("| C | T | separate ms | fused ms | fused floor ms | separate rel L2 | fused rel L2 |\n"
           "|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
@@ -92,9 +81,7 @@ def main() -> None:
     for r in rows:
         tiles = ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in r.items() if k.startswith("tiles_") and k.endswith("_ms"))
         print(f"C={r['channels']} (default {r['default_tiles']}): {tiles}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run_stages(measure, STAGES, report)

@@ -76,7 +76,9 @@ def measure(channels: int, length: int, batch: int, repeats: int, gen: torch.Gen
     return row
 
 
-def main() -> None:
+def run_stages(measure, stages: list[tuple[int, int]], report) -> None:
+    """The driver both kernel benchmarks share: arguments, one ``measure`` row per (channels,
+    samples per audio second) stage, a header line, ``report(rows)`` (the tables), ``--out`` JSON."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
@@ -84,8 +86,14 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [measure(c, round(rate * args.seconds), args.batch, args.repeats, gen) for c, rate in STAGES]
+    rows = [measure(c, round(rate * args.seconds), args.batch, args.repeats, gen) for c, rate in stages]
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, batch {args.batch} of {args.seconds:g} s, bf16")
+    report(rows)
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+def report(rows: list[dict]) -> None:
     print("| C | T | GB moved | copy ms | fast ms (GB/s) | precise ms | fast rel L2 / max abs "
           "| precise rel L2 / max abs |\n|---|---|---|---|---|---|---|---|")  # fmt: skip
     for r in rows:
@@ -96,9 +104,7 @@ def main() -> None:
         tiles = [f"{k[len('fast_block') : -3]} ch {v:.3f} ms" for k, v in r.items() if k.startswith("fast_block")]
         tiles = ", ".join(tiles)
         print(f"C={r['channels']}: tiles {tiles}")
-    if args.out:
-        Path(args.out).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    run_stages(measure, STAGES, report)
