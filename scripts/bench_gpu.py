@@ -257,7 +257,6 @@ class Bench:
 
     # --- the mixed-length job ------------------------------------------------------------------
 
-
     def trainer_predict(self, module: Code2WavModule, reqs: dict[str, torch.Tensor]) -> dict[str, Any]:
         """One ``trainer.predict`` of the default Trainer (a clock callback added to read the batch time)."""
         datamodule = CodesDataModule(predict=reqs, batch_size=self.args.batch)
@@ -341,9 +340,11 @@ class Bench:
             from omni_lightning.models import fast_decoder
 
             default, fast_decoder.FUSE_POINTWISE = fast_decoder.FUSE_POINTWISE, True
-            out["ours_fused_pointwise"] = self.ours_job(Code2WavModule(model=self.fresh_ours()), reqs, audio)
+            try:
+                out["ours_fused_pointwise"] = self.ours_job(Code2WavModule(model=self.fresh_ours()), reqs, audio)
+            finally:  # the rows after this one (the transformers loop) are not affected either way
+                fast_decoder.FUSE_POINTWISE = default
             out["ours_fused_pointwise"].pop("wavs")
-            fast_decoder.FUSE_POINTWISE = default
         free_memory()
         if not self.args.no_peer:
             out["transformers"] = self.plain_loop(reqs, audio)
