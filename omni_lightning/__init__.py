@@ -24,7 +24,9 @@ _EXPORTS = {
     "randomize_weights": "omni_lightning.models",
     "resolve_config": "omni_lightning.models",
     "validate_codes": "omni_lightning.models",
-    "StreamingDecoder": "omni_lightning.models",
+    "DecodeState": "omni_lightning.models",
+    "DecodeEngine": "omni_lightning.engine",
+    "StreamingDecoder": "omni_lightning.engine",
     "Code2WavModule": "omni_lightning.module",
     "MultimodalOutputs": "omni_lightning.runner",
     "OmniModelRunnerOutput": "omni_lightning.runner",
@@ -45,10 +47,11 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from omni_lightning.callbacks import AsyncD2HCallback, WaveformWriter
     from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
+    from omni_lightning.engine import DecodeEngine, StreamingDecoder
     from omni_lightning.models import (
         Code2Wav,
         Code2WavConfig,
-        StreamingDecoder,
+        DecodeState,
         randomize_weights,
         resolve_config,
         validate_codes,

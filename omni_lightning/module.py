@@ -12,8 +12,9 @@ import torch
 
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
-from omni_lightning.models import Code2Wav, Code2WavConfig, StreamingDecoder, resolve_config, validate_codes
-from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
+from omni_lightning.engine import DecodeEngine, StreamingDecoder
+from omni_lightning.kernels import Kernels
+from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
 from omni_lightning.training.discriminators import Discriminators
@@ -33,18 +34,20 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
 
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
     HF-layout folder, see ``Code2Wav.from_pretrained``) or ``config`` (a preset name, a
-    ``Code2WavConfig`` or its dict; random weights). Requests longer than
-    ``max_frames_per_request`` frames are decoded with gap-free ``chunked_decode`` (``chunk_size``,
-    ``left_context``), so one long request cannot exhaust memory.
+    ``Code2WavConfig`` or its dict; random weights).
+
+    Predict and streaming run through a :class:`~omni_lightning.engine.DecodeEngine`: every request is
+    exact at any length (long ones are decoded chunk by chunk, carrying state) and a forward decodes
+    at most ``frames_per_forward`` frames (default: derived from the trainer's
+    ``gpu_memory_utilization``, or the engine's default budget with no cap). ``fast_path``: on CUDA,
+    Triton kernels and CUDA graphs per shape bucket (False: eager torch, the same exact chunking).
+    After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
 
     Fine-tuning: the steps here; losses, discriminators, freezing, schedule and EMA in ``training/``.
     ``ema_decay`` adds ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after
     fit the model holds the EMA weights, ``use_ema(False)`` the raw ones. Evaluation: metrics are
     logged here (``evaluation/metrics.py``); the W&B run config and media by
     ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
-
-    ``fast_path``: CUDA predict in shape buckets through CUDA graphs (``models/cuda_graphs.py``).
-    After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
     """
 
     def __init__(
@@ -52,9 +55,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         model: Code2Wav | None = None,
         config: str | dict | Code2WavConfig = "qwen3-omni",
         checkpoint: str | None = None,
-        max_frames_per_request: int = 1500,
-        chunk_size: int = 300,
-        left_context: int = 25,
+        frames_per_forward: int | None = None,
         fast_path: bool = True,
         # fine-tuning
         learning_rate: float = 1e-4,
@@ -79,16 +80,15 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         super().__init__()
         if model is None:
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
-        if max_frames_per_request < 1 or chunk_size < 1:
-            raise ValueError("max_frames_per_request and chunk_size must be >= 1")
+        if frames_per_forward is not None and frames_per_forward < 1:
+            raise ValueError(f"frames_per_forward must be >= 1 (or None: from the memory budget), got {frames_per_forward}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
         self.hparams["config"] = asdict(model.config)
-        self.max_frames_per_request = max_frames_per_request
-        self.chunk_size = chunk_size
-        self.left_context = left_context
-        self.fast_path, self.graph_decoder = fast_path, None  # a CUDAGraphDecoder from the first CUDA predict
+        self.frames_per_forward, self.fast_path = frames_per_forward, fast_path
+        self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
+        self._stream_decoder: StreamingDecoder | None = None
         freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
         self.discriminators = Discriminators() if adversarial else None
@@ -134,19 +134,32 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         """Synchronizes the device and runs no forward.
 
         vLLM profiles a dummy batch to size its KV cache; Code2Wav has none, so there is nothing to
-        size (and random codes could index past the codebooks). Memory is bounded by
-        ``gpu_memory_utilization`` and by chunked decoding of long requests instead.
+        size (and random codes could index past the codebooks). Memory is bounded by the engine's
+        frame budget, derived from ``gpu_memory_utilization``, instead.
         """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def decode_engine(self) -> DecodeEngine:
+        """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
+        so graphs survive across predict calls), else built for the model's device and dtype."""
+        if self.engine is None or self.engine.model is not self.model or not self.engine.refresh():
+            if self.engine is not None:
+                self.engine.close()
+            loop = self._trainer.predict_loop if self._trainer is not None else None
+            self.engine = DecodeEngine(
+                self.model, frames_per_forward=self.frames_per_forward, cuda_graphs=self.fast_path,
+                gpu_memory_utilization=getattr(loop, "gpu_memory_utilization", None),
+                kernels=None if self.fast_path else Kernels(inplace=True),
+            )  # fmt: skip
+        return self.engine
+
     def on_predict_start(self) -> None:
-        if self.fast_path:  # the CUDA graph decoder (models/cuda_graphs.py), its weights refreshed
-            self.graph_decoder = CUDAGraphDecoder.for_predict(self.graph_decoder, self.model, self.device)
+        self.decode_engine()
 
     def on_predict_end(self) -> None:
-        if self.fast_path and self.graph_decoder is not None and (line := self.graph_decoder.report()):
-            pl.utilities.rank_zero_info(line)
+        if self.engine is not None and self.engine.device.type == "cuda":
+            pl.utilities.rank_zero_info(self.engine.report())
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
@@ -155,15 +168,13 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""
         n_frames = batch.get("n_frames") or self.on_before_batch_transfer(batch, 0)["n_frames"]
-        wavs = self.model.decode_requests(batch["codes"], n_frames, self.max_frames_per_request, self.chunk_size,
-                                          self.left_context, self.graph_decoder if self.fast_path else None)
-        return [w.float() for w in wavs]
+        return self.decode_engine().decode(batch["codes"], n_frames)
 
     # --- streaming ---------------------------------------------------------------------------------
 
     def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True) -> StreamingDecoder:
         """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time."""
-        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs)
+        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs and self.fast_path)
 
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
         """Decodes one request as its code chunks ``[Q, n]`` arrive: yields float32 ``[1, m]`` per chunk.
@@ -172,11 +183,10 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         next chunk: the decoder looks one frame ahead); each chunk costs its own frames only. Up to 8
         iterators may interleave. The model's current weights are used (no EMA swap, unlike predict).
         """
-        decoder = getattr(self, "_stream_decoder", None)
+        decoder = self._stream_decoder
         if decoder is None or decoder.cuda_graphs != cuda_graphs or not decoder.reads(self.model):
             decoder = self._stream_decoder = self.streaming_decoder(max_streams=8, cuda_graphs=cuda_graphs)
-        for wav in decoder.stream(code_chunks):
-            yield wav.float()
+        yield from decoder.stream(code_chunks)
 
     # --- fine-tuning -------------------------------------------------------------------------------
 

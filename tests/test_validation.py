@@ -68,4 +68,4 @@ def test_decode_validates_before_lookup(tiny_model):
     with pytest.raises(ValueError, match="codebook 15, frame 3"):
         tiny_model.decode(codes)
     with pytest.raises(ValueError, match="codebook 15, frame 3"):
-        tiny_model.chunked_decode(codes, chunk_size=2, left_context=1)
+        tiny_model.chunked_decode(codes, chunk_size=2)

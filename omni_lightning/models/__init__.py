@@ -13,7 +13,7 @@ _EXPORTS = {
     "Code2WavConfig": "omni_lightning.models.config",
     "resolve_config": "omni_lightning.models.config",
     "randomize_weights": "omni_lightning.models.random_weights",
-    "StreamingDecoder": "omni_lightning.models.streaming",
+    "DecodeState": "omni_lightning.models.state",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -26,4 +26,4 @@ if TYPE_CHECKING:
     from omni_lightning.models.codes import validate_codes
     from omni_lightning.models.config import Code2WavConfig, resolve_config
     from omni_lightning.models.random_weights import randomize_weights
-    from omni_lightning.models.streaming import StreamingDecoder
+    from omni_lightning.models.state import DecodeState

@@ -4,21 +4,27 @@ Multi-codebook codec codes ``[B, Q, T]`` at 12.5 frames/s go in, a 24 kHz wavefo
 [-1, 1] comes out. The layer names (and so the ``state_dict`` keys) are those of transformers'
 ``Qwen3OmniMoeCode2Wav``, so a Qwen3-Omni checkpoint's ``code2wav.*`` tensors load with no mapping.
 
-The model is causal except for one frame of look-ahead in each transposed convolution, which the
-stages trim away: output sample ``s`` never depends on a frame after ``s // total_upsample``. That is
-why a right-padded batch gives each request exactly what it gives alone, and why
-``output_length(T) = total_upsample * T - tail`` (``tail`` = 555 samples on Qwen3-Omni).
+One forward serves every use, as litgpt's ``GPT.forward(idx, input_pos)`` serves prefill and cached
+decode: ``forward(codes)`` decodes whole requests; ``forward(codes, state)`` continues each row of a
+:class:`~omni_lightning.models.state.DecodeState` where its last forward stopped, so a request decoded
+in chunks of any sizes equals its whole decode (the model is causal but for one trimmed look-ahead
+sample per decoder block; ``layers.py`` says how that sample is carried). Output sample ``s`` never
+depends on a frame after ``s // total_upsample``: a right-padded batch gives each request exactly
+what it gives alone, and ``output_length(T) = total_upsample * T - tail`` (555 on Qwen3-Omni).
+
+No CUDA, Triton or grad branch lives here: the forward's ``kernels`` (``omni_lightning.kernels``)
+are chosen by whoever runs it (the decode engine, the training step); the default is plain torch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from omni_lightning.models import fused
+from omni_lightning.kernels import Kernels
 from omni_lightning.models.codes import check_codes_layout, validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
@@ -26,9 +32,12 @@ from omni_lightning.models.layers import (
     CausalConvTranspose1d,
     ConvNeXtBlock,
     DecoderBlock,
-    PreTransformer,
     SnakeBeta,
 )
+from omni_lightning.models.transformer import PreTransformer
+from omni_lightning.models.state import DecodeState, Step
+
+REFERENCE = Kernels()
 
 
 class Code2Wav(nn.Module):
@@ -55,8 +64,13 @@ class Code2Wav(nn.Module):
             + [DecoderBlock(dims[i], dims[i + 1], r) for i, r in enumerate(config.upsample_rates)]
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
-        # inference on CUDA: the channels-last decoder with folded biases (models/fast_decoder.py)
-        self.fast_decoder = True
+        junk = 0  # samples before time 0 after each decoder block (layers.py), `tail` at the end
+        for block, rate in zip(self.decoder[1:-2], config.upsample_rates):
+            junk = block.junk = (junk + 1) * rate
+        assert junk == config.tail, (junk, config.tail)
+        for name, module in self.named_modules():
+            if hasattr(module, "state_name"):
+                module.state_name = name
 
     def _code_offset(self, device: torch.device | None = None) -> torch.Tensor:
         q = self.config.num_quantizers
@@ -71,19 +85,29 @@ class Code2Wav(nn.Module):
     def sample_rate(self) -> int:
         return self.config.sample_rate
 
-    def set_fused_kernels(self, enabled: bool) -> Code2Wav:
-        """Turns the fused CUDA inference kernels (and the decoder built on them) on or off (on by default)."""
-        for module in self.modules():
-            if isinstance(module, SnakeBeta):
-                module.fused = enabled
-        self.fast_decoder = enabled
-        return self
-
     def output_length(self, n_frames: int) -> int:
         return self.config.output_length(n_frames)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """Codes ``[B, Q, T]`` of any integer dtype to ``[B, 1, output_length(T)]``.
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every layer's per-request history: name -> shape (what a ``DecodeState`` slot holds)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for module in self.modules():
+            if module is not self and hasattr(module, "state_shapes"):
+                shapes.update(module.state_shapes())
+        return shapes
+
+    def new_state(self, slots: int) -> DecodeState:
+        """A fresh :class:`DecodeState` of ``slots`` requests on this model's device and dtype."""
+        return DecodeState(self, slots)
+
+    def forward(self, codes: torch.Tensor, state: DecodeState | None = None, kernels: Kernels | None = None) -> torch.Tensor:
+        """Codes ``[B, Q, T]`` of any integer dtype to a waveform in [-1, 1].
+
+        Without ``state``: the whole requests, ``[B, 1, output_length(T)]``. With ``state``: row ``b``
+        continues slot ``state.rows[b]`` (default: slot ``b``) from its ``pos`` frames; the result is
+        ``[B, 1, T * total_upsample]``, samples ``[pos * up - tail, (pos + T) * up - tail)`` of that
+        request (a row starting at frame 0 begins with ``tail`` zeros for the time before the
+        request), and the state advances by ``state.valid`` frames per row (default ``T``).
 
         Always checked, at no cost: type, integer dtype, rank, codebook count, empty. The code range
         is checked only when ``codes`` is on the CPU: on CUDA, ``forward`` trusts its input, because
@@ -95,19 +119,24 @@ class Code2Wav(nn.Module):
             validate_codes(codes, self.config)
         if codes.dtype not in (torch.int32, torch.int64):  # the embedding takes int32/int64 only
             codes = codes.long()
-        h = self.code_embedding(codes + self.code_offset).mean(1)
-        h = self.pre_transformer(h).transpose(1, 2)
-        for stage in self.upsample:
-            for layer in stage:
-                h = layer(h)
-        if self.fast_decoder and h.is_cuda and not torch.is_grad_enabled() and fused.triton_available():
-            from omni_lightning.models.fast_decoder import decoder_forward
-
-            h = decoder_forward(self.decoder, h)
-        else:
-            for layer in self.decoder:
-                h = layer(h)
-        return h.clamp(-1.0, 1.0)
+        step = Step(state, kernels or REFERENCE, codes.shape[0], codes.shape[-1], codes.device)
+        h = self.code_embedding(codes + self.code_offset).mean(1)  # [B, T, hidden], time-major
+        h = self.pre_transformer(h, step)
+        for conv_t, convnext in self.upsample:
+            h = convnext(conv_t(h), step)
+        first, *blocks, last_act, last_conv = self.decoder
+        x = first(step.with_history(first.state_name, first.context, h), h.shape[1], bias=False)
+        pending = first.conv.bias.float()
+        for block in blocks:
+            x, pending = block(x, pending, step)
+        wav = last_conv(last_act(x, step, pending, before=last_conv, junk=self.config.tail), x.shape[1])
+        wav = wav.clamp(-1.0, 1.0).transpose(1, 2)  # [B, 1, T * up]
+        tail = self.config.tail
+        if state is None:
+            return wav[..., tail:]
+        wav = torch.cat((wav[..., :tail] * ~step.fresh.view(-1, 1, 1), wav[..., tail:]), dim=-1)
+        step.commit()  # last: a forward that fails on the way changes no state
+        return wav
 
     def decode(
         self,
@@ -115,15 +144,14 @@ class Code2Wav(nn.Module):
         lengths: torch.Tensor | Sequence[int] | None = None,
         req_ids: Sequence[str] | None = None,
         validate: bool = True,
-        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Decodes a right-padded batch; request i's waveform ``[1, output_length(lengths[i])]``.
 
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
-        validated on the CPU already (the check on a GPU tensor synchronizes the device).
-        ``forward`` replaces ``self`` for the forward pass (a ``CUDAGraphDecoder``, say; one with a
-        ``decode_rows`` method takes the whole decode, rows and lengths).
+        validated on the CPU already (the check on a GPU tensor synchronizes the device). One
+        forward over the whole batch: for long requests or bounded memory use ``chunked_decode`` or
+        the decode engine (``omni_lightning.engine``).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
@@ -137,72 +165,22 @@ class Code2Wav(nn.Module):
             # pad frames may hold anything (-1, say) and are cut from the output anyway: clamp them
             # into the codebook on the device (building a pad mask would wait for a host copy)
             codes = codes.clamp(0, self.config.codebook_size - 1)
-        if hasattr(forward, "decode_rows"):  # a CUDAGraphDecoder: runs rows of similar lengths together
-            return forward.decode_rows(codes, n)
-        wav = (forward or self)(codes)
+        wav = self(codes)
         return [wav[i, :, : self.output_length(n_i)] for i, n_i in enumerate(n)]
 
-    def decode_requests(
-        self,
-        codes: torch.Tensor,
-        n_frames: Sequence[int],
-        max_frames: int,
-        chunk_size: int = 300,
-        left_context: int = 25,
-        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """A validated right-padded batch, request by request: those of at most ``max_frames`` frames
-        decoded together (``decode``), longer ones alone with ``chunked_decode``; in request order."""
-        wavs: list[torch.Tensor | None] = [None] * len(n_frames)
-        short = [i for i, n in enumerate(n_frames) if n <= max_frames]
-        if short:
-            # row slices and cat, not an index tensor: nothing here waits for the device
-            sub = codes if len(short) == len(n_frames) else torch.cat([codes[i : i + 1] for i in short])
-            sub = sub[..., : max(n_frames[i] for i in short)]
-            lengths = [n_frames[i] for i in short]
-            for i, wav in zip(short, self.decode(sub, lengths, validate=False, forward=forward)):
-                wavs[i] = wav
-        for i, n in enumerate(n_frames):
-            if wavs[i] is None:
-                wavs[i] = self.chunked_decode(codes[i : i + 1, :, :n], chunk_size, left_context, False, forward)
-        return wavs
-
-    def chunked_decode(
-        self,
-        codes: torch.Tensor,
-        chunk_size: int = 300,
-        left_context: int = 25,
-        validate: bool = True,
-        forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Decodes ``[B, Q, T]`` to ``[B, output_length(T)]`` in chunks of ``chunk_size`` frames with
-        bounded peak memory: one request ``[1, Q, T]`` gives ``[1, N]``, as ``decode`` gives per request.
-
-        Each chunk is decoded with up to ``left_context`` frames before it. Unlike transformers'
-        ``chunked_decode``, which drops each chunk's last ``tail`` samples, the chunk after it
-        re-decodes them from its left context, so the result has ``output_length(T)`` samples with
-        no gaps, and equals a full decode when ``left_context >= T``. ``forward`` as in ``decode``.
+    def chunked_decode(self, codes: torch.Tensor, chunk_size: int = 300, validate: bool = True) -> torch.Tensor:
+        """Decodes ``[B, Q, T]`` to ``[B, output_length(T)]`` ``chunk_size`` frames at a time, carrying
+        the state from chunk to chunk: memory is bounded by the chunk, and the result equals the whole
+        decode (no context is re-decoded, nothing is approximated). One request ``[1, Q, T]`` gives
+        ``[1, N]``, as ``decode`` gives per request.
         """
-        if validate:
-            validate_codes(codes, self.config)
-        up, tail = self.config.total_upsample, self.config.tail
-        min_context = -(-tail // up)
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1 frame, got {chunk_size}")
-        if left_context < min_context:
-            raise ValueError(
-                f"left_context must be >= {min_context} frame(s) to refill the {tail}-sample chunk "
-                f"tail, got {left_context}"
-            )
-        n_frames = codes.shape[-1]
-        pieces = []
-        for start in range(0, n_frames, chunk_size):
-            end = min(start + chunk_size, n_frames)
-            context = min(left_context, start)
-            wav = (forward or self)(codes[..., start - context : end])
-            # from absolute sample start*up - tail: the previous chunk's missing tail comes first
-            pieces.append(wav[..., context * up - (tail if start else 0) :])
-        return torch.cat(pieces, dim=-1)[:, 0]
+        if validate:
+            validate_codes(codes, self.config)
+        state = self.new_state(codes.shape[0])
+        pieces = [self(codes[..., start : start + chunk_size], state) for start in range(0, codes.shape[-1], chunk_size)]
+        return torch.cat(pieces, dim=-1)[:, 0, self.config.tail :]
 
     @classmethod
     def from_pretrained(

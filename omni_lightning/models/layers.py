@@ -1,6 +1,25 @@
 """The layers of Code2Wav, named as in transformers' ``Qwen3OmniMoeCode2Wav`` (so state_dict keys match).
 
-Causal everywhere except the one frame of look-ahead each transposed convolution has (and trims).
+Activations are time-major, ``[B, T, C]`` with channels contiguous, which is cuDNN's NHWC for a
+``[B, C, 1, T]`` convolution: convolutions run on channels-last views with no layout conversion.
+Every layer takes the forward's :class:`~omni_lightning.models.state.Step`, which holds the
+kernels and, for a stateful forward, each layer's history from the previous chunk. Causal
+everywhere but the decoder's transposed convolutions, which look one input sample ahead.
+
+Two rewrites of transformers' layers, both exact (the same function in another order of roundings):
+- **No convolution bias pass in the decoder.** Each convolution's bias is carried as a pending
+  per-channel vector into the next SnakeBeta, which adds it on the way in (every decoder convolution
+  output meets a SnakeBeta first, or the residual stream, whose true value is ``x + pending``).
+- **Transposed convolutions with their look-ahead as history.** transformers trims ``rate``
+  samples from both ends of each decoder transposed convolution. Here its input is prefixed with the
+  previous input sample (the history), so a chunk of ``T`` frames gives ``T * rate`` final outputs,
+  starting ``rate`` samples earlier. At a request's start the prefix is zero and those first samples
+  stand for time before the request: ``junk`` samples after each block (``junk = (junk + 1) * rate``,
+  ``tail`` at the output). They are zeroed where they enter a causal convolution (exactly the zero
+  padding a whole decode has there) and cut from the output (``Code2Wav.forward``).
+Dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
+memory (cuDNN's Hopper kernels take dilation 1 only), which needs whole rows of ``d`` samples: the
+SnakeBeta before them pads its output with zero rows (``multiple``).
 """
 
 from __future__ import annotations
@@ -9,59 +28,91 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omni_lightning.models import fused
-from omni_lightning.models.config import Code2WavConfig
+from omni_lightning.models.state import Step
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu}
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    """Time-major ``[B, T, C]`` as the channels-last ``[B, C, 1, T]`` view cuDNN takes."""
+    return x.permute(0, 2, 1).unsqueeze(2)
+
+
+def _time_major(y: torch.Tensor) -> torch.Tensor:
+    return y.squeeze(2).permute(0, 2, 1)
 
 
 class CausalConv1d(nn.Module):
-    """Stride-1 convolution padded on the left only, so frame t sees no frame after t."""
+    """Stride-1 convolution that sees ``context = (kernel - 1) * dilation`` samples of history and no
+    future. It reads a buffer whose first ``context`` steps are that history (:meth:`Step.with_history`,
+    or the SnakeBeta before it, which writes its output after the history)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
                  groups: int = 1) -> None:  # fmt: skip
         super().__init__()
-        self.left_pad = (kernel_size - 1) * dilation
-        # padding both sides and dropping the right overhang saves the copy an F.pad would make
-        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups,
-                              padding=self.left_pad)  # fmt: skip
+        self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
+        self.context = (kernel_size - 1) * dilation
+        self.state_name = ""  # set by Code2Wav: the key of its history in a DecodeState
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.conv(x)
-        return y[..., : x.shape[-1]] if self.left_pad else y
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {self.state_name: (self.context, self.conv.in_channels)} if self.context else {}
+
+    def forward(self, buf: torch.Tensor, length: int, bias: bool = True) -> torch.Tensor:
+        """The valid convolution of ``buf [B, context + length (+ padding), C_in]``: ``[B, length, C_out]``."""
+        conv, d = self.conv, self.conv.dilation[0]
+        b = conv.bias if bias else None
+        if d == 1:
+            y = _time_major(F.conv2d(_nhwc(buf), conv.weight.unsqueeze(2), b, groups=conv.groups))
+        else:  # step q*d + r is row q of column r: d steps apart are adjacent rows (see module docstring)
+            batch, rows, channels = buf.shape
+            grid = buf.view(batch, rows // d, d, channels).permute(0, 3, 1, 2)
+            y = F.conv2d(grid, conv.weight.unsqueeze(3), b, groups=conv.groups)
+            y = y.permute(0, 2, 3, 1).reshape(batch, -1, y.shape[1])
+        return y[:, :length]
 
 
 class CausalConvTranspose1d(nn.Module):
-    """Transposed convolution trimmed by ``kernel - stride`` on both sides (one frame look-ahead)."""
+    """x``stride`` transposed convolution. With ``kernel == stride`` (the upsampler) every input sample
+    makes its own outputs; with ``kernel == 2 * stride`` (the decoder blocks) each output also needs the
+    next input sample, so the input is prefixed with the previous one (module docstring)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
         super().__init__()
+        if kernel_size not in (stride, 2 * stride):
+            raise ValueError(f"transposed convolutions need kernel == stride or 2 * stride, got {kernel_size}, {stride}")
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.trim = kernel_size - stride
+        self.context = 1 if self.trim else 0
+        self.state_name = ""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv(x)
-        return x[..., self.trim : x.shape[-1] - self.trim] if self.trim else x
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {self.state_name: (1, self.conv.in_channels)} if self.context else {}
+
+    def forward(self, buf: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """``buf [B, context + T, C_in]`` to ``[B, T * stride, C_out]``."""
+        conv = self.conv
+        y = F.conv_transpose2d(_nhwc(buf), conv.weight.unsqueeze(2), conv.bias if bias else None,
+                               stride=(1, conv.stride[0]), padding=(0, self.trim))  # fmt: skip
+        return _time_major(y)
 
 
 class SnakeBeta(nn.Module):
-    """x + sin^2(x * e^alpha) / e^beta, per channel (alpha and beta kept in log scale)."""
+    """``x + sin^2(x * e^alpha) / e^beta`` per channel (alpha and beta kept in log scale), computed by
+    the forward's kernels (``kernels/snake_beta.py``), into the buffer of the convolution after it."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
-        self.fused = True  # one Triton pass on CUDA without autograd (models/fused.py)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        alpha = self.alpha.exp()[:, None]
-        inv_beta = 1.0 / (self.beta.exp()[:, None] + 1e-9)
-        if torch.is_grad_enabled():
-            return x + inv_beta * torch.sin(x * alpha).pow(2)
-        if self.fused and x.is_cuda and fused.triton_available():
-            return fused.snake_beta(x, alpha[:, 0], inv_beta[:, 0])
-        s = torch.mul(x, alpha).sin_()  # without autograd: two temporaries fewer per call
-        return torch.addcmul(x, s.mul_(s), inv_beta)
+    def forward(self, x: torch.Tensor, step: Step, bias: torch.Tensor | None = None,
+                before: CausalConv1d | CausalConvTranspose1d | None = None, junk: int = 0) -> torch.Tensor:  # fmt: skip
+        """snake(x + bias), after ``before``'s history (the result is that layer's input; saved)."""
+        context = before.context if before is not None else 0
+        history = step.history(before.state_name) if context else None
+        dilation = before.conv.dilation[0] if isinstance(before, CausalConv1d) else 1
+        buf = step.kernels.snake_beta(x, self.alpha, self.beta, bias, context=history, context_len=context,
+                                      fresh=step.fresh, junk=junk, multiple=dilation)  # fmt: skip
+        if context:
+            step.save(before.state_name, buf, x.shape[1])
+        return buf
 
 
 class ConvNeXtBlock(nn.Module):
@@ -73,116 +124,20 @@ class ConvNeXtBlock(nn.Module):
         self.pwconv2 = nn.Linear(4 * dim, dim)
         self.gamma = nn.Parameter(torch.full((dim,), 1e-6))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.dwconv(x).transpose(1, 2)
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        h = self.dwconv(step.with_history(self.dwconv.state_name, self.dwconv.context, x), x.shape[1])
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        return x + self.gamma * h
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalize in fp32 (as the reference does), scale in the input dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class LayerScale(nn.Module):
-    def __init__(self, dim: int, init: float) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.full((dim,), init))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.scale * x
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: Code2WavConfig) -> None:
-        super().__init__()
-        self.n_heads, self.n_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.resolved_head_dim
-        bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config: Code2WavConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = ACTIVATIONS[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
-class TransformerLayer(nn.Module):
-    def __init__(self, config: Code2WavConfig) -> None:
-        super().__init__()
-        self.self_attn = Attention(config)
-        self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
-        self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        x = x + self.self_attn_layer_scale(self.self_attn(self.input_layernorm(x), cos, sin, mask))
-        return x + self.mlp_layer_scale(self.mlp(self.post_attention_layernorm(x)))
-
-
-class PreTransformer(nn.Module):
-    """Causal transformer over frames, each frame attending to itself and the previous window - 1."""
-
-    def __init__(self, config: Code2WavConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
-
-    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
-        dim = self.config.resolved_head_dim
-        exponent = torch.arange(0, dim, 2, dtype=torch.float, device=device) / dim
-        return 1.0 / (self.config.rope_theta**exponent)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        pos = torch.arange(t, device=x.device)
-        freqs = pos[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-        offset = pos[:, None] - pos[None, :]  # query minus key
-        mask = (offset >= 0) & (offset < self.config.sliding_window)
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask)
-        return self.norm(x)
+def _add_pointwise_(x: torch.Tensor, h: torch.Tensor, conv: CausalConv1d, step: Step) -> torch.Tensor:
+    """``x + conv1x1(h)`` without the bias, one GEMM with the residual as its accumulator (in place in
+    inference; autograd needs ``x`` kept)."""
+    channels = x.shape[-1]
+    weight = conv.conv.weight.view(conv.conv.out_channels, -1).t()
+    if step.kernels.inplace and x.is_contiguous():
+        return x.view(-1, channels).addmm_(h.reshape(-1, h.shape[-1]), weight).view(x.shape)
+    return torch.addmm(x.reshape(-1, channels), h.reshape(-1, h.shape[-1]), weight).view(x.shape)
 
 
 class DecoderResidualUnit(nn.Module):
@@ -193,12 +148,15 @@ class DecoderResidualUnit(nn.Module):
         self.act2 = SnakeBeta(dim)
         self.conv2 = CausalConv1d(dim, dim, kernel_size=1)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x))))
+    def forward(self, x: torch.Tensor, pending: torch.Tensor, step: Step, junk: int):
+        """The unit on the stream ``x`` whose true value is ``x + pending``; returns both, updated."""
+        h = self.conv1(self.act1(x, step, pending, before=self.conv1, junk=junk), x.shape[1], bias=False)
+        h = self.act2(h, step, self.conv1.conv.bias)
+        return _add_pointwise_(x, h, self.conv2, step), pending + self.conv2.conv.bias.float()
 
 
 class DecoderBlock(nn.Module):
-    """SnakeBeta, x``rate`` causal transposed conv halving the channels, three dilated residual units."""
+    """SnakeBeta, x``rate`` transposed conv halving the channels, three dilated residual units."""
 
     def __init__(self, in_dim: int, out_dim: int, rate: int) -> None:
         super().__init__()
@@ -206,8 +164,12 @@ class DecoderBlock(nn.Module):
             [SnakeBeta(in_dim), CausalConvTranspose1d(in_dim, out_dim, 2 * rate, rate)]
             + [DecoderResidualUnit(out_dim, dilation) for dilation in (1, 3, 9)]
         )
+        self.junk = 0  # samples before time 0 at this block's output (set by Code2Wav)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.block:
-            x = layer(x)
-        return x
+    def forward(self, x: torch.Tensor, pending: torch.Tensor, step: Step):
+        act, upsample, *units = self.block
+        x = upsample(act(x, step, pending, before=upsample), bias=False)
+        pending = upsample.conv.bias.float()
+        for unit in units:
+            x, pending = unit(x, pending, step, self.junk)
+        return x, pending

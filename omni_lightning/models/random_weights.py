@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from omni_lightning.models.code2wav import Code2Wav
-from omni_lightning.models.layers import ConvNeXtBlock, DecoderResidualUnit, LayerScale, RMSNorm, SnakeBeta
+from omni_lightning.models.layers import ConvNeXtBlock, DecoderResidualUnit, SnakeBeta
+from omni_lightning.models.transformer import LayerScale, RMSNorm
 
 
 @torch.no_grad()
@@ -48,7 +49,7 @@ def randomize_weights(model: Code2Wav, seed: int = 0, output_std: float = 0.2) -
             module.conv2.conv.weight.mul_(0.2)
     last = model.decoder[-1].conv
     captured = []
-    handle = last.register_forward_hook(lambda mod, inp, out: captured.append(out.float().std()))
+    handle = model.decoder[-1].register_forward_hook(lambda mod, inp, out: captured.append(out.float().std()))
     try:
         probe = torch.randint(0, model.config.codebook_size, (2, model.config.num_quantizers, 8),
                               generator=gen).to(last.weight.device)  # fmt: skip

@@ -1,0 +1,60 @@
+"""The engine's memory budget: how many frames one forward may decode (batch rows x chunk frames).
+
+A forward's memory grows with the frames it decodes: the decoder's last stages hold tensors of
+``frames * total_upsample`` samples by up to a few hundred channels. The weights, the state pool and
+the waveforms handed out are fixed costs. So a budget in bytes becomes a frame budget:
+
+    frames = (budget - fixed) / (activation bytes per frame * 2)
+
+the factor 2 because with CUDA graphs the shared pool holds one forward's activations while a new
+bucket's eager warm-up needs as much again (without graphs: 1). ``activation_bytes_per_frame``
+derives the per-frame cost by walking the decoder's geometry (DAC's habit: lengths and sizes from the
+layers, not constants beside them), counting the tensors alive at once at each stage.
+
+The budget is ``gpu_memory_utilization`` x the device's memory minus what the process holds already
+(weights, other tenants of the process) when a cap is set; with no cap, :data:`DEFAULT_BUDGET`, so
+an uncapped engine stays near that size on any job. What is estimated, not measured, is the
+per-frame cost; the engine's out-of-memory fallback (smaller buckets, then eager) covers the error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from omni_lightning.models.code2wav import Code2Wav
+
+DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap: about 8 GiB reserved in all
+MIN_FRAMES, MAX_FRAMES = 16, 8192
+LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
+
+
+def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None) -> int:
+    """Peak activation bytes of a forward, per decoded frame (see module docstring)."""
+    cfg = model.config
+    size = torch.empty(0, dtype=dtype or next(model.parameters()).dtype).element_size()
+    samples = math.prod(cfg.upsampling_ratios)
+    peak = samples * cfg.hidden_size * 8  # ConvNeXt: the MLP's 4x hidden layer and its input
+    channels = cfg.decoder_dim
+    for rate in cfg.upsample_rates:
+        before = samples * channels  # the transposed convolution's input, alive beside its output
+        samples, channels = samples * rate, channels // 2
+        peak = max(peak, LIVE * samples * channels, before + 2 * samples * channels)
+    out = samples * 4 * 2  # the fp32 waveform handed out and its copy in the model's dtype
+    return peak * size + out
+
+
+def budget_bytes(device: torch.device, fraction: float | None) -> int:
+    """Bytes the engine may add on ``device``: the cap's share left after what the process holds now,
+    or :data:`DEFAULT_BUDGET` with no cap (CPU: no cap)."""
+    if device.type != "cuda" or fraction is None:
+        return DEFAULT_BUDGET
+    cap = fraction * torch.cuda.get_device_properties(device).total_memory
+    held = torch.cuda.memory_reserved(device)
+    return max(0, int(cap * 0.95) - held)  # 5 %: the allocator's rounding and fragmentation
+
+
+def frames_for_budget(budget: int, per_frame: int, graphs: bool) -> int:
+    """The frame budget of one forward (see module docstring), within ``[MIN_FRAMES, MAX_FRAMES]``."""
+    return max(MIN_FRAMES, min(MAX_FRAMES, budget // (per_frame * (2 if graphs else 1))))

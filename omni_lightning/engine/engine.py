@@ -1,0 +1,243 @@
+"""``DecodeEngine``: every decode of a ``Code2Wav`` on a device, exact at any length, in a memory budget.
+
+Batch decode, long requests and streaming are one path. Each request (or stream) holds a slot of a
+``DecodeState`` pool; a forward advances some slots by a chunk of their frames, carrying their state,
+so every request equals its whole decode whatever its length, and no context is ever decoded twice.
+The engine owns what makes that fast and safe on a device:
+- **kernels**, chosen once (``Kernels.for_inference``: Triton SnakeBeta, in-place residual GEMMs);
+- **shapes**: forwards run at ``(rows, chunk)`` buckets chosen by :class:`~omni_lightning.engine.plan.Planner`
+  within a frame budget derived from the memory budget (``engine/budget.py``);
+- **CUDA graphs**, one per bucket, captured lazily (``engine/graphs.py``);
+- **memory**: a forward that runs out of memory changes no state (the model commits state last); the
+  engine halves its frame budget and plans again, down to one frame, then gives up with the error;
+  a capture that fails leaves its bucket eager. The run finishes with every request exact.
+
+Outputs are float32 (``out_dtype``) in storage of their own on the device; the first ``tail`` samples
+of a request (time before its start, see ``models/layers.py``) are never emitted.
+
+Not done, and why: no thread safety (one loop drives an engine: the predict loop or a server's step
+loop); requests longer than what fits in one forward are not split across forwards in parallel (a
+request's chunks depend on each other); graphs are per process and device.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_lightning.engine import budget as budgets
+from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
+from omni_lightning.engine.plan import Planner
+from omni_lightning.kernels import Kernels
+from omni_lightning.models.code2wav import Code2Wav
+from omni_lightning.models.state import DecodeState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Work:
+    """Frames for one slot: ``codes [Q, n]`` on the device, decoded into ``out`` as they go."""
+
+    slot: int
+    codes: torch.Tensor
+    fresh: bool  # the slot is at frame 0: its first `tail` samples are dropped
+    out: torch.Tensor = field(init=False)
+    done: int = 0  # frames decoded
+    written: int = 0  # samples written to out
+
+    @property
+    def left(self) -> int:
+        return self.codes.shape[1] - self.done
+
+
+class DecodeEngine:
+    """Decodes requests and streams of one ``Code2Wav`` on its device (see the module docstring).
+
+    ``frames_per_forward``: the frame budget (rows x chunk) of a forward; default from ``budget``
+    (bytes; default :func:`~omni_lightning.engine.budget.budget_bytes` of ``gpu_memory_utilization``).
+    ``max_rows``: slots, so requests (or open streams) at once. ``cuda_graphs``: capture buckets on
+    CUDA. ``capture`` replaces ``torch.cuda.graph`` (tests). ``kernels``: default for the device.
+    Call :meth:`refresh` when the model's weights may have changed place (each predict start).
+    """
+
+    def __init__(
+        self,
+        model: Code2Wav,
+        frames_per_forward: int | None = None,
+        budget: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_rows: int = 64,
+        cuda_graphs: bool = True,
+        capture: GraphCapture | None = None,
+        kernels: Kernels | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.model = model
+        ref = next(model.parameters())
+        self.device, self.dtype = ref.device, ref.dtype
+        self.out_dtype = out_dtype
+        self.kernels = kernels or Kernels.for_inference(self.device)
+        self.max_rows = max_rows
+        self.state = DecodeState(model, max_rows + 1)  # the last slot is scratch: padding rows
+        self.scratch = max_rows
+        self._free = deque(range(max_rows))
+        use_graphs = cuda_graphs and (capture is not None or self.device.type == "cuda")
+        self.graphs = GraphCache(self._forward, capture or TorchGraphCapture()) if use_graphs else None
+        self._weights = BoundWeights(model) if use_graphs else None
+        if frames_per_forward is None:
+            if budget is None:
+                budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
+            per_frame = budgets.activation_bytes_per_frame(model)
+            frames_per_forward = budgets.frames_for_budget(budget, per_frame, use_graphs)
+        self.planner = Planner(frames_per_forward, max_rows=max_rows)
+        self._up, self._tail = model.config.total_upsample, model.config.tail
+
+    @property
+    def frames_per_forward(self) -> int:
+        return self.planner.frames
+
+    def refresh(self) -> bool:
+        """Points the model's weights back at the tensors the graphs read (their current values
+        copied in). If the model changed dtype, device or shape, the engine cannot serve it: returns
+        False (build a new one)."""
+        ref = next(self.model.parameters())
+        if (ref.device, ref.dtype) != (self.device, self.dtype):
+            return False
+        return self._weights.refresh() if self._weights is not None else True
+
+    def close(self) -> None:
+        """Frees the graphs (their memory goes back to PyTorch's cache)."""
+        if self.graphs is not None:
+            self.graphs.clear()
+
+    # --- slots -----------------------------------------------------------------------------------
+
+    def acquire(self) -> int:
+        """A free slot, fresh; ValueError when all ``max_rows`` are in use."""
+        if not self._free:
+            raise ValueError(f"all {self.max_rows} decode slots are in use")
+        return self._free.popleft()
+
+    def release(self, slot: int) -> None:
+        """Frees ``slot`` (its state zeroed, so the next user starts fresh)."""
+        self.state.reset([slot])
+        self._free.append(slot)
+
+    # --- decoding --------------------------------------------------------------------------------
+
+    def decode(self, codes: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+        """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a validated right-padded
+        batch ``codes [B, Q, T]``, each equal to its whole decode; in request order."""
+        codes = codes.to(self.device, non_blocking=True)
+        queue = deque(enumerate(lengths))
+        active: list[tuple[int, _Work]] = []
+        outs: list[torch.Tensor | None] = [None] * len(lengths)
+        try:
+            while queue or active:
+                while queue and self._free:  # requests take slots as they free up
+                    i, n = queue.popleft()
+                    active.append((i, self._work(self.acquire(), codes[i, :, :n], fresh=True)))
+                self._advance([w for _, w in active], until_one_done=bool(queue))
+                for i, w in [a for a in active if a[1].left == 0]:
+                    outs[i] = w.out
+                    active.remove((i, w))
+                    self.release(w.slot)
+        finally:
+            for _, w in active:
+                self.release(w.slot)
+        return outs
+
+    def advance(self, chunks: dict[Hashable, tuple[int, torch.Tensor, bool]]) -> dict[Hashable, torch.Tensor]:
+        """Streaming: ``{key: (slot, codes [Q, n], fresh)}`` advanced by all their frames; returns each
+        key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``)."""
+        work = {key: self._work(slot, codes.to(self.device, non_blocking=True), fresh)
+                for key, (slot, codes, fresh) in chunks.items()}  # fmt: skip
+        self._advance(list(work.values()), until_one_done=False)
+        return {key: w.out for key, w in work.items()}
+
+    def _work(self, slot: int, codes: torch.Tensor, fresh: bool) -> _Work:
+        w = _Work(slot, codes.long() if codes.dtype != torch.long else codes, fresh)
+        samples = codes.shape[1] * self._up - (self._tail if fresh else 0)
+        w.out = torch.empty((1, samples), dtype=self.out_dtype, device=self.device)
+        return w
+
+    def _advance(self, work: list[_Work], until_one_done: bool) -> None:
+        """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees)."""
+        while any(w.left for w in work):
+            pending = [w for w in work if w.left]
+            try:
+                self._forward_planned(pending)
+            except torch.OutOfMemoryError:
+                if self.planner.frames == 1:
+                    raise
+                self._shrink()
+            if until_one_done and any(w.left == 0 for w in work):
+                return
+
+    def _shrink(self) -> None:
+        frames = self.planner.frames
+        self.planner = Planner(max(1, frames // 2), max_rows=self.max_rows)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        log.warning("decode: out of memory at %d frames per forward; now %d", frames, self.planner.frames)
+
+    def _forward_planned(self, pending: list[_Work]) -> None:
+        seen = self.graphs.graphs.keys() if self.graphs is not None else ()
+        plan = self.planner.next([w.left for w in pending], seen)
+        rows, chunk = plan.shape
+        picked = [pending[i] for i in plan.requests]
+        codes = torch.zeros((rows, picked[0].codes.shape[0], chunk), dtype=torch.long, device=self.device)
+        for r, (w, take) in enumerate(zip(picked, plan.take)):
+            codes[r, :, :take] = w.codes[:, w.done : w.done + take]
+        meta = torch.tensor([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
+                            + list(plan.take) + [0] * (rows - len(picked)), dtype=torch.long)  # fmt: skip
+        if self.device.type == "cuda":
+            meta = meta.pin_memory()
+        meta = meta.to(self.device, non_blocking=True)
+        slots, valid = meta[:rows], meta[rows:]
+        out = self._run(codes, slots, valid)
+        for r, (w, take) in enumerate(zip(picked, plan.take)):
+            start = self._tail if w.fresh and w.done == 0 else 0
+            n = take * self._up - start
+            w.out[:, w.written : w.written + n].copy_(out[r, :, start : start + n])
+            w.written += n
+            w.done += take
+
+    def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if self.graphs is not None and not self.graphs.graphs and not self.graphs.eager:
+                self._capture_largest_first(codes)
+            graph = self.graphs.get(codes, self.scratch) if self.graphs is not None else None
+            if graph is None:
+                if self.graphs is not None:
+                    self.graphs.stats.eager += 1
+                return self._forward(codes, slots, valid)
+            return self.graphs.run(graph, codes, slots, valid)
+
+    def _capture_largest_first(self, codes: torch.Tensor) -> None:
+        """Before the first capture: this row count's largest bucket, so the captures after it fit in
+        the memory it leaves in the shared pool (captured smallest first, each would add its own)."""
+        rows, chunk = codes.shape[0], codes.shape[2]
+        largest = max(c for c in self.planner.chunks if c * rows <= self.planner.frames)
+        if largest > chunk:
+            self.graphs.get(codes.repeat(1, 1, math.ceil(largest / chunk))[..., :largest], self.scratch)
+
+    def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        return self.model(codes, self.state.select(slots, valid), self.kernels)
+
+    def report(self) -> str:
+        """One line: the frame budget, graphs captured and their time, replays, eager forwards, memory."""
+        line = f"decode engine: {self.planner.frames} frames per forward"
+        if self.graphs is not None:
+            s = self.graphs.stats
+            line += (f", {s.captures} CUDA graph(s) captured in {s.capture_s:.2f} s, {s.replays} replays, "
+                     f"{s.eager} eager forwards")  # fmt: skip
+        if self.device.type == "cuda":
+            line += f", peak reserved {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f} GiB"
+        return line

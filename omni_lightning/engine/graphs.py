@@ -1,0 +1,162 @@
+"""CUDA graphs for the decode engine: one per ``(rows, chunk)`` bucket, captured lazily, one memory pool.
+
+A graph replays a forward at fixed addresses: static inputs (codes, slot rows, valid frames), the
+model's weights and the engine's ``DecodeState`` pool (read and written in place), and a static
+output. Capturing a bucket first runs its forward once eagerly (cuDNN, cuBLAS and Triton pick and
+load their kernels for that shape: those steps must not happen inside a capture), on the scratch
+slot with no valid frames, so no request's state moves. Captures share one pool: the engine asks for
+the largest buckets first, whose freed blocks the smaller captures reuse.
+
+When a capture fails (out of memory, or anything else a driver or library raises), that bucket runs
+eagerly from then on and nothing more is captured into the pool it failed in: a failed capture can
+leave the pool's bookkeeping unusable (CUDACachingAllocator asserts on the next capture into it),
+so later captures get a fresh pool, and the failed graph object is kept, never destroyed mid-run.
+``capture`` is injectable (``GraphCapture``): the tests pass a stand-in that records the callable,
+or fails, to run this logic on a CPU.
+
+Graphs read the weights at the addresses they were captured with. Lightning moves a module to the
+GPU at every ``predict`` start (new tensors) and back at its end, so :meth:`BoundWeights.refresh`
+copies the model's current weights into the tensors the graphs read and points the parameters back
+at them: graphs survive from one predict call to the next and always see the current weights (after
+fine-tuning too). Not done: graphs are not shared across processes or devices.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+
+class GraphCapture(Protocol):
+    """Records ``fn`` (a forward reading static inputs); returns ``(replay, static_output)``."""
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]: ...
+
+
+class TorchGraphCapture:
+    """``torch.cuda.graph`` captures into one pool (a fresh one after a failure, see module docstring).
+
+    The capture mode is ``thread_local``: threads that do their own CUDA work meanwhile (a data
+    loader pinning memory, a writer) must not break a capture, and they never touch its stream.
+    """
+
+    def __init__(self) -> None:
+        self.pool: Any = None
+        self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
+
+    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = fn()
+        except BaseException:
+            self.failed.append(graph)
+            self.pool = None
+            raise
+        return graph.replay, out
+
+
+@dataclass
+class StepGraph:
+    """One captured bucket: its static inputs, output and replay."""
+
+    codes: torch.Tensor  # [rows, Q, chunk] int64
+    rows: torch.Tensor  # [rows] int64 slot indices
+    valid: torch.Tensor  # [rows] int64 real frames
+    out: torch.Tensor  # [rows, 1, chunk * total_upsample]
+    replay: Callable[[], Any]
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    capture_s: float = 0.0  # eager warm-up + capture, summed over buckets
+    replays: int = 0
+    eager: int = 0  # forwards that ran eagerly (uncaptured or failed buckets)
+    failures: int = 0
+
+
+@dataclass
+class GraphCache:
+    """Captured forwards by bucket; ``forward(codes, rows, valid)`` runs the model on the engine's state."""
+
+    forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    capture: GraphCapture
+    graphs: dict[tuple[int, int], StepGraph] = field(default_factory=dict)
+    eager: set[tuple[int, int]] = field(default_factory=set)  # buckets whose capture failed
+    stats: GraphStats = field(default_factory=GraphStats)
+
+    def get(self, codes: torch.Tensor, scratch: int) -> StepGraph | None:
+        """The graph of ``codes``' bucket, captured now if it is new; None if it runs eagerly.
+
+        Raises ``torch.OutOfMemoryError`` when the warm-up forward runs out of memory (the engine
+        shrinks its buckets and plans again; nothing has changed)."""
+        key = (codes.shape[0], codes.shape[2])
+        graph = self.graphs.get(key)
+        if graph is not None or key in self.eager:
+            return graph
+        start = time.perf_counter()
+        rows = torch.full((key[0],), scratch, dtype=torch.long, device=codes.device)
+        valid = torch.zeros(key[0], dtype=torch.long, device=codes.device)
+        static = codes.clone()  # valid codes: warm-up and capture never look up a code out of range
+        self.forward(static, rows, valid)  # eager warm-up on the scratch slot (module docstring)
+        try:
+            replay, out = self.capture(lambda: self.forward(static, rows, valid))
+        except Exception as err:  # noqa: BLE001 - any capture failure leaves this bucket eager
+            self.eager.add(key)
+            self.stats.failures += 1
+            log.warning("no CUDA graph for %d rows x %d frames (%s: %s); it runs eagerly", *key,
+                        type(err).__name__, str(err).splitlines()[0][:200])  # fmt: skip
+            return None
+        graph = self.graphs[key] = StepGraph(static, rows, valid, out, replay)
+        self.stats.captures += 1
+        self.stats.capture_s += time.perf_counter() - start
+        return graph
+
+    def run(self, graph: StepGraph, codes: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        graph.codes.copy_(codes)
+        graph.rows.copy_(rows)
+        graph.valid.copy_(valid)
+        graph.replay()
+        self.stats.replays += 1
+        return graph.out
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.eager.clear()
+
+
+class BoundWeights:
+    """The device tensors captured graphs read, kept across Lightning's moves (module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.held = [t.data for t in self._tensors()]
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [*self.model.parameters(), *self.model.buffers()]
+
+    def refresh(self) -> bool:
+        """Puts the model's current weights where the graphs read them. Returns False when the model
+        changed dtype, device or shapes since (graphs then must go: they read the old layout)."""
+        tensors = self._tensors()
+        if len(tensors) != len(self.held) or any(
+            (t.dtype, t.device, t.shape) != (h.dtype, h.device, h.shape) for t, h in zip(tensors, self.held)
+        ):
+            return False
+        with torch.no_grad():
+            for t, held in zip(tensors, self.held):
+                if t.data_ptr() != held.data_ptr():
+                    held.copy_(t)
+                    t.data = held
+        return True

@@ -1,0 +1,215 @@
+"""``StreamingDecoder``: many streams of codec frames decoded chunk by chunk, each exactly as ``decode``.
+
+Slot bookkeeping over a :class:`~omni_lightning.engine.engine.DecodeEngine`: a stream holds one of
+the engine's slots (its per-layer state, ``DecodeState``), a step hands every stream's pending frames
+to the engine at once (``DecodeEngine.advance``: the same planner, buckets, CUDA graphs and memory
+budget as batch decode), and closing a stream frees its slot. After ``n`` frames a stream has
+emitted ``output_length(n)`` samples, all that ``decode`` of those frames gives: the decoder's
+one-frame look-ahead is carried as state, so nothing is held back and nothing is decoded twice.
+
+Not done, and why: no thread safety (one scheduling loop drives a decoder, as a server's step loop);
+no re-reading of parameters that were replaced rather than updated in place (``model.to(...)`` after
+building the decoder: build a new one; ``reads`` tells).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_lightning.engine.engine import DecodeEngine
+from omni_lightning.models.code2wav import Code2Wav
+
+
+@dataclass
+class _Stream:
+    slot: int
+    frames: int = 0  # frames decoded so far
+    pending: list[torch.Tensor] = field(default_factory=list)
+
+
+class StreamingDecoder:
+    """Decodes many streams at once (see the module docstring).
+
+    ``open()`` a stream, ``push(stream, codes[Q, n])`` its frames as they arrive (any ``n``, a single
+    frame too), and ``step()`` advances every stream with pushed frames, returning each one's new
+    samples ``[1, m]`` (float32, on the model's device); ``close(stream)`` frees its slot.
+    ``step({stream: codes, ...})`` pushes and steps in one call.
+
+    Bad input (codes out of range, the wrong number of codebooks, a non-integer dtype, a chunk for a
+    closed or unknown stream) raises ``ValueError`` naming the stream, before anything of any stream
+    changes; the other streams go on with the next call. Codes on a GPU are range-checked there (one
+    synchronization per chunk: bad codes must never reach an embedding lookup).
+
+    ``engine``: the engine to run on (default: a new one over ``model`` with ``max_streams`` slots;
+    ``cuda_graphs`` and ``frames_per_forward`` go to it). Each stream holds ``state_bytes_per_stream``.
+    """
+
+    def __init__(self, model: Code2Wav, max_streams: int = 64, cuda_graphs: bool = True,
+                 frames_per_forward: int | None = None, engine: DecodeEngine | None = None) -> None:  # fmt: skip
+        if max_streams < 1:
+            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        self.model, self.config = model, model.config
+        self.engine = engine or DecodeEngine(model, frames_per_forward=frames_per_forward, max_rows=max_streams,
+                                             cuda_graphs=cuda_graphs)  # fmt: skip
+        self.max_streams = self.engine.max_rows
+        self.cuda_graphs = cuda_graphs
+        ref = next(model.parameters())
+        self._param = (ref.data_ptr(), ref.dtype)
+        self._streams: dict[Hashable, _Stream] = {}
+        self._closed: OrderedDict[Hashable, None] = OrderedDict()  # recent ids, for clear messages
+        self._next_id = 0
+
+    @property
+    def streams(self) -> list[Hashable]:
+        """Ids of the open streams."""
+        return list(self._streams)
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        """Bytes of state one stream holds, whatever its length."""
+        return self.engine.state.bytes_per_slot
+
+    def reads(self, model: Code2Wav) -> bool:
+        """Whether this decoder runs ``model``'s current parameters (not moved or cast since)."""
+        ref = next(model.parameters())
+        return model is self.model and (ref.data_ptr(), ref.dtype) == self._param
+
+    def frames(self, stream_id: Hashable) -> int:
+        """Frames of ``stream_id`` decoded so far (pushed but not stepped frames not counted)."""
+        return self._get(stream_id).frames
+
+    def open(self, stream_id: Hashable | None = None) -> Hashable:
+        """Starts a stream in a free slot; returns its id (``stream_id``, or a new integer)."""
+        if stream_id is None:
+            while self._next_id in self._streams:
+                self._next_id += 1
+            stream_id, self._next_id = self._next_id, self._next_id + 1
+        else:
+            _check_hashable(stream_id)
+            if stream_id in self._streams:
+                raise ValueError(f"stream {stream_id!r} is already open")
+        try:
+            slot = self.engine.acquire()
+        except ValueError:
+            raise ValueError(f"cannot open stream {stream_id!r}: all {self.max_streams} stream slots are in use; "
+                             "close a stream or build the decoder with a larger max_streams") from None  # fmt: skip
+        self._closed.pop(stream_id, None)
+        self._streams[stream_id] = _Stream(slot)
+        return stream_id
+
+    def push(self, stream_id: Hashable, codes: torch.Tensor) -> None:
+        """Queues ``codes [Q, n]`` (any integer dtype, any device; ``n`` may be 0) for the next step."""
+        stream = self._get(stream_id)
+        stream.pending.append(self._checked(stream_id, stream, codes))
+
+    def step(self, chunks: Mapping[Hashable, torch.Tensor] | None = None) -> dict[Hashable, torch.Tensor]:
+        """Pushes ``chunks`` (all checked before any is queued), then advances every stream with
+        pushed frames; returns ``{stream: samples [1, m]}`` for those streams."""
+        if chunks:
+            checked = {sid: self._checked(sid, self._get(sid), codes) for sid, codes in chunks.items()}
+            for sid, codes in checked.items():
+                self._streams[sid].pending.append(codes)
+        return self._decode([sid for sid, s in self._streams.items() if s.pending])
+
+    def close(self, stream_id: Hashable) -> torch.Tensor:
+        """Ends a stream: decodes its pushed frames, frees its slot, returns their samples ``[1, m]``
+        (``[1, 0]`` with nothing pushed since the last step: nothing is held back)."""
+        stream = self._get(stream_id)
+        try:
+            rest = self._decode([stream_id])[stream_id] if stream.pending else self._empty()
+        finally:
+            self._release(stream_id)
+        return rest
+
+    def stream(self, code_chunks: Iterable[torch.Tensor], stream_id: Hashable | None = None) -> Iterator[torch.Tensor]:
+        """Decodes one stream: yields ``[1, m]`` per chunk of ``code_chunks``; closes it at the end
+        (also when the iteration stops early or a chunk is bad). Other streams are not advanced."""
+        sid = self.open(stream_id)
+        try:
+            for codes in code_chunks:
+                self.push(sid, codes)
+                yield self._decode([sid])[sid]
+        finally:
+            self._release(sid)
+
+    def warmup(self, chunk_sizes: Iterable[int] = (1,), batch_sizes: Iterable[int] = (1,)) -> float:
+        """Runs (and on CUDA captures) these shapes now on fresh scratch streams; returns seconds."""
+        start = time.perf_counter()
+        for b in batch_sizes:
+            for c in chunk_sizes:
+                sids = [self.open() for _ in range(min(b, self.max_streams - len(self._streams)))]
+                try:
+                    codes = torch.zeros((self.config.num_quantizers, c), dtype=torch.long)
+                    self.step(dict.fromkeys(sids, codes))
+                finally:
+                    for sid in sids:
+                        self._release(sid)
+        return time.perf_counter() - start
+
+    def _decode(self, sids: list[Hashable]) -> dict[Hashable, torch.Tensor]:
+        chunks = {}
+        for sid in sids:
+            s = self._streams[sid]
+            codes = s.pending[0] if len(s.pending) == 1 else torch.cat(s.pending, dim=1)
+            s.pending = []
+            if codes.shape[1]:
+                chunks[sid] = (s.slot, codes, s.frames == 0)
+        out = self.engine.advance(chunks) if chunks else {}
+        for sid, (_, codes, _) in chunks.items():
+            self._streams[sid].frames += codes.shape[1]
+        return {sid: out[sid] if sid in out else self._empty() for sid in sids}
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty((1, 0), dtype=self.engine.out_dtype, device=self.engine.device)
+
+    def _get(self, stream_id: Hashable) -> _Stream:
+        _check_hashable(stream_id)
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            if stream_id in self._closed:
+                raise ValueError(f"stream {stream_id!r} is closed: a chunk after close() needs a new stream")
+            raise ValueError(f"unknown stream {stream_id!r}: open() it first")
+        return stream
+
+    def _release(self, stream_id: Hashable) -> None:
+        stream = self._streams.pop(stream_id, None)
+        if stream is None:
+            return
+        self.engine.release(stream.slot)
+        self._closed[stream_id] = None
+        while len(self._closed) > 4096:
+            self._closed.popitem(last=False)
+
+    def _checked(self, stream_id: Hashable, stream: _Stream, codes: torch.Tensor) -> torch.Tensor:
+        """``codes`` as int64 ``[Q, n]`` after the checks ``decode`` makes, in this stream's terms."""
+        cfg, name = self.config, f"stream {stream_id!r}"
+        if not isinstance(codes, torch.Tensor):
+            raise ValueError(f"{name}: codes must be a torch.Tensor [codebooks, frames], got {type(codes).__name__}")
+        if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
+            raise ValueError(f"{name}: codes must be an integer tensor, got dtype {codes.dtype}")
+        if codes.dim() != 2:
+            raise ValueError(f"{name}: a chunk must have shape [codebooks, frames], got {tuple(codes.shape)}")
+        if codes.shape[0] != cfg.num_quantizers:
+            raise ValueError(f"{name}: chunk has {codes.shape[0]} codebooks, this model expects {cfg.num_quantizers}")
+        codes = codes.long()  # compare in int64, as validate_codes does: uint16 has no `<` on the CPU, uint8 wraps
+        bad = (codes < 0) | (codes >= cfg.codebook_size)
+        if codes.numel() and bool(bad.any()):
+            q, t = (int(i) for i in bad.nonzero()[0])
+            at = stream.frames + sum(p.shape[1] for p in stream.pending) + t
+            raise ValueError(
+                f"{name}: code {int(codes[q, t])} at codebook {q}, frame {at} is outside "
+                f"[0, {cfg.codebook_size}) ({int(bad.sum())} bad values in this chunk)"
+            )
+        return codes
+
+
+def _check_hashable(stream_id: Hashable) -> None:
+    try:
+        hash(stream_id)
+    except TypeError:
+        raise ValueError(f"stream ids must be hashable, got {type(stream_id).__name__}") from None

@@ -1,0 +1,39 @@
+"""Kernels: one op per file (its Triton kernel, launcher and torch reference together), and
+:class:`Kernels`, the choice of implementations a ``Code2Wav`` forward runs with.
+
+The model is plain torch and takes a ``Kernels`` argument; whoever runs it (the decode engine, the
+training step) picks one when it is built. There is no global switch to flip: a choice is a value
+that travels with the call, so a captured CUDA graph and the kernels it ran cannot disagree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from omni_lightning.kernels import snake_beta
+from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
+
+
+def triton_available() -> bool:
+    return snake_beta.triton is not None
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature) and ``inplace``
+    (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
+    autograd needs the stream's earlier values)."""
+
+    snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
+    inplace: bool = False
+    name: str = "reference"
+
+    @classmethod
+    def for_inference(cls, device: torch.device | str, fused: bool = True) -> Kernels:
+        """Triton SnakeBeta on CUDA (when Triton is installed and ``fused``), in-place residuals."""
+        if fused and torch.device(device).type == "cuda" and triton_available():
+            return cls(snake_beta_triton, inplace=True, name="triton")
+        return cls(snake_beta_reference, inplace=True, name="reference-inplace")

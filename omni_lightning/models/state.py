@@ -1,0 +1,135 @@
+"""Per-request decoding state: what a ``Code2Wav`` forward needs to continue a request where its last
+forward stopped (litgpt's ``KVCache``, for a codec decoder), and :class:`Step`, what one forward's
+layers share.
+
+The model is causal except for one look-ahead sample in each decoder transposed convolution, so a
+request decoded chunk by chunk equals its whole decode when each chunk starts from the previous
+chunk's state:
+- each attention layer's keys (after RoPE, at absolute positions) and values of the last
+  ``sliding_window - 1`` frames;
+- each causal convolution's last ``(kernel - 1) * dilation`` input samples;
+- each decoder transposed convolution's last input sample (its look-ahead, see ``layers.py``);
+- ``pos``, the frames decoded so far.
+The layers declare their state (``state_shapes``); nothing here knows the architecture.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from omni_lightning.kernels import Kernels
+    from omni_lightning.models.code2wav import Code2Wav
+
+
+class DecodeState:
+    """The state of up to ``slots`` requests, one per slot; a fresh slot is all zeros.
+
+    A forward with a state runs on ``rows`` (slot indices, one per batch row; default: every slot in
+    order) and takes ``valid[b]`` real frames of row ``b`` (default: all). Frames past ``valid`` are
+    padding: computed, never saved, so rows of different lengths share one forward exactly (the
+    model is causal). ``select`` binds rows and valid counts; the tensors are shared, so a CUDA
+    graph captured on a selection reads and writes the pool in place.
+
+    Memory per slot (``bytes_per_slot``) does not depend on how long a request is.
+    """
+
+    def __init__(self, model: Code2Wav, slots: int, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None) -> None:  # fmt: skip
+        if slots < 1:
+            raise ValueError(f"a DecodeState needs at least one slot, got {slots}")
+        ref = next(model.parameters())
+        dtype, device = dtype or ref.dtype, torch.device(device) if device is not None else ref.device
+        with torch.no_grad(), torch.inference_mode(False):  # plain tensors: updated under any mode
+            self.tensors = {
+                name: torch.zeros((slots, *shape), dtype=dtype, device=device)
+                for name, shape in model.state_shapes().items()
+            }
+            self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+        self.slots = slots
+        self.rows: torch.Tensor | None = None
+        self.valid: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor, valid: torch.Tensor | None = None) -> DecodeState:
+        """This state, for a forward on slots ``rows`` (int64 ``[B]``, on the state's device) with
+        ``valid`` real frames each (int64 ``[B]``; None: every frame)."""
+        view = copy.copy(self)
+        view.rows, view.valid = rows, valid
+        return view
+
+    def reset(self, slots: Sequence[int] | None = None) -> None:
+        """Makes ``slots`` (default: all) fresh."""
+        with torch.no_grad(), torch.inference_mode(False):
+            for t in (*self.tensors.values(), self.pos):
+                if slots is None:
+                    t.zero_()
+                else:
+                    t[list(slots)] = 0
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.tensors.values()) + self.pos.element_size()
+
+
+class Step:
+    """What the layers of one forward share: the kernels, the rows' positions and histories, and the
+    new histories, written to the state only when the forward completes (:meth:`commit`), so a
+    forward that fails (out of memory, say) leaves every request's state as it was."""
+
+    def __init__(self, state: DecodeState | None, kernels: Kernels, batch: int, frames: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.kernels, self.state, self.frames = kernels, state, frames
+        self.rows = self.pos = self.valid = None
+        self.fresh: torch.Tensor | bool = True  # no state: every row starts at frame 0
+        if state is not None:
+            if state.rows is None and batch != state.slots:
+                raise ValueError(f"a batch of {batch} needs rows selected from the {state.slots}-slot state")
+            self.rows = state.rows if state.rows is not None else torch.arange(batch, device=device)
+            self.pos = state.pos.index_select(0, self.rows)
+            self.fresh = self.pos == 0
+            self.valid = state.valid
+        self._writes: list[tuple[str, torch.Tensor]] = []
+
+    def history(self, name: str) -> torch.Tensor | None:
+        """The rows' saved history of ``name`` (None without a state: zeros)."""
+        return None if self.state is None else self.state.tensors[name].index_select(0, self.rows)
+
+    def save(self, name: str, buf: torch.Tensor, samples: int, dim: int = 1) -> None:
+        """Queues the new history of ``name``: from ``buf`` (its history, then ``samples`` new steps
+        along ``dim``, then maybe padding), the history-long window ending at each row's last real step."""
+        if self.state is None:
+            return
+        size = self.state.tensors[name].shape[dim]
+        if self.valid is None:
+            new = buf.narrow(dim, samples, size)
+        else:
+            start = self.valid * (samples // self.frames)
+            index = start[:, None] + torch.arange(size, device=buf.device)  # [B, size]
+            shape = [1] * buf.dim()
+            shape[0], shape[dim] = index.shape
+            new = buf.gather(dim, index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :]))
+        self._writes.append((name, new))
+
+    def with_history(self, name: str, context: int, x: torch.Tensor) -> torch.Tensor:
+        """``[B, context + T, C]``: ``name``'s history (or zeros), then ``x [B, T, C]``; saved."""
+        if not context:
+            return x
+        past = self.history(name)
+        if past is None:
+            past = x.new_zeros(x.shape[0], context, x.shape[2])
+        buf = torch.cat((past.to(x.dtype), x), dim=1)
+        self.save(name, buf, x.shape[1])
+        return buf
+
+    def commit(self) -> None:
+        """Writes the queued histories and advances the rows' positions."""
+        if self.state is None:
+            return
+        for name, new in self._writes:
+            self.state.tensors[name].index_copy_(0, self.rows, new.to(self.state.tensors[name].dtype))
+        advance = self.valid if self.valid is not None else torch.full_like(self.rows, self.frames)
+        self.state.pos.index_add_(0, self.rows, advance)
