@@ -33,9 +33,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from omni_lightning import Code2Wav, StreamingDecoder, randomize_weights  # noqa: E402
+from omni_lightning import Code2Wav, StreamingDecoder, randomize_weights
+from omni_lightning.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -63,11 +62,12 @@ class Redecode:
 
     def __init__(self, model: Code2Wav, context: int, graphs: bool) -> None:
         self.model, self.context, self.graphs = model, context, graphs
+        self.kernels = Kernels.for_inference(next(model.parameters()).device)  # the engine's kernels
         self._graphs: dict[tuple, tuple] = {}
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         if not (self.graphs and codes.is_cuda):
-            return self.model(codes)
+            return self.model(codes, kernels=self.kernels)
         key = tuple(codes.shape)
         if key not in self._graphs:
             static = codes.clone()
@@ -75,11 +75,11 @@ class Redecode:
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.model(static)
+                    self.model(static, kernels=self.kernels)
             torch.cuda.current_stream().wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                out = self.model(static)
+                out = self.model(static, kernels=self.kernels)
             self._graphs[key] = (graph, static, out)
         graph, static, out = self._graphs[key]
         static.copy_(codes)
@@ -128,9 +128,9 @@ def run(args: argparse.Namespace) -> dict:
     graphs = not args.no_graphs and device.type == "cuda"
     decoder = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=graphs)
     res["state_bytes_per_stream"] = decoder.state_bytes_per_stream
-    res["state_pool_bytes"] = sum(t.numel() * t.element_size() for t in decoder._pool.values())
+    res["state_pool_bytes"] = sum(t.numel() * t.element_size() for t in decoder.engine.state.tensors.values())
     res["capture_s"] = decoder.warmup(chunk_sizes=(1, args.chunk), batch_sizes=(1, args.streams))
-    res["graphs"] = len(decoder._graphs)
+    res["graphs"] = len(decoder.engine.graphs.graphs) if decoder.engine.graphs else 0
     print(f"  {res['graphs']} graphs captured in {res['capture_s']:.1f} s", file=sys.stderr, flush=True)
     eager = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=False) if graphs else None
     baselines = {"redecode_eager": Redecode(model, args.context, graphs=False)}
@@ -192,11 +192,12 @@ def run(args: argparse.Namespace) -> dict:
             steady[f"{name}_sync"] = statistics.median(
                 clock(lambda a=a, b=base: b.chunk(on_device, a, a + args.chunk), device) for a in starts[half:]
             )
-        graph = decoder._graphs.get((args.streams, args.chunk)) if graphs else None
+        rows = decoder.engine.planner.row_bucket(args.streams)
+        graph = decoder.engine.graphs.graphs.get((rows, args.chunk)) if graphs else None
         if graph is not None:  # the device's share: replays alone, every row on the scratch slot
-            graph.slots.fill_(decoder.scratch)
-            graph.pos.zero_()
-            steady["stream_graph_only"] = clock(lambda: [graph.graph.replay() for _ in range(args.steps)], device)
+            graph.rows.fill_(decoder.engine.scratch)
+            graph.valid.zero_()
+            steady["stream_graph_only"] = clock(lambda: [graph.replay() for _ in range(args.steps)], device)
             steady["stream_graph_only"] /= args.steps
     res["steady_step_ms"] = {k: 1e3 * v for k, v in steady.items()}
     res["steady_x_realtime"] = {k: step_audio / v for k, v in steady.items()}

@@ -1,91 +1,77 @@
-"""CUDA-only checks of the model (skipped without a GPU; run on an H200 through the device tool)."""
+"""CUDA-only checks of the kernels and the engine's forward (skipped without a GPU; run on an H200
+through the device tool)."""
 
 import pytest
 import torch
 from conftest import random_codes, random_model, reference_model
 
-from omni_lightning.models import fused
+from omni_lightning import DecodeEngine
+from omni_lightning.kernels import Kernels
+from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_snake_beta_matches_the_formula(dtype):
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(3, 40, 5000, device="cuda", generator=gen).to(dtype) * 4
-    x = x[..., 7:4007]  # a strided view, as the causal conv hands it over
-    alpha = torch.rand(40, device="cuda", generator=gen) + 0.5
-    inv_beta = torch.rand(40, device="cuda", generator=gen) + 0.5
-    y = fused.snake_beta(x, alpha, inv_beta)
-    xf = x.float()
-    want = xf + inv_beta[:, None] * torch.sin(xf * alpha[:, None]) ** 2
-    assert y.is_contiguous() and y.dtype == dtype
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (y.float() - want).abs().max() <= tol * want.abs().max()
-
-
-@cuda
-def test_cuda_model_matches_transformers_and_unfused(monkeypatch):
+@pytest.fixture
+def no_tf32(monkeypatch):
     # fp32 means fp32 here: cuDNN and cuBLAS would otherwise round inputs to TF32
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    model = random_model("tiny").cuda()
-    ref = reference_model(model).cuda()
-    lengths = [37, 5, 1]
-    codes = random_codes(3, 37, seed=1).cuda()
-    with torch.inference_mode():
-        ours = model(codes)
-        assert (ours - ref(codes)).abs().max() <= 1e-4
-        assert (ours - model.set_fused_kernels(False)(codes)).abs().max() <= 1e-4
-        model.set_fused_kernels(True)
-        batched = model.decode(codes, torch.tensor(lengths))
-        for i, n in enumerate(lengths):
-            assert (batched[i] - model(codes[i : i + 1, :, :n])[0]).abs().max() <= 1e-4
 
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_time_major_snake_beta_adds_the_bias_on_any_strides(dtype):
+def test_snake_beta_kernel_matches_the_reference_on_any_strides(dtype):
     gen = torch.Generator(device="cuda").manual_seed(1)
-    for channels in (96, 40):
+    for channels in (96, 40, 768):
         base = torch.randn(3, 5000, channels, device="cuda", generator=gen).to(dtype) * 4
+        fresh = torch.tensor([True, False, True], device="cuda")
+        history = torch.randn(3, 54, channels, device="cuda", generator=gen).to(dtype)
         for x in (base[:, 7:4007], base.transpose(1, 2).contiguous().transpose(1, 2)[:, :4000]):
-            log_alpha, log_beta, bias = (torch.randn(channels, device="cuda", generator=gen) * 0.3 for _ in range(3))
-            y = fused.snake_beta_tc(x, log_alpha, log_beta, bias)
-            xf = x.float() + bias
-            want = xf + torch.sin(xf * log_alpha.exp()) ** 2 / (log_beta.exp() + 1e-9)
-            assert y.is_contiguous() and y.dtype == dtype and y.shape == x.shape
+            la, lb, bias = (torch.randn(channels, device="cuda", generator=gen) * 0.3 for _ in range(3))
+            kw = dict(context=history, context_len=54, fresh=fresh, junk=555, multiple=9)
+            y, want = snake_beta_triton(x, la, lb, bias, **kw), snake_beta_reference(x, la, lb, bias, **kw)
+            assert y.is_contiguous() and y.dtype == dtype and y.shape == want.shape
             tol = 1e-5 if dtype == torch.float32 else 2e-2
-            assert (y.float() - want).abs().max() <= tol * want.abs().max()
+            assert (y.float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
 @cuda
 def test_fast_sine_is_as_accurate_as_libdevice_for_any_argument():
-    # the default kernels reduce the argument to [-pi, pi] and use the GPU's sin.approx
+    # the default kernel reduces the argument to [-pi, pi] and uses the GPU's sin.approx
     gen = torch.Generator(device="cuda").manual_seed(2)
     for scale in (1.0, 30.0, 3000.0):
         x = (torch.rand(2, 4096, 64, device="cuda", generator=gen) * 2 - 1) * scale
-        log_alpha, log_beta = (torch.randn(64, device="cuda", generator=gen) * 0.5 for _ in range(2))
+        la, lb = (torch.randn(64, device="cuda", generator=gen) * 0.5 for _ in range(2))
         xd = x.double()
-        want = xd + torch.sin(xd * log_alpha.double().exp()) ** 2 / (log_beta.double().exp() + 1e-9)
+        want = xd + torch.sin(xd * la.double().exp()) ** 2 / (lb.double().exp() + 1e-9)
         errors = {}
         for precise in (False, True):
-            y = fused.snake_beta_tc(x, log_alpha, log_beta, precise=precise).double()
+            y = snake_beta_triton(x, la, lb, precise=precise).double()
             errors[precise] = float(((y - want).abs() / (1 + want.abs())).max())
         # the argument's own fp32 rounding dominates both at large scales
         assert errors[False] <= 2 * errors[True] + 2e-6, (scale, errors)
 
 
 @cuda
-def test_fast_decoder_matches_the_layers_on_cuda(monkeypatch):
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    model = random_model("tiny", seed=3).cuda()
-    codes = random_codes(3, 40, seed=2).cuda()
+def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
+    model = random_model("tiny").cuda()
+    ref = reference_model(model).cuda()
+    codes = random_codes(3, 37, seed=1).cuda()
     with torch.inference_mode():
-        fast = model(codes)
-        model.fast_decoder = False
-        layers = model(codes)
-        model.fast_decoder = True
-    assert (fast - layers).abs().max() <= 1e-4
+        want = ref(codes)
+        for kernels in (Kernels(), Kernels.for_inference("cuda")):
+            assert (model(codes, kernels=kernels) - want).abs().max() <= 1e-4, kernels.name
+
+
+@cuda
+def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32):
+    model = random_model("tiny", seed=3).cuda()
+    lengths = [1, 7, 71, 72, 73, 200, 5]
+    codes = random_codes(len(lengths), max(lengths), seed=2).cuda()
+    engine = DecodeEngine(model, frames_per_forward=96, max_rows=4)
+    with torch.inference_mode():
+        wavs = engine.decode(codes, lengths)
+        for i, n in enumerate(lengths):
+            assert (wavs[i] - model(codes[i : i + 1, :, :n])[0]).abs().max() <= 1e-4, n
+    assert engine.graphs.stats.captures >= 1 and engine.graphs.stats.replays >= 1

@@ -1,8 +1,9 @@
-"""The default GPU predict path on a real mixed-length job, and its bf16 fidelity (skipped without CUDA).
+"""The default GPU predict path on a real mixed-length job, under memory caps, and its bf16 fidelity
+(skipped without CUDA).
 
 Run on an H200 through the device tool (docs/performance.md). The default ``omni_lightning.Trainer``
-(async host copies on) and ``Code2WavModule`` (fast path on: shape buckets + CUDA graphs, the
-channels-last decoder) are what is tested, with nothing switched on or off.
+(async host copies on) and ``Code2WavModule`` (fast path on: the decode engine with Triton kernels
+and CUDA graphs) are what is tested, with nothing switched on or off but the memory cap.
 """
 
 import random
@@ -11,9 +12,8 @@ import pytest
 import torch
 from conftest import random_codes, random_model, reference_model
 
-from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
+from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, DecodeEngine, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback
-from omni_lightning.models.cuda_graphs import CUDAGraphDecoder
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -29,22 +29,21 @@ def rel_l2(a, b):
 
 
 @cuda
-@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
-def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
+@pytest.mark.parametrize(("precision", "share"), [("32-true", 0.02), ("bf16-true", None), ("bf16-true", 0.03)])
+def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, share, no_tf32):
     rng = random.Random(precision)
-    lengths = [rng.randint(25, 375) for _ in range(40)]  # 2-30 s, random
+    lengths = [rng.randint(25, 375) for _ in range(40)] + [2000]  # 2-30 s, random; one of 160 s
     reqs = {f"req {i}/x": random_codes(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)}
     module = Code2WavModule(model=random_model("tiny", seed=11))
     trainer = Trainer(accelerator="gpu", devices=1, precision=precision, logger=False, enable_checkpointing=False,
-                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+                      enable_progress_bar=False, enable_model_summary=False, gpu_memory_utilization=share)  # fmt: skip
     assert any(isinstance(cb, AsyncD2HCallback) for cb in trainer.callbacks)
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
     got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
     assert sorted(got) == sorted(reqs)
-    graphs = module.graph_decoder
+    graphs = module.engine.graphs
     assert graphs is not None and graphs.stats.captures == len(graphs.graphs) >= 1
-    # a first pass over length-sorted batches meets each bucket once: it captures, replays come next
-    assert graphs.stats.eager == 0 and len(graphs.stats.shapes) <= graphs.stats.captures
+    assert graphs.stats.eager == 0 and graphs.stats.failures == 0
     model = module.model.cuda()  # in the trainer's dtype; Lightning moved it back to the CPU
     worst = 0.0
     with torch.inference_mode():
@@ -60,7 +59,7 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, no_tf32):
     # a second predict (the module moved to the CPU and back in between) replays the graphs it has
     captures, replays = graphs.stats.captures, graphs.stats.replays
     again = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
-    # every forward of it a replay (a batch may run as several groups of similar length)
+    # every forward of it a replay of a graph it has
     assert graphs.stats.captures == captures and graphs.stats.eager == 0
     assert graphs.stats.replays >= replays + len(again)
     second = {r: o.pooler_output[i]["model_outputs"] for o in again for i, r in enumerate(o.req_ids)}
@@ -78,12 +77,33 @@ def test_bf16_fidelity_guard_against_transformers_bf16(no_tf32):
         theirs = reference_model(base).cuda().to(torch.bfloat16)(codes).float()
         ours_model = Code2Wav(base.config).cuda().to(torch.bfloat16).eval()
         ours_model.load_state_dict(base.state_dict())
-        graphs = CUDAGraphDecoder(ours_model)
-        graphs(codes)  # captures
-        ours = graphs(codes).float()  # the default predict path: a graph replay
-    assert graphs.stats.replays == 1
+        engine = DecodeEngine(ours_model)
+        engine.decode(codes, [125] * 4)  # captures
+        ours = torch.stack(engine.decode(codes, [125] * 4))  # the default predict path: graph replays
+    assert engine.graphs.stats.eager == 0 and engine.graphs.stats.replays >= 1
     mel = MultiResolutionMelLoss(base.config.sample_rate).cuda()
     ours_err, theirs_err = rel_l2(ours, want), rel_l2(theirs, want)
     ours_mel, theirs_mel = float(mel(ours[:, 0], want[:, 0])), float(mel(theirs[:, 0], want[:, 0]))
     assert ours_err <= theirs_err, (ours_err, theirs_err)
     assert ours_mel <= theirs_mel, (ours_mel, theirs_mel)
+
+
+@cuda
+def test_a_budget_too_large_for_the_cap_falls_back_and_finishes_exact():
+    """qwen3-omni under a 0.01 cap (1.4 GiB) with a frame budget far past it: forwards run out of
+    memory, the engine halves its budget until they fit, and every request is still its own decode."""
+    base = random_model("qwen3-omni", seed=0)
+    lengths = [300, 40, 125, 7]
+    reqs = {f"r{i}": random_codes(1, n, base.config, seed=i)[0] for i, n in enumerate(lengths)}
+    module = Code2WavModule(model=base, frames_per_forward=8192)
+    trainer = Trainer(accelerator="gpu", devices=1, precision="bf16-true", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, gpu_memory_utilization=0.01)  # fmt: skip
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=4))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    assert module.engine.frames_per_forward < 8192  # it shrank
+    assert torch.cuda.max_memory_reserved() <= 0.0101 * torch.cuda.get_device_properties(0).total_memory
+    model = module.model.cuda()
+    with torch.inference_mode():
+        for r, codes in reqs.items():
+            alone = model(codes[None].cuda())[0].float().cpu()
+            assert got[r].shape == alone.shape and rel_l2(got[r], alone) <= 2e-2, r

@@ -1,10 +1,12 @@
-"""The Triton kernels' index and mask logic, run by Triton's interpreter on the CPU.
+"""The Triton SnakeBeta kernel's index and mask logic, run by Triton's interpreter on the CPU.
 
-``TRITON_INTERPRET=1`` (set in a subprocess, before Triton is imported) runs ``@triton.jit``
-kernels on CPU tensors with NumPy, so every machine checks the tiling, strides and masks against
-the eager torch math: shapes that are not multiples of the tiles, strided inputs (a convolution's
-output is a view), batch rows. Not checked here: the fast sine (inline PTX has no interpreter; the
-CUDA tests and ``scripts/bench_snake.py`` check it on a GPU) and the speed.
+``TRITON_INTERPRET=1`` (set in a subprocess, before Triton is imported) runs ``@triton.jit`` kernels
+on CPU tensors with NumPy, so every machine checks the launcher and kernel against the torch
+reference (``kernels/snake_beta.py``): history rows (given or zero), the snake part with a bias,
+junk rows of fresh batch rows (all or per row), zero padding to a multiple, strided inputs (a
+convolution's output is a view), channel counts that are not multiples of the tiles. Not checked
+here: the fast sine (inline PTX has no interpreter; ``precise=True`` runs libdevice's instead, and
+the CUDA tests check the fast one) and the speed.
 """
 
 import os
@@ -18,39 +20,33 @@ pytest.importorskip("triton")
 
 SCRIPT = textwrap.dedent(
     """
-    import torch, triton
-    from omni_lightning.models.fused import pointwise_tiles, snake_beta_tc
-    from omni_lightning.models.triton_kernels import snake_beta_tc_kernel, snake_pointwise_residual_kernel
+    import torch
+    from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
 
     gen = torch.Generator().manual_seed(0)
-    for channels, length, batch in ((96, 70, 2), (192, 33, 1), (384, 20, 2), (40, 9, 3)):
-        def rand(*shape, scale=1.0):
-            return torch.randn(*shape, generator=gen) * scale
-        h = rand(batch, length + 5, channels)[:, :length]  # strided, as a convolution's output view
-        x = rand(batch, length, channels)
-        log_alpha, log_beta, bias = rand(channels, scale=0.3), rand(channels, scale=0.3), rand(channels, scale=0.1)
-        weight = rand(channels, channels, 1) / channels**0.5
-        want = x + snake_beta_tc(h, log_alpha, log_beta, bias) @ weight[:, :, 0].t()
-        block_t, block_n, block_k, _ = pointwise_tiles(channels)
-        block_t = 16  # several time tiles, the last one partial
-        grid = (triton.cdiv(channels, block_n), triton.cdiv(length, block_t), batch)
-        snake_pointwise_residual_kernel[grid](h, x, weight, log_alpha, log_beta, bias, length, channels,
-                                              h.stride(0), h.stride(1), x.stride(0), x.stride(1), PRECISE=True,
-                                              DOT_PRECISION="ieee", BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=block_k)
-        err = float((x - want).abs().max() / want.abs().max())
-        assert err < 1e-5, (channels, length, err)
-        y = torch.full((batch, length, channels), float("nan"))
-        grid = (triton.cdiv(length, 8), triton.cdiv(channels, 32), batch)
-        snake_beta_tc_kernel[grid](h, y, log_alpha, log_beta, bias, bias, length, channels, h.stride(0),
-                                   h.stride(1), h.stride(2), y.stride(0), y.stride(1), 0, LOG_PARAMS=True,
-                                   HAS_BIAS=True, HAS_JUNK=False, PRECISE=True, BLOCK_T=8, BLOCK_C=32)
-        assert float((y - snake_beta_tc(h, log_alpha, log_beta, bias)).abs().max()) < 1e-5, channels
-    print("kernels ok")
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+    cases = 0
+    for channels, length, batch in ((96, 70, 2), (192, 33, 1), (40, 9, 3)):
+        x = rand(batch, length + 5, channels)[:, :length]  # strided, as a convolution's output view
+        la, lb, bias = rand(channels, scale=0.3), rand(channels, scale=0.3), rand(channels, scale=0.1)
+        for context_len, history, fresh, junk, multiple in (
+            (0, False, False, 0, 1), (6, True, torch.tensor([True, False, True][:batch]), 5, 9),
+            (1, False, True, 3, 1), (18, True, False, 4, 3),
+        ):
+            ctx = rand(batch, context_len, channels) if history else None
+            kw = dict(context=ctx, context_len=context_len, fresh=fresh, junk=junk, multiple=multiple)
+            want = snake_beta_reference(x, la, lb, bias, **kw)
+            got = snake_beta_triton(x, la, lb, bias, precise=True, block_c=32, **kw)
+            assert got.shape == want.shape and got.shape[1] % multiple == 0, (got.shape, want.shape)
+            assert float((got - want).abs().max()) < 1e-5, (channels, context_len, junk)
+            cases += 1
+    print("kernels ok", cases)
     """
 )
 
 
-def test_kernels_in_the_triton_interpreter_equal_the_torch_math():
+def test_snake_beta_kernel_in_the_triton_interpreter_equals_the_torch_reference():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "kernels ok" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "kernels ok 12" in done.stdout, done.stderr[-3000:]

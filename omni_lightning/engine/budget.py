@@ -4,10 +4,11 @@ A forward's memory grows with the frames it decodes: the decoder's last stages h
 ``frames * total_upsample`` samples by up to a few hundred channels. The weights, the state pool and
 the waveforms handed out are fixed costs. So a budget in bytes becomes a frame budget:
 
-    frames = (budget - fixed) / (activation bytes per frame * 2)
+    frames = (budget - fixed) / (activation bytes per frame * copies * 1.15)
 
-the factor 2 because with CUDA graphs the shared pool holds one forward's activations while a new
-bucket's eager warm-up needs as much again (without graphs: 1). ``activation_bytes_per_frame``
+``copies`` is 1, or 2 where CUDA graphs' warm-ups cannot share the graphs' pool (a torch without
+``torch.cuda.use_mem_pool``): the pool holds one forward's activations while a new bucket's eager
+warm-up needs as much again. 15 % covers the allocator's block rounding. ``activation_bytes_per_frame``
 derives the per-frame cost by walking the decoder's geometry (DAC's habit: lengths and sizes from the
 layers, not constants beside them), counting the tensors alive at once at each stage.
 
@@ -55,6 +56,6 @@ def budget_bytes(device: torch.device, fraction: float | None) -> int:
     return max(0, int(cap * 0.95) - held)  # 5 %: the allocator's rounding and fragmentation
 
 
-def frames_for_budget(budget: int, per_frame: int, graphs: bool) -> int:
+def frames_for_budget(budget: int, per_frame: int, copies: int = 1) -> int:
     """The frame budget of one forward (see module docstring), within ``[MIN_FRAMES, MAX_FRAMES]``."""
-    return max(MIN_FRAMES, min(MAX_FRAMES, budget // (per_frame * (2 if graphs else 1))))
+    return max(MIN_FRAMES, min(MAX_FRAMES, int(budget / (per_frame * copies * 1.15))))

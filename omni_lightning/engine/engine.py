@@ -88,13 +88,15 @@ class DecodeEngine:
         self.scratch = max_rows
         self._free = deque(range(max_rows))
         use_graphs = cuda_graphs and (capture is not None or self.device.type == "cuda")
-        self.graphs = GraphCache(self._forward, capture or TorchGraphCapture()) if use_graphs else None
+        capture = capture or TorchGraphCapture()
+        self.graphs = GraphCache(self._forward, capture) if use_graphs else None
         self._weights = BoundWeights(model) if use_graphs else None
         if frames_per_forward is None:
             if budget is None:
                 budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
             per_frame = budgets.activation_bytes_per_frame(model)
-            frames_per_forward = budgets.frames_for_budget(budget, per_frame, use_graphs)
+            separate_warmup = use_graphs and not getattr(capture, "shares_warmup_memory", lambda: True)()
+            frames_per_forward = budgets.frames_for_budget(budget, per_frame, 2 if separate_warmup else 1)
         self.planner = Planner(frames_per_forward, max_rows=max_rows)
         self._up, self._tail = model.config.total_upsample, model.config.tail
 

@@ -4,8 +4,8 @@ A graph replays a forward at fixed addresses: static inputs (codes, slot rows, v
 model's weights and the engine's ``DecodeState`` pool (read and written in place), and a static
 output. Capturing a bucket first runs its forward once eagerly (cuDNN, cuBLAS and Triton pick and
 load their kernels for that shape: those steps must not happen inside a capture), on the scratch
-slot with no valid frames, so no request's state moves. Captures share one pool: the engine asks for
-the largest buckets first, whose freed blocks the smaller captures reuse.
+slot with no valid frames, so no request's state moves. Captures share one pool, warm-ups too: the
+engine asks for its largest bucket first, whose freed blocks the later warm-ups and captures reuse.
 
 When a capture fails (out of memory, or anything else a driver or library raises), that bucket runs
 eagerly from then on and nothing more is captured into the pool it failed in: a failed capture can
@@ -35,34 +35,52 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 
+class CaptureError(RuntimeError):
+    """A capture failed (its cause chained); the bucket runs eagerly. Anything else a capture object
+    raises (out of memory in its warm-up, say) happened before the capture and goes to the engine."""
+
+
 class GraphCapture(Protocol):
-    """Records ``fn`` (a forward reading static inputs); returns ``(replay, static_output)``."""
+    """Runs ``fn`` (a forward reading static inputs) once eagerly, then records it; returns
+    ``(replay, static_output)``. Raises :class:`CaptureError` when the recording fails."""
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]: ...
 
 
 class TorchGraphCapture:
-    """``torch.cuda.graph`` captures into one pool (a fresh one after a failure, see module docstring).
+    """``torch.cuda.graph`` captures into one pool, warm-ups too (see the module docstring).
 
-    The capture mode is ``thread_local``: threads that do their own CUDA work meanwhile (a data
-    loader pinning memory, a writer) must not break a capture, and they never touch its stream.
+    The warm-up allocates from the graphs' pool (``torch.cuda.use_mem_pool``, where this torch has
+    it): its freed blocks are what the capture then takes, so a new bucket needs one forward's
+    memory, not two. The capture mode is ``thread_local``: threads that do their own CUDA work
+    meanwhile (a data loader pinning memory) must not break a capture, and never touch its stream.
     """
 
     def __init__(self) -> None:
         self.pool: Any = None
         self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
 
+    @staticmethod
+    def shares_warmup_memory() -> bool:
+        return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
+
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
+            self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
+        pool_id = getattr(self.pool, "id", self.pool)
+        if self.shares_warmup_memory():
+            with torch.cuda.use_mem_pool(self.pool):
+                fn()
+        else:
+            fn()
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool_id, capture_error_mode="thread_local"):
                 out = fn()
-        except BaseException:
+        except Exception as err:
             self.failed.append(graph)
             self.pool = None
-            raise
+            raise CaptureError(f"{type(err).__name__}: {err}") from err
         return graph.replay, out
 
 
@@ -100,7 +118,7 @@ class GraphCache:
         """The graph of ``codes``' bucket, captured now if it is new; None if it runs eagerly.
 
         Raises ``torch.OutOfMemoryError`` when the warm-up forward runs out of memory (the engine
-        shrinks its buckets and plans again; nothing has changed)."""
+        shrinks its buckets and plans again: nothing has changed)."""
         key = (codes.shape[0], codes.shape[2])
         graph = self.graphs.get(key)
         if graph is not None or key in self.eager:
@@ -109,14 +127,13 @@ class GraphCache:
         rows = torch.full((key[0],), scratch, dtype=torch.long, device=codes.device)
         valid = torch.zeros(key[0], dtype=torch.long, device=codes.device)
         static = codes.clone()  # valid codes: warm-up and capture never look up a code out of range
-        self.forward(static, rows, valid)  # eager warm-up on the scratch slot (module docstring)
-        try:
+        try:  # the warm-up runs on the scratch slot with no valid frame: no request's state moves
             replay, out = self.capture(lambda: self.forward(static, rows, valid))
-        except Exception as err:  # noqa: BLE001 - any capture failure leaves this bucket eager
+        except CaptureError as err:
             self.eager.add(key)
             self.stats.failures += 1
-            log.warning("no CUDA graph for %d rows x %d frames (%s: %s); it runs eagerly", *key,
-                        type(err).__name__, str(err).splitlines()[0][:200])  # fmt: skip
+            log.warning("no CUDA graph for %d rows x %d frames (%s); it runs eagerly", *key,
+                        str(err).splitlines()[0][:200])  # fmt: skip
             return None
         graph = self.graphs[key] = StepGraph(static, rows, valid, out, replay)
         self.stats.captures += 1

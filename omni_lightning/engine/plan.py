@@ -57,13 +57,15 @@ class Planner:
         if self.max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {self.max_rows}")
 
-    def row_bucket(self, n: int) -> int | None:
-        """The smallest row bucket holding ``n`` rows (None past ``max_rows``)."""
-        return next((r for r in self.rows if r >= n and r <= self.max_rows), None)
+    def row_bucket(self, n: int) -> int:
+        """The smallest row bucket holding ``n`` rows (``n`` itself past the largest; padding rows
+        all use the scratch slot, so a bucket may exceed ``max_rows``)."""
+        return next((r for r in self.rows if r >= n), n)
 
     def shapes(self) -> list[tuple[int, int]]:
         """Every bucket within the budget."""
-        return [(r, c) for c in self.chunks for r in self.rows if r <= self.max_rows and r * c <= self.frames]
+        rows = sorted({self.row_bucket(n) for n in range(1, self.max_rows + 1)})
+        return [(r, c) for c in self.chunks for r in rows if r * c <= self.frames]
 
     def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = ()) -> Plan:
         """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one)."""
@@ -71,24 +73,22 @@ class Planner:
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")
         seen = set(seen)
-        best: tuple[float, int, Plan] | None = None
+        best: tuple[float, Plan] | None = None
         longest = remaining[order[0]]
-        fits = [r for r in self.rows if r <= self.max_rows]
         for chunk in self.chunks:
             if chunk > self.frames:
                 break
-            n = min(len(order), self.frames // chunk, fits[-1])
+            n = min(len(order), self.frames // chunk, self.max_rows)
             rows = self.row_bucket(n)
             while rows * chunk > self.frames:  # n fits the budget; its bucket may not
-                n = rows // 2
+                n = max(r for r in self.rows if r < rows) if rows > 1 else 1
                 rows = self.row_bucket(n)
             picked = order[:n]
             take = tuple(min(chunk, remaining[i]) for i in picked)
             cost = rows * chunk + self.step_cost + (0 if (rows, chunk) in seen else self.new_shape_cost)
             score = sum(take) / cost
-            candidate = Plan(rows, chunk, tuple(picked), take)
             if best is None or score > best[0] + 1e-12:
-                best = (score, sum(take), candidate)
+                best = (score, Plan(rows, chunk, tuple(picked), take))
             if chunk >= longest:  # larger chunks only add padding
                 break
-        return best[2]
+        return best[1]

@@ -53,12 +53,10 @@ def snake_beta_reference(
     batch, length, channels = x.shape
     xf = x.float() if bias is None else x.float() + bias.float()
     s = torch.sin(xf * log_alpha.float().exp())
-    y = xf + s * s / (log_beta.float().exp() + 1e-9)
-    if junk and fresh is not False:
-        keep = torch.arange(length, device=x.device) >= junk  # [T]
-        if fresh is not True:
-            keep = keep | ~fresh.bool()[:, None]  # [B, T]
-        y = y * keep[..., None]
+    y = torch.addcmul(xf, s, s * (1.0 / (log_beta.float().exp() + 1e-9)))
+    if junk and fresh is not False:  # rows before time 0 (in place: addcmul keeps no output for backward)
+        head = y[:, :junk]
+        head.mul_(0.0 if fresh is True else (~fresh.bool()).to(y.dtype)[:, None, None])
     parts = [y.to(x.dtype)]
     if context_len:
         parts.insert(0, context.to(x.dtype) if context is not None else x.new_zeros(batch, context_len, channels))

@@ -1,0 +1,151 @@
+"""The predict job as users run it: the default ``omni_lightning.Trainer`` over a seeded mixed-length
+job, under a GPU memory cap, cold then warm, each request checked against its whole decode.
+
+    python scripts/bench_job.py --share 0.03                       # issue 11's job at a 0.03 cap (H200)
+    python scripts/bench_job.py --share 0.02 --precision 32-true --check 384   # fp32: every request exact
+    python scripts/bench_job.py --requests 1 --min-s 600 --max-s 600 --check 1  # one 600 s request
+    python scripts/bench_job.py --peer                             # + a plain transformers loop
+    python scripts/bench_job.py --device cpu --preset tiny --requests 8 --max-s 4   # smoke test
+
+Run each setting in a fresh process (a cap applies to the process). x real time = audio seconds /
+wall seconds of ``trainer.predict`` (``batches_x``: from the first batch to the end, set-up left out).
+Peak reserved memory is ``torch.cuda.max_memory_reserved`` (it sees CUDA-graph pools). ``--check N``:
+the first N requests decoded alone, whole, in one eager forward with the cap lifted (fp32: max abs
+difference; bf16: relative L2). ``--peer``: transformers' ``Qwen3OmniMoeCode2Wav`` on the same
+weights, the batches in file order padded to their longest, ``.cpu()`` per request, warm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+from workload import audio_seconds, memory, mixed_job, peer, random_model, rel_l2, save, timed
+
+from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
+
+
+class Clock(pl.Callback):
+    """From the first predict batch's start to the end of predict (set-up and teardown left out)."""
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 0 and dataloader_idx == 0:
+            self.start = time.perf_counter()
+
+    def on_predict_end(self, trainer, pl_module):
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)
+        self.seconds = time.perf_counter() - self.start
+
+
+def predict(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dict:
+    clock = Clock()
+    trainer = Trainer(accelerator=args.device, devices=1, precision=args.precision, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[clock], gpu_memory_utilization=args.share)  # fmt: skip
+    start = time.perf_counter()
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=args.batch))
+    seconds = time.perf_counter() - start
+    wavs = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    return {"seconds": seconds, "batches_s": clock.seconds, "wavs": wavs}
+
+
+def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    dtype = torch.float32 if args.precision == "32-true" else torch.bfloat16
+    model = Code2Wav(base.config).to(device, dtype).eval()
+    model.load_state_dict(base.state_dict())
+    diffs, errors = [], []
+    with torch.inference_mode():
+        for req_id in list(reqs)[: args.check]:
+            alone = model(reqs[req_id][None].to(device))[0].float().cpu()
+            got = wavs[req_id]
+            assert got.shape == alone.shape, (req_id, got.shape, alone.shape)
+            diffs.append(float((got - alone).abs().max()))
+            errors.append(rel_l2(got, alone))
+    return {"checked": len(diffs), "max_abs_diff": max(diffs), "max_rel_l2": max(errors),
+            "median_rel_l2": statistics.median(errors)}  # fmt: skip
+
+
+def peer_loop(base: Code2Wav, reqs: dict, args: argparse.Namespace, device: torch.device) -> dict:
+    ref = peer(base, torch.bfloat16 if args.precision.startswith("bf16") else torch.float32, device)
+    items = list(reqs.values())
+
+    def run() -> None:
+        with torch.inference_mode():
+            for b in range(0, len(items), args.batch):
+                batch = items[b : b + args.batch]
+                n = max(c.shape[-1] for c in batch)
+                codes = torch.stack([torch.nn.functional.pad(c, (0, n - c.shape[-1])) for c in batch]).to(device)
+                wav = ref(codes)
+                for i, c in enumerate(batch):
+                    wav[i, :, : base.config.output_length(c.shape[-1])].float().cpu()
+
+    run()  # warm-up
+    return {"warm_s": timed(run, device)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3-omni")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--precision", default="bf16-true")
+    parser.add_argument("--share", type=float, default=None, help="gpu_memory_utilization (default: no cap)")
+    parser.add_argument("--requests", type=int, default=384)
+    parser.add_argument("--min-s", type=float, default=2.0)
+    parser.add_argument("--max-s", type=float, default=30.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=2, help="warm runs")
+    parser.add_argument("--check", type=int, default=16, help="requests compared with their whole decode")
+    parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--out", default="bench_job.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    base = random_model(args.preset)
+    reqs = mixed_job(base.config, args.requests, args.min_s, args.max_s, args.seed)
+    audio = audio_seconds(base.config, [c.shape[-1] for c in reqs.values()])
+    module = Code2WavModule(model=random_model(args.preset))  # fp32 on the CPU: the Trainer moves and casts it
+    cold = predict(module, reqs, args)
+    engine = module.engine
+    graphs = engine.graphs.stats if engine.graphs is not None else None
+    res = {"requests": len(reqs), "audio_s": audio, "share": args.share, "precision": args.precision,
+           "frames_per_forward": engine.frames_per_forward, "cold_s": cold["seconds"],
+           "captures": graphs.captures if graphs else 0, "capture_s": graphs.capture_s if graphs else 0.0,
+           "cold": memory(device)}  # fmt: skip
+    runs = [predict(module, reqs, args) for _ in range(args.repeats)]
+    warm = statistics.median(r["seconds"] for r in runs)
+    res.update(warm_s=warm, x_realtime=audio / warm, batches_x=audio / statistics.median(r["batches_s"] for r in runs),
+               cold_x=audio / cold["seconds"], warm=memory(device), report=engine.report(),
+               replays=graphs.replays if graphs else 0, eager=graphs.eager if graphs else 0,
+               failures=graphs.failures if graphs else 0)  # fmt: skip
+    print(f"  {res['report']}", file=sys.stderr, flush=True)
+    engine.close()
+    if args.check:
+        res["check"] = check(base, reqs, runs[-1]["wavs"], args, device)
+    if args.peer:
+        res["peer"] = peer_loop(base, reqs, args, device)
+        res["peer"]["x_realtime"] = audio / res["peer"]["warm_s"]
+        res["ratio_to_peer"] = res["x_realtime"] / res["peer"]["x_realtime"]
+    save(args.out, res, args)
+    mem = res["warm"].get("peak_reserved_gib")
+    line = (f"{args.preset} {args.precision} share={args.share}: {len(reqs)} requests, {audio:,.0f} s audio; "
+            f"warm {res['x_realtime']:,.0f}x ({res['batches_x']:,.0f}x batches), cold {res['cold_s']:.2f} s, "
+            f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}")  # fmt: skip
+    if mem is not None:
+        line += f", peak reserved {mem:.2f} GiB"
+    if "check" in res:
+        c = res["check"]
+        line += f"; {c['checked']} checked: max abs {c['max_abs_diff']:.1e}, max rel L2 {c['max_rel_l2']:.1e}"
+    if "peer" in res:
+        line += f"; transformers {res['peer']['x_realtime']:,.0f}x -> {res['ratio_to_peer']:.2f}x"
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""What the benchmarks share: the seeded jobs, the peer (transformers) on the same weights, clocks.
+
+Imported by the ``bench_*.py`` scripts beside it (Python puts a script's folder on ``sys.path``);
+the package is imported as installed (``pip install -e .``, or ``PYTHONPATH=.`` on a machine where
+it is not installed).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
+
+
+def mixed_job(config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, max_s: float = 30.0,
+              seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``requests`` requests of uniform random ``min_s``..``max_s`` seconds of random codes (seeded):
+    issue 11's job (384 of 2-30 s, seed 0)."""
+    rng = random.Random(seed)
+    lo, hi = round(min_s * config.frame_rate), round(max_s * config.frame_rate)
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"req-{i:04d}": torch.randint(0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)),
+                                      generator=gen)  # fmt: skip
+        for i in range(requests)
+    }
+
+
+def audio_seconds(config: Code2WavConfig, lengths: list[int]) -> float:
+    return sum(config.output_length(n) for n in lengths) / config.sample_rate
+
+
+def random_model(preset: str, seed: int = 0) -> Code2Wav:
+    """Weights under which every layer acts (``randomize_weights``), fp32 on the CPU."""
+    return randomize_weights(Code2Wav(preset), seed=seed).eval()
+
+
+def peer(model: Code2Wav, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """transformers' ``Qwen3OmniMoeCode2Wav`` holding ``model``'s weights (the numerical reference)."""
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    ref = Qwen3OmniMoeCode2Wav._from_config(Qwen3OmniMoeCode2WavConfig(**model.config.to_hf()))
+    ref.load_state_dict(model.state_dict(), strict=True)
+    return ref.to(device=device, dtype=dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn()`` takes, the device synchronized before and after."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 2, repeats: int = 5) -> float:
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn, device) for _ in range(repeats))
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def memory(device: torch.device) -> dict[str, float]:
+    """Peak and current allocator figures, GiB (reserved includes CUDA-graph pools)."""
+    if device.type != "cuda":
+        return {}
+    gib = 2**30
+    return {"peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "reserved_gib": torch.cuda.memory_reserved(device) / gib}  # fmt: skip
+
+
+def save(path: str | Path, result: dict[str, Any], args: Any) -> None:
+    """Writes ``result`` with the date, machine, versions and arguments."""
+    import lightning
+
+    device = torch.device(getattr(args, "device", "cpu"))
+    result["meta"] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__, "lightning": lightning.__version__, "args": vars(args),
+    }  # fmt: skip
+    Path(path).write_text(json.dumps(result, indent=2, default=str))

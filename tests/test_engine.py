@@ -1,0 +1,226 @@
+"""The decode engine on the CPU: exact at any length and chunk schedule, bounded shapes, memory fallbacks.
+
+Only ``torch.cuda.graph`` is replaced: ``RecordingCapture`` records the forward and "replays" it into
+the same static output, as a graph would, so bucket choice, static buffers, the scratch slot, state
+carried across forwards, trimming and refresh are the real code. Out-of-memory is a stand-in too: a
+forward pre-hook on the real model that raises ``torch.OutOfMemoryError`` above a frame count, and a
+capture that fails; the engine's fallbacks then run as they would on a GPU.
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import micro_config, random_codes, random_model
+from helpers import loader, requests, trainer_kwargs
+
+from omni_lightning import Code2WavModule, DecodeEngine, Trainer
+from omni_lightning.engine.budget import activation_bytes_per_frame, frames_for_budget
+from omni_lightning.engine.graphs import CaptureError
+from omni_lightning.engine.plan import Planner
+
+
+class RecordingCapture:
+    def __init__(self):
+        self.recorded = 0
+
+    def __call__(self, fn):
+        out = fn()
+        self.recorded += 1
+        return (lambda: out.copy_(fn())), out
+
+
+class FailingCapture(RecordingCapture):
+    """Fails every capture of more than ``limit`` frames (rows x chunk), as an out-of-memory would
+    (after the warm-up forward, which ran)."""
+
+    def __init__(self, limit):
+        super().__init__()
+        self.limit, self.failed = limit, 0
+
+    def __call__(self, fn):
+        out = fn()
+        if out.shape[0] * out.shape[-1] // 1920 > self.limit:
+            self.failed += 1
+            raise CaptureError("OutOfMemoryError: stand-in: no memory for this graph")
+        self.recorded += 1
+        return (lambda: out.copy_(fn())), out
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_model(micro_config(sliding_window=6), seed=9)
+
+
+def solo(model, codes, n):
+    with torch.inference_mode():
+        return model(codes[None, :, :n])[0]
+
+
+def assert_exact(model, codes, lengths, wavs, tol=1e-5):
+    for i, n in enumerate(lengths):
+        want = solo(model, codes[i], n)
+        assert wavs[i].shape == want.shape == (1, model.output_length(n)), (i, n)
+        assert (wavs[i] - want).abs().max() <= tol, (i, n)
+
+
+# lengths around every boundary: the attention window (6), the chunks the planner picks, the budget
+LENGTHS = [1, 2, 5, 6, 7, 11, 12, 13, 23, 24, 25, 47, 48, 49, 97]
+
+
+@pytest.mark.parametrize("frames", [8, 24, 64])
+def test_every_request_equals_its_whole_decode_at_any_length(model, frames):
+    engine = DecodeEngine(model, frames_per_forward=frames, max_rows=4, capture=RecordingCapture())
+    codes = random_codes(len(LENGTHS), max(LENGTHS), model.config, seed=frames)
+    for i, n in enumerate(LENGTHS):
+        codes[i, :, n:] = -1  # pad frames may hold anything: they are never looked up
+    with torch.inference_mode():
+        wavs = engine.decode(codes.clamp(0), LENGTHS)
+    assert_exact(model, codes.clamp(0), LENGTHS, wavs)
+    shapes = engine.graphs.graphs.keys()
+    assert all(r * c <= frames for r, c in shapes) and engine.graphs.stats.replays > 0
+    assert len(engine._free) == 4  # every slot back, fresh
+
+
+def test_random_chunk_schedules_through_the_model_state_equal_the_whole_decode(model):
+    """Rows of one state advance by different, random frame counts per forward (the rest padding)."""
+    rng = random.Random(0)
+    for trial in range(3):
+        lengths = [rng.randint(1, 30) for _ in range(3)]
+        codes = random_codes(3, max(lengths), model.config, seed=trial)
+        state = model.new_state(3)
+        done, pieces = [0, 0, 0], [[], [], []]
+        with torch.inference_mode():
+            while any(d < n for d, n in zip(done, lengths)):
+                chunk = rng.choice([1, 2, 3, 5, 8])
+                take = [min(chunk, n - d) for d, n in zip(done, lengths)]
+                batch = torch.zeros((3, model.config.num_quantizers, chunk), dtype=torch.long)
+                for i in range(3):
+                    batch[i, :, : take[i]] = codes[i, :, done[i] : done[i] + take[i]]
+                out = model(batch, state.select(torch.arange(3), torch.tensor(take)))
+                for i in range(3):
+                    start = 555 if done[i] == 0 and take[i] else 0
+                    pieces[i].append(out[i, :, start : take[i] * 1920])
+                    done[i] += take[i]
+        assert state.pos.tolist() == lengths
+        assert_exact(model, codes, lengths, [torch.cat(p, dim=-1) for p in pieces])
+
+
+def test_out_of_memory_in_a_forward_shrinks_the_budget_and_changes_no_state(model):
+    limit = {"frames": 12}
+
+    def stand_in_allocator(module, args):
+        codes = args[0]
+        if codes.shape[0] * codes.shape[-1] > limit["frames"]:
+            raise torch.OutOfMemoryError("stand-in allocator: out of memory")
+
+    handle = model.register_forward_pre_hook(stand_in_allocator)
+    try:
+        engine = DecodeEngine(model, frames_per_forward=64, max_rows=4, cuda_graphs=False)
+        codes = random_codes(5, 40, model.config, seed=3)
+        lengths = [40, 3, 17, 29, 9]
+        with torch.inference_mode():
+            wavs = engine.decode(codes, lengths)
+        assert engine.frames_per_forward <= 12  # halved until the forwards fit
+        limit["frames"] = 10**9
+        assert_exact(model, codes, lengths, wavs)
+        limit["frames"] = 0  # nothing fits at all: the error reaches the caller, no slot is lost
+        with pytest.raises(torch.OutOfMemoryError), torch.inference_mode():
+            engine.decode(codes, lengths)
+        assert engine.frames_per_forward == 1 and len(engine._free) == 4
+    finally:
+        handle.remove()
+
+
+def test_a_failed_capture_leaves_its_bucket_eager_and_the_run_exact(model):
+    capture = FailingCapture(limit=8)
+    engine = DecodeEngine(model, frames_per_forward=32, max_rows=4, capture=capture)
+    codes = random_codes(4, 45, model.config, seed=4)
+    lengths = [45, 30, 8, 2]
+    with torch.inference_mode():
+        first = engine.decode(codes, lengths)
+        again = engine.decode(codes, lengths)
+    assert capture.failed >= 1 and capture.recorded >= 1  # some buckets captured, the others eager
+    stats = engine.graphs.stats
+    assert stats.eager >= 1 and stats.replays >= 1 and stats.failures == capture.failed
+    assert all(r * c > 8 for r, c in engine.graphs.eager)
+    assert_exact(model, codes, lengths, first)
+    assert_exact(model, codes, lengths, again)
+
+
+def test_planner_keeps_every_forward_in_budget_and_always_progresses():
+    rng = random.Random(1)
+    for frames in (1, 7, 64, 1536, 4096):
+        planner = Planner(frames, max_rows=64)
+        assert all(r * c <= frames for r, c in planner.shapes())
+        for _ in range(20):
+            remaining = [rng.randint(1, 400) for _ in range(rng.randint(1, 70))]
+            seen = set()
+            while any(remaining):
+                live = [i for i, n in enumerate(remaining) if n]
+                plan = planner.next([remaining[i] for i in live], seen)
+                seen.add(plan.shape)
+                assert plan.rows * plan.chunk <= frames and len(plan.requests) <= plan.rows <= 64
+                assert all(0 < t <= plan.chunk for t in plan.take)
+                for j, t in zip(plan.requests, plan.take):
+                    remaining[live[j]] -= t
+                    assert remaining[live[j]] >= 0
+
+
+def test_planner_pads_little_on_the_mixed_job_with_few_shapes():
+    """The 2-30 s job in length-sorted batches of 32 (docs/performance.md), at a 0.03 GPU budget."""
+    rng = random.Random(0)
+    lengths = sorted(rng.randint(25, 375) for _ in range(384))
+    planner, seen, padded, forwards = Planner(1536), set(), 0, 0
+    for b in range(0, len(lengths), 32):
+        remaining = lengths[b : b + 32]
+        while any(remaining):
+            live = [i for i, n in enumerate(remaining) if n]
+            plan = planner.next([remaining[i] for i in live], seen)
+            seen.add(plan.shape)
+            padded, forwards = padded + plan.rows * plan.chunk, forwards + 1
+            for j, t in zip(plan.requests, plan.take):
+                remaining[live[j]] -= t
+    assert padded / sum(lengths) - 1 < 0.06 and len(seen) <= 12 and forwards <= 8 * 12
+
+
+def test_frame_budget_follows_the_memory_budget():
+    from omni_lightning import Code2Wav
+
+    with torch.device("meta"):
+        big = Code2Wav("qwen3-omni").to(torch.bfloat16)
+    per_frame = activation_bytes_per_frame(big)
+    # the last decoder stage: 1920 samples x 96 channels, three tensors alive, bf16
+    assert 1920 * 96 * 3 * 2 <= per_frame <= 1920 * 96 * 4 * 2
+    assert activation_bytes_per_frame(big, torch.float32) == pytest.approx(2 * per_frame, rel=0.01)
+    budget = int(0.03 * 140 * 2**30) - 2**30  # a 0.03 share of an H200, less weights and state
+    frames = frames_for_budget(budget, per_frame)
+    assert 2000 <= frames <= 4000
+    assert frames_for_budget(0, per_frame) == 16  # never below one small forward
+    assert frames_for_budget(budget, per_frame, copies=2) == pytest.approx(frames / 2, abs=1)
+
+
+def test_trainer_predict_through_the_engine_keeps_graphs_across_calls():
+    model = random_model(micro_config(), seed=9)  # its own: this test changes a weight
+    rng = random.Random(3)
+    lengths = [rng.randint(1, 24) for _ in range(9)] + [70]
+    reqs = requests(lengths, seed=60)
+    module = Code2WavModule(model=model)
+    module.engine = DecodeEngine(model, frames_per_forward=24, max_rows=4, capture=RecordingCapture())
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 4))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    stats = module.engine.graphs.stats
+    assert stats.captures >= 1 and stats.replays >= 3 and stats.eager == 0
+    for (req_id, codes), n in zip(reqs.items(), lengths):
+        want = solo(model, codes, n)
+        assert got[req_id].shape == want.shape and (got[req_id] - want).abs().max() <= 1e-5
+    # between predict calls Lightning moves the module away and back (new tensors; on a GPU it is
+    # .cpu() then .to("cuda")); here that is a clone, with a weight changed as fine-tuning would
+    captures, engine = stats.captures, module.engine
+    model._apply(lambda t: t.clone())
+    model.decoder[-1].conv.bias.data.add_(0.1)
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 4))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    assert module.engine is engine and stats.captures == captures  # the graphs were kept and read the new weights
+    for (req_id, codes), n in zip(reqs.items(), lengths):
+        assert (got[req_id] - solo(model, codes, n)).abs().max() <= 1e-5
