@@ -10,9 +10,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from omni_lightning.engine import DecodeEngine, StreamingDecoder
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
-from omni_lightning.engine import DecodeEngine, StreamingDecoder
 from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
@@ -81,7 +81,8 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         if model is None:
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if frames_per_forward is not None and frames_per_forward < 1:
-            raise ValueError(f"frames_per_forward must be >= 1 (or None: from the memory budget), got {frames_per_forward}")
+            raise ValueError(f"frames_per_forward must be >= 1 (or None: from the memory budget), "
+                             f"got {frames_per_forward}")  # fmt: skip
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder

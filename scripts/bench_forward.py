@@ -43,8 +43,12 @@ def fidelity(base: Code2Wav, device: torch.device) -> dict:
         ours = torch.stack(engine_for(base, device, torch.bfloat16).decode(codes, [125] * 4)).float()
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     mel = MultiResolutionMelLoss(base.config.sample_rate).to(device)
-    res = {"ours_rel_l2": rel_l2(ours, want), "transformers_rel_l2": rel_l2(theirs, want),
-           "ours_mel": float(mel(ours[:, 0], want[:, 0])), "transformers_mel": float(mel(theirs[:, 0], want[:, 0]))}
+    res = {
+        "ours_rel_l2": rel_l2(ours, want),
+        "transformers_rel_l2": rel_l2(theirs, want),
+        "ours_mel": float(mel(ours[:, 0], want[:, 0])),
+        "transformers_mel": float(mel(theirs[:, 0], want[:, 0])),
+    }
     res["guard_holds"] = res["ours_rel_l2"] <= res["transformers_rel_l2"] and res["ours_mel"] <= res["transformers_mel"]
     return res  # fmt: skip
 
@@ -63,7 +67,8 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
         audio = batch * base.config.output_length(frames) / base.config.sample_rate
         row = {"batch": batch, "audio_s": audio}
         with torch.inference_mode():
-            candidates = {"ours": lambda c=codes: engine.decode(c, [frames] * batch), "transformers": lambda c=codes: ref(c)}
+            candidates = {"ours": lambda c=codes, n=[frames] * batch: engine.decode(c, n),
+                          "transformers": lambda c=codes: ref(c)}  # fmt: skip
             if compiled is not None:
                 candidates["transformers_compile"] = lambda c=codes: compiled(c)
             for name, fn in candidates.items():
@@ -105,8 +110,9 @@ def main() -> None:
               f"{'' if comp is None else f'{comp:,.0f}'} | {r.get('ours_vs_compile', '')} |")  # fmt: skip
     if "fidelity" in res:
         f = res["fidelity"]
-        print(f"fidelity vs fp32: ours bf16 rel L2 {f['ours_rel_l2']:.3e} mel {f['ours_mel']:.4f}; transformers bf16 "
-              f"{f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; guard holds: {f['guard_holds']}")  # fmt: skip
+        print(f"fidelity vs fp32: ours bf16 rel L2 {f['ours_rel_l2']:.3e} mel {f['ours_mel']:.4f}; "
+              f"transformers bf16 {f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; "
+              f"guard holds: {f['guard_holds']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -31,9 +31,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from omni_lightning import (  # noqa: E402
+from omni_lightning import (
     AsyncD2HCallback,
     Code2Wav,
     Code2WavModule,

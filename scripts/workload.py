@@ -29,8 +29,9 @@ def mixed_job(config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, m
     lo, hi = round(min_s * config.frame_rate), round(max_s * config.frame_rate)
     gen = torch.Generator().manual_seed(seed)
     return {
-        f"req-{i:04d}": torch.randint(0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)),
-                                      generator=gen)  # fmt: skip
+        f"req-{i:04d}": torch.randint(
+            0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)), generator=gen
+        )  # fmt: skip
         for i in range(requests)
     }
 

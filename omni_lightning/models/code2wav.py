@@ -34,8 +34,8 @@ from omni_lightning.models.layers import (
     DecoderBlock,
     SnakeBeta,
 )
-from omni_lightning.models.transformer import PreTransformer
 from omni_lightning.models.state import DecodeState, Step
+from omni_lightning.models.transformer import PreTransformer
 
 REFERENCE = Kernels()
 
@@ -100,7 +100,9 @@ class Code2Wav(nn.Module):
         """A fresh :class:`DecodeState` of ``slots`` requests on this model's device and dtype."""
         return DecodeState(self, slots)
 
-    def forward(self, codes: torch.Tensor, state: DecodeState | None = None, kernels: Kernels | None = None) -> torch.Tensor:
+    def forward(
+        self, codes: torch.Tensor, state: DecodeState | None = None, kernels: Kernels | None = None
+    ) -> torch.Tensor:
         """Codes ``[B, Q, T]`` of any integer dtype to a waveform in [-1, 1].
 
         Without ``state``: the whole requests, ``[B, 1, output_length(T)]``. With ``state``: row ``b``
@@ -179,7 +181,8 @@ class Code2Wav(nn.Module):
         if validate:
             validate_codes(codes, self.config)
         state = self.new_state(codes.shape[0])
-        pieces = [self(codes[..., start : start + chunk_size], state) for start in range(0, codes.shape[-1], chunk_size)]
+        starts = range(0, codes.shape[-1], chunk_size)
+        pieces = [self(codes[..., start : start + chunk_size], state) for start in starts]
         return torch.cat(pieces, dim=-1)[:, 0, self.config.tail :]
 
     @classmethod

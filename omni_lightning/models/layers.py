@@ -30,6 +30,7 @@ from torch import nn
 
 from omni_lightning.models.state import Step
 
+
 def _nhwc(x: torch.Tensor) -> torch.Tensor:
     """Time-major ``[B, T, C]`` as the channels-last ``[B, C, 1, T]`` view cuDNN takes."""
     return x.permute(0, 2, 1).unsqueeze(2)
@@ -76,7 +77,8 @@ class CausalConvTranspose1d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
         super().__init__()
         if kernel_size not in (stride, 2 * stride):
-            raise ValueError(f"transposed convolutions need kernel == stride or 2 * stride, got {kernel_size}, {stride}")
+            raise ValueError(f"a transposed convolution needs kernel == stride or 2 * stride, got {kernel_size}, "
+                             f"stride {stride}")  # fmt: skip
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.trim = kernel_size - stride
         self.context = 1 if self.trim else 0
