@@ -124,9 +124,10 @@ class GraphCache:
         if graph is not None or key in self.eager:
             return graph
         start = time.perf_counter()
-        rows = torch.full((key[0],), scratch, dtype=torch.long, device=codes.device)
-        valid = torch.zeros(key[0], dtype=torch.long, device=codes.device)
-        static = codes.clone()  # valid codes: warm-up and capture never look up a code out of range
+        with torch.inference_mode(False):  # plain tensors: replays may come outside inference mode
+            rows = torch.full((key[0],), scratch, dtype=torch.long, device=codes.device)
+            valid = torch.zeros(key[0], dtype=torch.long, device=codes.device)
+            static = codes.clone()  # valid codes: warm-up and capture never look up a code out of range
         try:  # the warm-up runs on the scratch slot with no valid frame: no request's state moves
             replay, out = self.capture(lambda: self.forward(static, rows, valid))
         except CaptureError as err:

@@ -93,6 +93,7 @@ class Step:
             self.fresh = self.pos == 0
             self.valid = state.valid
         self._writes: list[tuple[str, torch.Tensor]] = []
+        self._windows: dict[tuple[int, int], torch.Tensor] = {}
 
     def history(self, name: str) -> torch.Tensor | None:
         """The rows' saved history of ``name`` (None without a state: zeros)."""
@@ -107,12 +108,19 @@ class Step:
         if self.valid is None:
             new = buf.narrow(dim, samples, size)
         else:
-            start = self.valid * (samples // self.frames)
-            index = start[:, None] + torch.arange(size, device=buf.device)  # [B, size]
+            index = self._window(samples // self.frames, size, buf.device)  # [B, size]
             shape = [1] * buf.dim()
             shape[0], shape[dim] = index.shape
             new = buf.gather(dim, index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :]))
         self._writes.append((name, new))
+
+    def _window(self, per_frame: int, size: int, device: torch.device) -> torch.Tensor:
+        """Steps ``[valid * per_frame, + size)`` of each row: where its new history starts (shared by
+        the layers of one forward that have the same rate and history length: fewer kernels)."""
+        key = (per_frame, size)
+        if key not in self._windows:
+            self._windows[key] = (self.valid * per_frame)[:, None] + torch.arange(size, device=device)
+        return self._windows[key]
 
     def with_history(self, name: str, context: int, x: torch.Tensor) -> torch.Tensor:
         """``[B, context + T, C]``: ``name``'s history (or zeros), then ``x [B, T, C]``; saved."""
