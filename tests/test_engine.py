@@ -192,7 +192,7 @@ def test_frame_budget_follows_the_memory_budget():
     per_frame = activation_bytes_per_frame(big)
     # the last decoder stage: 1920 samples x 96 channels, three tensors alive, bf16
     assert 1920 * 96 * 3 * 2 <= per_frame <= 1920 * 96 * 4 * 2
-    assert activation_bytes_per_frame(big, torch.float32) == pytest.approx(2 * per_frame, rel=0.01)
+    assert activation_bytes_per_frame(big, torch.float32) == pytest.approx(2 * per_frame, rel=0.05)
     budget = int(0.03 * 140 * 2**30) - 2**30  # a 0.03 share of an H200, less weights and state
     frames = frames_for_budget(budget, per_frame)
     assert 2000 <= frames <= 4000

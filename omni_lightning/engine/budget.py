@@ -28,13 +28,16 @@ from omni_lightning.models.code2wav import Code2Wav
 
 DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap: about 8 GiB reserved in all
 MIN_FRAMES, MAX_FRAMES = 16, 8192
+MAX_CHUNK = 1024  # frames one row decodes per forward at most: attention scores grow with the chunk
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
 
 
-def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None) -> int:
-    """Peak activation bytes of a forward, per decoded frame (see module docstring)."""
+def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None, chunk: int = MAX_CHUNK) -> int:
+    """Peak activation bytes of a forward, per decoded frame (see module docstring); ``chunk``: the
+    longest chunk a row decodes in one forward (attention scores grow with it)."""
     cfg = model.config
     size = torch.empty(0, dtype=dtype or next(model.parameters()).dtype).element_size()
+    attention = cfg.num_attention_heads * (cfg.sliding_window + chunk) * 4  # fp32 scores where a kernel needs them
     samples = math.prod(cfg.upsampling_ratios)
     peak = samples * cfg.hidden_size * 8  # ConvNeXt: the MLP's 4x hidden layer and its input
     channels = cfg.decoder_dim
@@ -43,7 +46,7 @@ def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None
         samples, channels = samples * rate, channels // 2
         peak = max(peak, LIVE * samples * channels, before + 2 * samples * channels)
     out = samples * 4 * 2  # the fp32 waveform handed out and its copy in the model's dtype
-    return peak * size + out
+    return peak * size + out + attention
 
 
 def budget_bytes(device: torch.device, fraction: float | None) -> int:
@@ -51,8 +54,9 @@ def budget_bytes(device: torch.device, fraction: float | None) -> int:
     or :data:`DEFAULT_BUDGET` with no cap (CPU: no cap)."""
     if device.type != "cuda" or fraction is None:
         return DEFAULT_BUDGET
-    cap = fraction * torch.cuda.get_device_properties(device).total_memory
-    held = torch.cuda.memory_reserved(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = fraction * torch.cuda.get_device_properties(index).total_memory
+    held = torch.cuda.memory_reserved(index)
     return max(0, int(cap * 0.95) - held)  # 5 %: the allocator's rounding and fragmentation
 
 

@@ -183,8 +183,11 @@ class DecodeEngine:
                 return
 
     def _shrink(self) -> None:
+        """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need)."""
         frames = self.planner.frames
         self.planner = Planner(max(1, frames // 2), max_rows=self.max_rows)
+        if self.graphs is not None:
+            self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         log.warning("decode: out of memory at %d frames per forward; now %d", frames, self.planner.frames)

@@ -58,24 +58,34 @@ class TorchGraphCapture:
 
     def __init__(self) -> None:
         self.pool: Any = None
+        self.stream: torch.cuda.Stream | None = None
         self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
 
     @staticmethod
     def shares_warmup_memory() -> bool:
         return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
 
+    def reset(self) -> None:
+        """A new pool for the captures to come (the old one is freed with the graphs that hold it)."""
+        self.pool = None
+
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         if self.pool is None:
             self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
+        if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
+            self.stream = torch.cuda.Stream()
         pool_id = getattr(self.pool, "id", self.pool)
-        if self.shares_warmup_memory():
-            with torch.cuda.use_mem_pool(self.pool):
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            if self.shares_warmup_memory():
+                with torch.cuda.use_mem_pool(self.pool):
+                    fn()
+            else:
                 fn()
-        else:
-            fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=pool_id, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=pool_id, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn()
         except Exception as err:
             self.failed.append(graph)
@@ -150,8 +160,12 @@ class GraphCache:
         return graph.out
 
     def clear(self) -> None:
+        """Drops every graph; later captures go to a new pool, so this one's memory can be freed."""
         self.graphs.clear()
         self.eager.clear()
+        reset = getattr(self.capture, "reset", None)
+        if reset is not None:
+            reset()
 
 
 class BoundWeights:

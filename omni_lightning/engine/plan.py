@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # dense where streaming chunks live (every size up to 8 frames: a stream's chunk is never padded
-# much), then x1.5 steps
-CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
-          2048, 3072, 4096)  # fmt: skip
+# much), then
+# x1.5 steps; at most 1024 frames (82 s) per row: attention scores grow with the chunk (engine/budget.py)
+CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # fmt: skip
 
 
 @dataclass(frozen=True)
