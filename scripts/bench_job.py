@@ -56,7 +56,7 @@ def predict(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dic
 
 def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, device: torch.device) -> dict:
     if device.type == "cuda":
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0)  # the solo decodes are the reference, not the job
     dtype = torch.float32 if args.precision == "32-true" else torch.bfloat16
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
