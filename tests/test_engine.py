@@ -171,7 +171,7 @@ def test_planner_pads_little_on_the_mixed_job_with_few_shapes():
     """The 2-30 s job in length-sorted batches of 32 (docs/performance.md), at a 0.03 GPU budget."""
     rng = random.Random(0)
     lengths = sorted(rng.randint(25, 375) for _ in range(384))
-    planner, seen, padded, forwards = Planner(1536), set(), 0, 0
+    planner, seen, padded, forwards = Planner(2048, graph_frames=512), set(), 0, 0
     for b in range(0, len(lengths), 32):
         remaining = lengths[b : b + 32]
         while any(remaining):
@@ -181,7 +181,8 @@ def test_planner_pads_little_on_the_mixed_job_with_few_shapes():
             padded, forwards = padded + plan.rows * plan.chunk, forwards + 1
             for j, t in zip(plan.requests, plan.take):
                 remaining[live[j]] -= t
-    assert padded / sum(lengths) - 1 < 0.06 and len(seen) <= 12 and forwards <= 8 * 12
+    captured = {(r, c) for r, c in seen if r * c <= 512}  # the shapes that are CUDA graphs
+    assert padded / sum(lengths) - 1 < 0.06 and len(captured) <= 12 and forwards <= 8 * 12
 
 
 def test_frame_budget_follows_the_memory_budget():

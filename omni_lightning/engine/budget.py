@@ -8,9 +8,11 @@ the waveforms handed out are fixed costs. So a budget in bytes becomes a frame b
 
 ``copies`` is 1, or 2 where CUDA graphs' warm-ups cannot share the graphs' pool (a torch without
 ``torch.cuda.use_mem_pool``): the pool holds one forward's activations while a new bucket's eager
-warm-up needs as much again. 15 % covers the allocator's block rounding. ``activation_bytes_per_frame``
-derives the per-frame cost by walking the decoder's geometry (DAC's habit: lengths and sizes from the
-layers, not constants beside them), counting the tensors alive at once at each stage.
+warm-up needs as much again. 15 % covers the allocator's block rounding. Long forwards run eagerly
+(``engine.py``), so their memory is the caching allocator's, reused from forward to forward.
+``activation_bytes_per_frame`` derives the per-frame cost by walking the decoder's geometry (DAC's
+habit: lengths and sizes from the layers, not constants beside them), counting the tensors alive at
+once at each stage.
 
 The budget is ``gpu_memory_utilization`` x the device's memory minus what the process holds already
 (weights, other tenants of the process) when a cap is set; with no cap, :data:`DEFAULT_BUDGET`, so
@@ -61,5 +63,7 @@ def budget_bytes(device: torch.device, fraction: float | None) -> int:
 
 
 def frames_for_budget(budget: int, per_frame: int, copies: int = 1) -> int:
-    """The frame budget of one forward (see module docstring), within ``[MIN_FRAMES, MAX_FRAMES]``."""
-    return max(MIN_FRAMES, min(MAX_FRAMES, int(budget / (per_frame * copies * 1.15))))
+    """The frame budget of one forward (see module docstring): a power of two in ``[MIN_FRAMES,
+    MAX_FRAMES]``, so the planner's full-budget shapes (``rows x chunk``) are whole buckets."""
+    frames = max(MIN_FRAMES, min(MAX_FRAMES, int(budget / (per_frame * copies * 1.15))))
+    return 2 ** (frames.bit_length() - 1)

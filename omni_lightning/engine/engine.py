@@ -7,7 +7,12 @@ The engine owns what makes that fast and safe on a device:
 - **kernels**, chosen once (``Kernels.for_inference``: Triton SnakeBeta, in-place residual GEMMs);
 - **shapes**: forwards run at ``(rows, chunk)`` buckets chosen by :class:`~omni_lightning.engine.plan.Planner`
   within a frame budget derived from the memory budget (``engine/budget.py``);
-- **CUDA graphs**, one per bucket, captured lazily (``engine/graphs.py``);
+- **CUDA graphs** for short forwards (at most ``graph_frames`` padded frames: streaming steps, a
+  batch's last small chunks), one per bucket, captured lazily (``engine/graphs.py``). Long forwards
+  run eagerly: the host launches their few hundred kernels far faster than the device runs them, so a
+  graph would save nothing there, and their memory stays in the caching allocator's regular pool,
+  reused from one shape to the next (a graph per long shape would hold its own; on an H200 that was
+  2.3x the allocated peak, docs/performance.md);
 - **memory**: a forward that runs out of memory changes no state (the model commits state last); the
   engine halves its frame budget and plans again, down to one frame, then gives up with the error;
   a capture that fails leaves its bucket eager. The run finishes with every request exact.
@@ -77,6 +82,7 @@ class DecodeEngine:
         capture: GraphCapture | None = None,
         kernels: Kernels | None = None,
         out_dtype: torch.dtype = torch.float32,
+        graph_frames: int = 512,
     ) -> None:
         self.model = model
         ref = next(model.parameters())
@@ -95,9 +101,9 @@ class DecodeEngine:
             if budget is None:
                 budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
             per_frame = budgets.activation_bytes_per_frame(model)
-            separate_warmup = use_graphs and not getattr(capture, "shares_warmup_memory", lambda: True)()
-            frames_per_forward = budgets.frames_for_budget(budget, per_frame, 2 if separate_warmup else 1)
-        self.planner = Planner(frames_per_forward, max_rows=max_rows)
+            frames_per_forward = budgets.frames_for_budget(budget, per_frame)
+        self.graph_frames = graph_frames if use_graphs else 0
+        self.planner = Planner(frames_per_forward, max_rows=max_rows, graph_frames=self.graph_frames)
         self._up, self._tail = model.config.total_upsample, model.config.tail
 
     @property
@@ -126,10 +132,11 @@ class DecodeEngine:
             raise ValueError(f"all {self.max_rows} decode slots are in use")
         return self._free.popleft()
 
-    def release(self, slot: int) -> None:
-        """Frees ``slot`` (its state zeroed, so the next user starts fresh)."""
-        self.state.reset([slot])
-        self._free.append(slot)
+    def release(self, *slots: int) -> None:
+        """Frees ``slots`` (their state zeroed in one pass, so the next user starts fresh)."""
+        if slots:
+            self.state.reset(slots)
+            self._free.extend(slots)
 
     # --- decoding --------------------------------------------------------------------------------
 
@@ -146,13 +153,13 @@ class DecodeEngine:
                     i, n = queue.popleft()
                     active.append((i, self._work(self.acquire(), codes[i, :, :n], fresh=True)))
                 self._advance([w for _, w in active], until_one_done=bool(queue))
-                for i, w in [a for a in active if a[1].left == 0]:
+                done = [a for a in active if a[1].left == 0]
+                for i, w in done:
                     outs[i] = w.out
                     active.remove((i, w))
-                    self.release(w.slot)
+                self.release(*(w.slot for _, w in done))
         finally:
-            for _, w in active:
-                self.release(w.slot)
+            self.release(*(w.slot for _, w in active))
         return outs
 
     def advance(self, chunks: dict[Hashable, tuple[int, torch.Tensor, bool]]) -> dict[Hashable, torch.Tensor]:
@@ -185,7 +192,7 @@ class DecodeEngine:
     def _shrink(self) -> None:
         """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need)."""
         frames = self.planner.frames
-        self.planner = Planner(max(1, frames // 2), max_rows=self.max_rows)
+        self.planner = Planner(max(1, frames // 2), max_rows=self.max_rows, graph_frames=self.graph_frames)
         if self.graphs is not None:
             self.graphs.clear()
         if self.device.type == "cuda":
@@ -216,9 +223,10 @@ class DecodeEngine:
 
     def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            if self.graphs is not None and not self.graphs.graphs and not self.graphs.eager:
+            short = codes.shape[0] * codes.shape[2] <= self.graph_frames
+            if short and not self.graphs.graphs and not self.graphs.eager:
                 self._capture_largest_first(codes)
-            graph = self.graphs.get(codes, self.scratch) if self.graphs is not None else None
+            graph = self.graphs.get(codes, self.scratch) if short else None
             if graph is None:
                 if self.graphs is not None:
                     self.graphs.stats.eager += 1
@@ -226,10 +234,10 @@ class DecodeEngine:
             return self.graphs.run(graph, codes, slots, valid)
 
     def _capture_largest_first(self, codes: torch.Tensor) -> None:
-        """Before the first capture: this row count's largest bucket, so the captures after it fit in
-        the memory it leaves in the shared pool (captured smallest first, each would add its own)."""
+        """Before the first capture: this row count's largest captured bucket, so the captures after it
+        fit in the memory it leaves in the shared pool (captured smallest first, each would add its own)."""
         rows, chunk = codes.shape[0], codes.shape[2]
-        largest = max(c for c in self.planner.chunks if c * rows <= self.planner.frames)
+        largest = max(c for c in self.planner.chunks if c * rows <= min(self.planner.frames, self.graph_frames))
         if largest > chunk:
             self.graphs.get(codes.repeat(1, 1, math.ceil(largest / chunk))[..., :largest], self.scratch)
 

@@ -110,7 +110,7 @@ class GraphStats:
     captures: int = 0
     capture_s: float = 0.0  # eager warm-up + capture, summed over buckets
     replays: int = 0
-    eager: int = 0  # forwards that ran eagerly (uncaptured or failed buckets)
+    eager: int = 0  # forwards that ran eagerly (long, or their capture failed)
     failures: int = 0
 
 

@@ -8,7 +8,8 @@ graph captures; ``rows * chunk <= frames`` (the frame budget, from the memory bu
 The planner is greedy, one forward at a time: for each chunk size it takes the rows with the most
 frames left (as many as the budget allows), and scores the forward by its real frames over its cost,
 ``rows * chunk`` padded frames plus ``step_cost`` (a forward's fixed cost: hundreds of kernel launches)
-plus ``new_shape_cost`` if that shape has not run yet (a capture). Requests of similar lengths (the
+plus ``new_shape_cost`` if that shape would be captured as a CUDA graph now (``graph_frames``: shapes
+of at most that many frames are; ``seen``: those captured already). Requests of similar lengths (the
 sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
 long request advances ``frames`` at a time. Not done: look-ahead over several forwards (the greedy
 choice pads under 5 % on the 2-30 s job, docs/performance.md).
@@ -50,6 +51,7 @@ class Planner:
     rows: tuple[int, ...] = ROWS
     step_cost: int = 48
     new_shape_cost: int = 4096
+    graph_frames: int = 0  # shapes of at most this many frames run as CUDA graphs (0: none)
 
     def __post_init__(self) -> None:
         if self.frames < 1:
@@ -85,7 +87,8 @@ class Planner:
                 rows = self.row_bucket(n)
             picked = order[:n]
             take = tuple(min(chunk, remaining[i]) for i in picked)
-            cost = rows * chunk + self.step_cost + (0 if (rows, chunk) in seen else self.new_shape_cost)
+            capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
+            cost = rows * chunk + self.step_cost + (self.new_shape_cost if capture else 0)
             score = sum(take) / cost
             if best is None or score > best[0] + 1e-12:
                 best = (score, Plan(rows, chunk, tuple(picked), take))

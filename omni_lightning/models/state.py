@@ -64,11 +64,12 @@ class DecodeState:
     def reset(self, slots: Sequence[int] | None = None) -> None:
         """Makes ``slots`` (default: all) fresh."""
         with torch.no_grad(), torch.inference_mode(False):
+            index = None if slots is None else torch.tensor(list(slots), dtype=torch.long).to(self.pos.device)
             for t in (*self.tensors.values(), self.pos):
-                if slots is None:
+                if index is None:
                     t.zero_()
                 else:
-                    t[list(slots)] = 0
+                    t.index_fill_(0, index, 0)  # one index copy to the device for every tensor
 
     @property
     def bytes_per_slot(self) -> int:
