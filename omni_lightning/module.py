@@ -161,6 +161,12 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     def on_predict_end(self) -> None:
         if self.engine is not None and self.engine.device.type == "cuda":
             pl.utilities.rank_zero_info(self.engine.report())
+            if getattr(self._trainer.predict_loop, "gpu_memory_utilization", None) is not None:
+                # a capped process: the next predict moves the weights here again, and the engine's
+                # copy, graphs and state must not hold the budget meanwhile
+                self.engine.close()
+                self.engine = None
+                torch.cuda.empty_cache()
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""

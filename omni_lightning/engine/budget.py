@@ -26,11 +26,11 @@ import math
 
 import torch
 
+from omni_lightning.engine.plan import MAX_CHUNK
 from omni_lightning.models.code2wav import Code2Wav
 
 DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap: about 8 GiB reserved in all
 MIN_FRAMES, MAX_FRAMES = 16, 8192
-MAX_CHUNK = 1024  # frames one row decodes per forward at most: attention scores grow with the chunk
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
 
 

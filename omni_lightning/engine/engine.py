@@ -103,8 +103,13 @@ class DecodeEngine:
             per_frame = budgets.activation_bytes_per_frame(model)
             frames_per_forward = budgets.frames_for_budget(budget, per_frame)
         self.graph_frames = graph_frames if use_graphs else 0
-        self.planner = Planner(frames_per_forward, max_rows=max_rows, graph_frames=self.graph_frames)
+        self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
+
+    def _planner(self, frames: int) -> Planner:
+        # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
+        return Planner(frames, max_rows=self.max_rows, graph_frames=min(self.graph_frames, frames),
+                       exact_eager=self.graph_frames > 0)  # fmt: skip
 
     @property
     def frames_per_forward(self) -> int:
@@ -117,12 +122,15 @@ class DecodeEngine:
         ref = next(self.model.parameters())
         if (ref.device, ref.dtype) != (self.device, self.dtype):
             return False
+        if self._weights is None and self.graphs is not None:  # closed: graphs captured from now on
+            self._weights = BoundWeights(self.model)
         return self._weights.refresh() if self._weights is not None else True
 
     def close(self) -> None:
-        """Frees the graphs (their memory goes back to PyTorch's cache)."""
+        """Frees the graphs and the weights they hold (their memory goes back to PyTorch's cache)."""
         if self.graphs is not None:
             self.graphs.clear()
+        self._weights = None
 
     # --- slots -----------------------------------------------------------------------------------
 
@@ -192,7 +200,9 @@ class DecodeEngine:
     def _shrink(self) -> None:
         """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need)."""
         frames = self.planner.frames
-        self.planner = Planner(max(1, frames // 2), max_rows=self.max_rows, graph_frames=self.graph_frames)
+        self.planner = self._planner(max(1, frames // 2))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # nothing in flight reads what is freed next
         if self.graphs is not None:
             self.graphs.clear()
         if self.device.type == "cuda":

@@ -76,18 +76,24 @@ class TorchGraphCapture:
             self.stream = torch.cuda.Stream()
         pool_id = getattr(self.pool, "id", self.pool)
         self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            if self.shares_warmup_memory():
-                with torch.cuda.use_mem_pool(self.pool):
+        try:
+            with torch.cuda.stream(self.stream):
+                if self.shares_warmup_memory():
+                    with torch.cuda.use_mem_pool(self.pool):
+                        fn()
+                else:
                     fn()
-            else:
-                fn()
-        torch.cuda.current_stream().wait_stream(self.stream)
+        except BaseException:
+            self.stream.synchronize()  # nothing of a failed warm-up may still run when its memory is reused
+            raise
+        finally:
+            torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool_id, stream=self.stream, capture_error_mode="thread_local"):
                 out = fn()
         except Exception as err:
+            torch.cuda.synchronize()
             self.failed.append(graph)
             self.pool = None
             raise CaptureError(f"{type(err).__name__}: {err}") from err

@@ -11,8 +11,13 @@ frames left (as many as the budget allows), and scores the forward by its real f
 plus ``new_shape_cost`` if that shape would be captured as a CUDA graph now (``graph_frames``: shapes
 of at most that many frames are; ``seen``: those captured already). Requests of similar lengths (the
 sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
-long request advances ``frames`` at a time. Not done: look-ahead over several forwards (the greedy
-choice pads under 5 % on the 2-30 s job, docs/performance.md).
+long request advances ``frames`` at a time.
+
+``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
+the whole budget, ``rows * chunk == frames``. Its tensors then have the same sizes at every layer
+whatever the split of rows and chunk, so the caching allocator serves every eager forward from the
+same blocks; forwards of many sizes each left their own blocks reserved (19 GiB reserved for a 5 GiB
+peak on an H200, docs/performance.md). Not done: look-ahead over several forwards.
 """
 
 from __future__ import annotations
@@ -22,9 +27,11 @@ from dataclasses import dataclass
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
 # dense where streaming chunks live (every size up to 8 frames: a stream's chunk is never padded
-# much), then
-# x1.5 steps; at most 1024 frames (82 s) per row: attention scores grow with the chunk (engine/budget.py)
-CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)  # fmt: skip
+# much), then x1.5 steps; past MAX_CHUNK (attention scores grow with the chunk) only as one row
+# taking a whole budget (a lone long request)
+CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096,
+          8192)  # fmt: skip
+MAX_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class Planner:
     step_cost: int = 48
     new_shape_cost: int = 4096
     graph_frames: int = 0  # shapes of at most this many frames run as CUDA graphs (0: none)
+    exact_eager: bool = False  # eager (longer) forwards use exactly `frames` (see the module docstring)
 
     def __post_init__(self) -> None:
         if self.frames < 1:
@@ -65,9 +73,37 @@ class Planner:
         return next((r for r in self.rows if r >= n), n)
 
     def shapes(self) -> list[tuple[int, int]]:
-        """Every bucket within the budget."""
-        rows = sorted({self.row_bucket(n) for n in range(1, self.max_rows + 1)})
-        return [(r, c) for c in self.chunks for r in rows if r * c <= self.frames]
+        """Every bucket a forward may have."""
+        found = set()
+        for chunk in self.chunks:
+            if chunk <= self.frames:
+                for n in range(1, self.max_rows + 1):
+                    found.update((rows, chunk) for rows, _ in self._candidates(n, chunk))
+        return sorted(found)
+
+    def _candidates(self, n_rows: int, chunk: int) -> list[tuple[int, int]]:
+        """``(rows bucket, rows taken)`` of the shapes a forward of ``chunk`` frames may have."""
+        out = []
+        if chunk <= min(self.graph_frames, MAX_CHUNK):  # a CUDA graph: any bucket within graph_frames
+            n = min(n_rows, self.graph_frames // chunk, self.max_rows)
+            rows = self.row_bucket(n)
+            while rows * chunk > self.graph_frames:
+                n = max(r for r in self.rows if r < rows) if rows > 1 else 1
+                rows = self.row_bucket(n)
+            out.append((rows, n))
+        if self.exact_eager:  # eager: the whole budget, so every eager forward reuses the same blocks
+            rows = self.frames // chunk
+            if rows * chunk == self.frames and rows * chunk > self.graph_frames and rows in self.rows:
+                out.append((rows, min(n_rows, rows, self.max_rows)))
+        elif chunk <= MAX_CHUNK:
+            n = min(n_rows, self.frames // chunk, self.max_rows)
+            rows = self.row_bucket(n)
+            while rows * chunk > self.frames:  # n fits the budget; its bucket may not
+                n = max(r for r in self.rows if r < rows) if rows > 1 else 1
+                rows = self.row_bucket(n)
+            if rows * chunk > self.graph_frames:
+                out.append((rows, n))
+        return out
 
     def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = ()) -> Plan:
         """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one)."""
@@ -80,18 +116,14 @@ class Planner:
         for chunk in self.chunks:
             if chunk > self.frames:
                 break
-            n = min(len(order), self.frames // chunk, self.max_rows)
-            rows = self.row_bucket(n)
-            while rows * chunk > self.frames:  # n fits the budget; its bucket may not
-                n = max(r for r in self.rows if r < rows) if rows > 1 else 1
-                rows = self.row_bucket(n)
-            picked = order[:n]
-            take = tuple(min(chunk, remaining[i]) for i in picked)
-            capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
-            cost = rows * chunk + self.step_cost + (self.new_shape_cost if capture else 0)
-            score = sum(take) / cost
-            if best is None or score > best[0] + 1e-12:
-                best = (score, Plan(rows, chunk, tuple(picked), take))
+            for rows, n in self._candidates(len(order), chunk):
+                picked = order[:n]
+                take = tuple(min(chunk, remaining[i]) for i in picked)
+                capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
+                cost = rows * chunk + self.step_cost + (self.new_shape_cost if capture else 0)
+                score = sum(take) / cost
+                if best is None or score > best[0] + 1e-12:
+                    best = (score, Plan(rows, chunk, tuple(picked), take))
             if chunk >= longest:  # larger chunks only add padding
                 break
         return best[1]
