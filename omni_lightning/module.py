@@ -89,6 +89,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         self.hparams["config"] = asdict(model.config)
         self.frames_per_forward, self.fast_path = frames_per_forward, fast_path
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
+        self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
         freeze_parameters(self.model, freeze or [], train_only)
         self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
@@ -159,6 +160,8 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         self.decode_engine()
 
     def on_predict_end(self) -> None:
+        if self.engine is not None:
+            self.engine_stats = self.engine.stats()
         if self.engine is not None and self.engine.device.type == "cuda":
             pl.utilities.rank_zero_info(self.engine.report())
             if getattr(self._trainer.predict_loop, "gpu_memory_utilization", None) is not None:

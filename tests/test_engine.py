@@ -15,7 +15,12 @@ from conftest import micro_config, random_codes, random_model
 from helpers import loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, DecodeEngine, Trainer
-from omni_lightning.engine.budget import activation_bytes_per_frame, frames_for_budget
+from omni_lightning.engine.budget import (
+    activation_bytes_per_frame,
+    frames_for_budget,
+    graph_frames_for_budget,
+    graph_pool_bytes,
+)
 from omni_lightning.engine.graphs import CaptureError
 from omni_lightning.engine.plan import Planner
 
@@ -195,10 +200,12 @@ def test_frame_budget_follows_the_memory_budget():
     assert 1920 * 96 * 3 * 2 <= per_frame <= 1920 * 96 * 4 * 2
     assert activation_bytes_per_frame(big, torch.float32) == pytest.approx(2 * per_frame, rel=0.05)
     budget = int(0.03 * 140 * 2**30) - 2**30  # a 0.03 share of an H200, less weights and state
-    frames = frames_for_budget(budget, per_frame)
-    assert 2000 <= frames <= 4000
+    graph_frames = graph_frames_for_budget(budget, per_frame, 512)
+    assert graph_frames <= 512 and graph_pool_bytes(graph_frames, per_frame) <= budget / 4
+    frames = frames_for_budget(budget - graph_pool_bytes(graph_frames, per_frame), per_frame)
+    assert frames & (frames - 1) == 0 and 1024 <= frames <= 2048  # a power of two: whole buckets
+    assert frames * per_frame * 1.15 + graph_pool_bytes(graph_frames, per_frame) <= budget
     assert frames_for_budget(0, per_frame) == 16  # never below one small forward
-    assert frames_for_budget(budget, per_frame, copies=2) == pytest.approx(frames / 2, abs=1)
 
 
 def test_trainer_predict_through_the_engine_keeps_graphs_across_calls():

@@ -1,23 +1,22 @@
 """The engine's memory budget: how many frames one forward may decode (batch rows x chunk frames).
 
 A forward's memory grows with the frames it decodes: the decoder's last stages hold tensors of
-``frames * total_upsample`` samples by up to a few hundred channels. The weights, the state pool and
-the waveforms handed out are fixed costs. So a budget in bytes becomes a frame budget:
+``frames * total_upsample`` samples by up to a few hundred channels. The weights and the state pool
+are held already when the budget is taken. The budget pays, in this order:
 
-    frames = (budget - fixed) / (activation bytes per frame * copies * 1.15)
+- the CUDA graphs of short forwards (``graph_frames`` frames at most): their shared pool, measured at
+  about three of their largest forward's peak on an H200 (:data:`POOL_FACTOR`); ``graph_frames`` is
+  halved until the pool takes at most a quarter of the budget;
+- the long forwards, which run eagerly in the caching allocator's regular pool, all at the same size
+  (``plan.py``): ``frames = rest / (activation bytes per frame * 1.15)``, rounded down to a power of
+  two; 15 % covers the allocator's block rounding.
 
-``copies`` is 1, or 2 where CUDA graphs' warm-ups cannot share the graphs' pool (a torch without
-``torch.cuda.use_mem_pool``): the pool holds one forward's activations while a new bucket's eager
-warm-up needs as much again. 15 % covers the allocator's block rounding. Long forwards run eagerly
-(``engine.py``), so their memory is the caching allocator's, reused from forward to forward.
 ``activation_bytes_per_frame`` derives the per-frame cost by walking the decoder's geometry (DAC's
 habit: lengths and sizes from the layers, not constants beside them), counting the tensors alive at
-once at each stage.
-
-The budget is ``gpu_memory_utilization`` x the device's memory minus what the process holds already
-(weights, other tenants of the process) when a cap is set; with no cap, :data:`DEFAULT_BUDGET`, so
-an uncapped engine stays near that size on any job. What is estimated, not measured, is the
-per-frame cost; the engine's out-of-memory fallback (smaller buckets, then eager) covers the error.
+once at each stage. The budget is ``gpu_memory_utilization`` x the device's memory minus what the
+process holds already (weights, state, other tenants of the process) when a cap is set; with no cap,
+:data:`DEFAULT_BUDGET`. What is estimated, not measured, is the per-frame cost and the pool's factor;
+the engine's out-of-memory fallback (half the frames, then half again) covers the error.
 """
 
 from __future__ import annotations
@@ -62,8 +61,25 @@ def budget_bytes(device: torch.device, fraction: float | None) -> int:
     return max(0, int(cap * 0.95) - held)  # 5 %: the allocator's rounding and fragmentation
 
 
-def frames_for_budget(budget: int, per_frame: int, copies: int = 1) -> int:
+POOL_FACTOR = 3  # the graphs' shared pool held 2.9x one short forward's peak on an H200 (11 shapes)
+
+
+def graph_pool_bytes(graph_frames: int, per_frame: int) -> int:
+    """What the CUDA graphs of forwards of at most ``graph_frames`` frames hold in their pool."""
+    return POOL_FACTOR * graph_frames * per_frame
+
+
+def graph_frames_for_budget(budget: int, per_frame: int, largest: int) -> int:
+    """The longest forward captured as a CUDA graph: ``largest``, halved until its pool takes at most a
+    quarter of the budget (a small budget keeps its room for the long, eager forwards)."""
+    frames = largest
+    while frames > 16 and graph_pool_bytes(frames, per_frame) > budget // 4:
+        frames //= 2
+    return frames
+
+
+def frames_for_budget(budget: int, per_frame: int) -> int:
     """The frame budget of one forward (see module docstring): a power of two in ``[MIN_FRAMES,
     MAX_FRAMES]``, so the planner's full-budget shapes (``rows x chunk``) are whole buckets."""
-    frames = max(MIN_FRAMES, min(MAX_FRAMES, int(budget / (per_frame * copies * 1.15))))
+    frames = max(MIN_FRAMES, min(MAX_FRAMES, int(budget / (per_frame * 1.15))))
     return 2 ** (frames.bit_length() - 1)

@@ -97,12 +97,15 @@ class DecodeEngine:
         capture = capture or TorchGraphCapture()
         self.graphs = GraphCache(self._forward, capture) if use_graphs else None
         self._weights = BoundWeights(model) if use_graphs else None
+        self.graph_frames = graph_frames if use_graphs else 0
         if frames_per_forward is None:
             if budget is None:
                 budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
             per_frame = budgets.activation_bytes_per_frame(model)
+            if use_graphs:  # the graphs' pool comes out of the budget first (budget.py)
+                self.graph_frames = budgets.graph_frames_for_budget(budget, per_frame, graph_frames)
+                budget -= budgets.graph_pool_bytes(self.graph_frames, per_frame)
             frames_per_forward = budgets.frames_for_budget(budget, per_frame)
-        self.graph_frames = graph_frames if use_graphs else 0
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
 
@@ -254,13 +257,25 @@ class DecodeEngine:
     def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return self.model(codes, self.state.select(slots, valid), self.kernels)
 
-    def report(self) -> str:
-        """One line: the frame budget, graphs captured and their time, replays, eager forwards, memory."""
-        line = f"decode engine: {self.planner.frames} frames per forward"
+    def stats(self) -> dict[str, float]:
+        """The frame budget; graphs captured, their capture seconds, replays, eager forwards and failed
+        captures; peak reserved GiB on CUDA."""
+        out: dict[str, float] = {"frames_per_forward": self.planner.frames}
         if self.graphs is not None:
             s = self.graphs.stats
-            line += (f", {s.captures} CUDA graph(s) captured in {s.capture_s:.2f} s, {s.replays} replays, "
-                     f"{s.eager} eager forwards")  # fmt: skip
+            out.update(captures=s.captures, capture_s=s.capture_s, replays=s.replays, eager=s.eager,
+                       failures=s.failures)  # fmt: skip
         if self.device.type == "cuda":
-            line += f", peak reserved {torch.cuda.max_memory_reserved(self.device) / 2**30:.2f} GiB"
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
+        return out
+
+    def report(self) -> str:
+        """:meth:`stats` in one line."""
+        s = self.stats()
+        line = f"decode engine: {s['frames_per_forward']} frames per forward"
+        if "captures" in s:
+            line += (f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
+                     f"{s['eager']} eager forwards")  # fmt: skip
+        if "peak_reserved_gib" in s:
+            line += f", peak reserved {s['peak_reserved_gib']:.2f} GiB"
         return line
