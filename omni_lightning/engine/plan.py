@@ -16,8 +16,10 @@ long request advances ``frames`` at a time.
 ``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
 the whole budget, ``rows * chunk == frames``. Its tensors then have the same sizes at every layer
 whatever the split of rows and chunk, so the caching allocator serves every eager forward from the
-same blocks; forwards of many sizes each left their own blocks reserved (19 GiB reserved for a 5 GiB
-peak on an H200, docs/performance.md). Not done: look-ahead over several forwards.
+same blocks; forwards of many sizes each left their own blocks reserved (15 GiB reserved for a 6 GiB
+peak on an H200, docs/performance.md). Except a forward that finishes every row at once (a streaming
+step, a batch's last): it may take any shape within the budget, smaller than the blocks it reuses.
+Not done: look-ahead over several forwards.
 """
 
 from __future__ import annotations
@@ -81,8 +83,9 @@ class Planner:
                     found.update((rows, chunk) for rows, _ in self._candidates(n, chunk))
         return sorted(found)
 
-    def _candidates(self, n_rows: int, chunk: int) -> list[tuple[int, int]]:
-        """``(rows bucket, rows taken)`` of the shapes a forward of ``chunk`` frames may have."""
+    def _candidates(self, n_rows: int, chunk: int, finishes: bool = False) -> list[tuple[int, int]]:
+        """``(rows bucket, rows taken)`` of the shapes a forward of ``chunk`` frames may have;
+        ``finishes``: such a forward of every row would leave no frame (a streaming step, say)."""
         out = []
         if chunk <= min(self.graph_frames, MAX_CHUNK):  # a CUDA graph: any bucket within graph_frames
             n = min(n_rows, self.graph_frames // chunk, self.max_rows)
@@ -91,7 +94,8 @@ class Planner:
                 n = max(r for r in self.rows if r < rows) if rows > 1 else 1
                 rows = self.row_bucket(n)
             out.append((rows, n))
-        if self.exact_eager:  # eager: the whole budget, so every eager forward reuses the same blocks
+        exact = self.exact_eager and not (finishes and n_rows <= self.max_rows)
+        if exact:  # eager: the whole budget, so every eager forward reuses the same blocks
             rows = self.frames // chunk
             if rows * chunk == self.frames and rows * chunk > self.graph_frames and rows in self.rows:
                 out.append((rows, min(n_rows, rows, self.max_rows)))
@@ -116,7 +120,7 @@ class Planner:
         for chunk in self.chunks:
             if chunk > self.frames:
                 break
-            for rows, n in self._candidates(len(order), chunk):
+            for rows, n in self._candidates(len(order), chunk, finishes=chunk >= longest):
                 picked = order[:n]
                 take = tuple(min(chunk, remaining[i]) for i in picked)
                 capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
