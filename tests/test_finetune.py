@@ -223,8 +223,12 @@ def precision_kwargs(precision):
     return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))]}
 
 
-@pytest.mark.parametrize("adversarial", [False, True], ids=["reconstruction", "gan"])
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "bf16-true", "16-mixed"])
+# 16-mixed with the GAN only: without it, the GradScaler's path is Lightning's own automatic optimization
+CASES = [("32-true", False), ("32-true", True), ("bf16-mixed", False), ("bf16-mixed", True), ("bf16-true", False),
+         ("bf16-true", True), ("16-mixed", True)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("precision", "adversarial"), CASES, ids=[f"{p}-{'gan' if a else 'rec'}" for p, a in CASES])
 def test_fine_tunes_in_every_precision_then_predicts_in_place(short_pairs, precision, adversarial):
     module = student(adversarial=adversarial)
     model_before = weights(module)
@@ -232,19 +236,20 @@ def test_fine_tunes_in_every_precision_then_predicts_in_place(short_pairs, preci
     data = CodesDataModule(train=str(short_pairs), val=str(short_pairs), predict=str(short_pairs), batch_size=2)
     steps = 2 if adversarial else 1  # one batch; with two optimizers Lightning counts two steps
     trainer = Trainer(**fit_kwargs(steps, limit_val_batches=1), **precision_kwargs(precision))
-    before = trainer.validate(module, datamodule=data, verbose=False)[0]["val/loss"]
-    trainer.fit(module, datamodule=data)  # the one training batch is the validation batch
+    trainer.fit(module, datamodule=data)  # one step, then validation on that same batch
 
-    metrics = trainer.callback_metrics
-    assert math.isfinite(float(metrics["train/loss"])) and math.isfinite(float(metrics["val/mel_distance"]))
-    assert math.isfinite(float(metrics["val/loss"])) and float(metrics["val/loss"]) != before  # the update moved it
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    # the step lowered the mel distance on its own batch (train/mel: before it; val/mel: after it;
+    # with learning_rate=0 they differ by <= 0.2 %, here the step takes off 3-11 %)
+    assert metrics["val/mel"] < 0.99 * metrics["train/mel"]
     assert all(not torch.equal(p, model_before[n]) for n, p in module.model.named_parameters())
     if adversarial:
         assert all(not torch.equal(a, b) for a, b in zip(disc_before, module.discriminators.parameters()))
-        assert all(math.isfinite(float(metrics[f"train/{k}"])) for k in ("adv", "disc", "feature_matching"))
+        assert {"train/adv", "train/disc", "train/feature_matching"} <= set(metrics)
         # clipped and measured unscaled: under 16-mixed a norm still multiplied by the loss scale
         # (4,096) would be far above 200; these are about 1 (discriminators) and 20-40 (generator)
-        assert 0 < float(metrics["train/grad_norm"]) < 200 and 0 < float(metrics["train/disc_grad_norm"]) < 200
+        assert 0 < metrics["train/grad_norm"] < 200 and 0 < metrics["train/disc_grad_norm"] < 200
     # the losses' windows and filterbanks stay fp32 and out of the checkpoint, whatever the precision
     assert all(b.dtype == torch.float32 for b in module.reconstruction_loss.module.buffers())
     assert not any(k.startswith(("reconstruction", "eval_metrics")) for k in module.state_dict())
