@@ -90,8 +90,7 @@ class MultiResolutionSTFTLoss(nn.Module):
         out = []
         for s in spectra:
             pm, tm = s.pred.clamp_min(self.eps), s.target.clamp_min(self.eps)
-            distance = torch.linalg.vector_norm((tm - pm) * s.mask, dim=(1, 2))
-            convergence = distance / torch.linalg.vector_norm(tm * s.mask, dim=(1, 2)).clamp_min(self.eps)
+            convergence = s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps)
             out.append(convergence + s.mean((torch.log(pm) - torch.log(tm)).abs()))
         return out
 

@@ -2,7 +2,8 @@
 
 The spectral losses once cut every item to its length and took its spectrograms alone: one STFT per
 item and resolution, and a host sync per item to read its length. Here one STFT per resolution
-covers the predictions and the targets of the whole batch, with the same frames:
+covers the predictions of the whole batch, and one its targets (no graph: they get no gradient), with
+the same frames:
 
 - ``torch.stft(center=True)`` pads a signal by reflection at both ends of the tensor; in a padded
   batch a short item would run into its padding instead. :func:`reflect_at_lengths` builds, with one
@@ -28,20 +29,24 @@ import torch
 from torch import nn
 
 
+def reflect_index(lengths: torch.Tensor, t: int, pad: int) -> torch.Tensor:
+    """``[B, t + 2 pad]`` indices into ``[B, t]`` rows: see :func:`reflect_at_lengths`."""
+    last = (lengths.clamp(1, t) - 1)[:, None]
+    index = torch.arange(-pad, t + pad, device=lengths.device).abs()[None]  # reflected at the start
+    index = torch.where(index > last, 2 * last - index, index)  # ... and at each item's end
+    return torch.minimum(index.clamp_min(0), last)
+
+
 def reflect_at_lengths(x: torch.Tensor, lengths: torch.Tensor, pad: int) -> torch.Tensor:
     """``x [B, T]`` to ``[B, T + 2 pad]``: each item reflect-padded by ``pad`` at its start and at its
     own end ``lengths[i]`` (what ``F.pad(x[i, :n], (pad, pad), "reflect")`` gives, then anything)."""
-    t = x.shape[-1]
-    last = (lengths.clamp(1, t) - 1)[:, None]
-    index = torch.arange(-pad, t + pad, device=x.device).abs()[None]  # reflected at the start
-    index = torch.where(index > last, 2 * last - index, index)  # ... and at each item's end
-    return x.gather(1, torch.minimum(index.clamp_min(0), last))
+    return x.gather(1, reflect_index(lengths, x.shape[-1], pad))
 
 
 @dataclass
 class Spectrum:
     """One resolution's magnitudes, fp32: ``pred`` and ``target`` ``[B, F, frames]``; ``mask``
-    ``[B, 1, frames]`` 1.0 on the frames an item's cut has; ``frames`` ``[B]`` their count."""
+    ``[B, frames]`` 1.0 on the frames an item's cut has; ``frames`` ``[B]`` their count."""
 
     pred: torch.Tensor
     target: torch.Tensor
@@ -50,7 +55,11 @@ class Spectrum:
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """Per item, the mean of ``values [B, C, frames]`` over its own frames: ``[B]``."""
-        return (values * self.mask).sum((1, 2)) / (self.frames * values.shape[1])
+        return (values.sum(1) * self.mask).sum(1) / (self.frames * values.shape[1])
+
+    def norm(self, values: torch.Tensor) -> torch.Tensor:
+        """Per item, the Frobenius norm of ``values [B, C, frames]`` over its own frames: ``[B]``."""
+        return torch.linalg.vector_norm(torch.linalg.vector_norm(values, dim=1) * self.mask, dim=1)
 
 
 class MultiResolutionSTFT(nn.Module):
@@ -72,14 +81,15 @@ class MultiResolutionSTFT(nn.Module):
         lengths = lengths.to(pred.device).clamp(max=t)
         pad = max(self.n_ffts) // 2
         with torch.autocast(pred.device.type, enabled=False):
-            both = torch.cat([pred[:, :t], target[:, :t]]).float()
-            signal = reflect_at_lengths(both, lengths.repeat(2), pad)
+            index = reflect_index(lengths, t, pad)
+            pred_signal = pred[:, :t].float().gather(1, index)
+            with torch.no_grad():  # the targets need no graph: their FFTs get no backward
+                target_signal = target[:, :t].float().gather(1, index)
             spectra = []
             for n in self.n_ffts:
-                hop, start = n // 4, pad - n // 2
-                spec = torch.stft(signal[:, start : start + t + n], n, hop, window=getattr(self, f"window_{n}"),
-                                  center=False, return_complex=True).abs()  # fmt: skip
-                valid = torch.arange(spec.shape[-1], device=spec.device)[None] <= (lengths // hop)[:, None]
-                mask = valid.to(torch.float32)[:, None]
-                spectra.append(Spectrum(spec[:b], spec[b:], mask, mask.sum((1, 2))))
+                hop, window = n // 4, getattr(self, f"window_{n}")
+                pm, tm = (torch.stft(x[:, pad - n // 2 : pad - n // 2 + t + n], n, hop, window=window, center=False,
+                                     return_complex=True).abs() for x in (pred_signal, target_signal))  # fmt: skip
+                mask = (torch.arange(pm.shape[-1], device=pm.device)[None] <= (lengths // hop)[:, None]).float()
+                spectra.append(Spectrum(pm, tm, mask, mask.sum(1)))
         return spectra
