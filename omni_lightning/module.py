@@ -17,11 +17,13 @@ from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
+from omni_lightning.training.adversarial import AdversarialStep
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
 from omni_lightning.training.losses import ReconstructionLoss
-from omni_lightning.training.schedule import WarmupCosine, adamw_with_schedule
+from omni_lightning.training.schedule import fine_tuning_optimizers
+from omni_lightning.training.unregistered import Unregistered
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
 warnings.filterwarnings(
@@ -43,11 +45,15 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     Triton kernels and CUDA graphs per shape bucket (False: eager torch, the same exact chunking).
     After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
 
-    Fine-tuning: the steps here; losses, discriminators, freezing, schedule and EMA in ``training/``.
-    ``ema_decay`` adds ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after
-    fit the model holds the EMA weights, ``use_ema(False)`` the raw ones. Evaluation: metrics are
-    logged here (``evaluation/metrics.py``); the W&B run config and media by
-    ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
+    Fine-tuning: the Lightning hooks here, composing ``training/``: the reconstruction loss
+    (``losses.py``), with ``adversarial`` the discriminators and the GAN step under manual
+    optimization (``adversarial.py``), freezing, optimizers and schedule, EMA. ``ema_decay`` adds
+    ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after fit the model holds
+    the EMA weights, ``use_ema(False)`` the raw ones. Any Lightning precision works: 32-true,
+    bf16-mixed, bf16-true, 16-mixed (with the GAN too). Evaluation: metrics are logged here
+    (``evaluation/metrics.py``); the W&B run config and media by ``evaluation.media.EvaluationMedia``,
+    which fit, validate and test get from ``configure_callbacks``. The losses and metrics stay fp32
+    and out of the state dict (``training/unregistered.py``).
     """
 
     def __init__(
@@ -92,10 +98,15 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
         freeze_parameters(self.model, freeze or [], train_only)
-        self._losses: list[torch.nn.Module] = []  # built on first use; kept out of the state dict
+        self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
         self.discriminators = Discriminators() if adversarial else None
+        self.adversarial_step = (
+            AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight, grad_clip)
+            if self.discriminators is not None else None
+        )  # fmt: skip
         self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
+        self.eval_metrics = Unregistered(AudioMetrics(model.config.sample_rate))
 
     @property
     def config(self) -> Code2WavConfig:
@@ -206,67 +217,38 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         return batch["codes"], batch["audio"], batch["audio_lengths"]
 
     def reconstruction(self, wav: torch.Tensor, audio: torch.Tensor, lengths: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Weighted multi-resolution mel L1 + STFT loss on the real samples only."""
-        # built on first use, never under inference mode (training reuses it); a list: out of the state dict
-        with torch.inference_mode(False):
-            if not self._losses:
-                hp = self.hparams
-                self._losses.append(ReconstructionLoss(self.config.sample_rate, hp.mel_weight, hp.stft_weight))
-            loss = self._losses[0].to(self.device)
-        return loss(wav, audio, lengths)
+        """Weighted multi-resolution mel L1 + STFT loss on the real samples only (``training/losses.py``)."""
+        return self.reconstruction_loss.on(wav.device)(wav, audio, lengths)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         codes, audio, lengths = self._paired(batch, "training")
+        # the GAN's segment length, read before the forward is queued (the step's one host sync)
+        shortest = int(lengths.min()) if self.adversarial_step is not None else 0
         wav = self.model(codes)
         rec = self.reconstruction(wav, audio, lengths)
-        bs = codes.shape[0]
-        if self.discriminators is None:
-            self.log_dict({f"train/{k}": v for k, v in rec.items()}, prog_bar=True, batch_size=bs)
-            return rec["loss"]
-        return self._adversarial_step(wav, audio, lengths, rec, bs)
+        if self.adversarial_step is not None:
+            rec = {**rec, **self.adversarial_step(self, wav, audio, shortest, rec["loss"])}
+        self.log_dict({f"train/{k}": v for k, v in rec.items()}, prog_bar=True, batch_size=codes.shape[0])
+        return rec["loss"] if self.automatic_optimization else None
 
-    def _adversarial_step(self, wav, audio, lengths, rec, bs) -> None:
-        opt_g, opt_d = self.optimizers()
-        n = int(lengths.min())  # a segment every item really has: padding never reaches a discriminator
-        real, fake = audio[:, None, :n], wav[..., :n]
-        d_loss = self.discriminators.discriminator_loss(real, fake)
-        self._manual_step(opt_d, d_loss)
-        adv, fm = self.discriminators.generator_losses(real, fake)
-        g_loss = rec["loss"] + self.hparams.adversarial_weight * adv + self.hparams.feature_matching_weight * fm
-        self._manual_step(opt_g, g_loss)
-        for scheduler in self.lr_schedulers():
-            scheduler.step()
-        logs = {**rec, "loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss}
-        self.log_dict({f"train/{k}": v for k, v in logs.items()}, prog_bar=True, batch_size=bs)
-
-    def _manual_step(self, optimizer: Any, loss: torch.Tensor) -> None:
-        optimizer.zero_grad()
-        self.manual_backward(loss)
-        self.clip_gradients(optimizer, gradient_clip_val=self.hparams.grad_clip)
-        optimizer.step()
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.adversarial_step is not None:  # manual optimization: clipped here, where 16-mixed has unscaled
+            self.adversarial_step.clip(optimizer)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
-        # the module's grad_clip unless the Trainer sets its own
+        # automatic optimization: the module's grad_clip unless the Trainer sets its own
         value = gradient_clip_val if gradient_clip_val is not None else self.hparams.grad_clip
         if value:
             self.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=gradient_clip_algorithm)
 
     def configure_optimizers(self) -> Any:
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("every model parameter is frozen: nothing to fine-tune")
         hp = self.hparams
-        total = hp.total_steps or int(self.trainer.estimated_stepping_batches)
-        if self.discriminators is not None and not hp.total_steps:
-            total //= 2  # Lightning counts both optimizers' steps; the schedules step once per batch
-        schedule = WarmupCosine(hp.warmup_steps, max(total, 1), hp.min_lr_ratio)
-        opt, sched = adamw_with_schedule(params, schedule, lr=hp.learning_rate, betas=tuple(hp.betas),
-                                         weight_decay=hp.weight_decay)  # fmt: skip
-        if self.discriminators is None:
-            return {"optimizer": opt, "lr_scheduler": sched}
-        opt_d, sched_d = adamw_with_schedule(self.discriminators.parameters(), schedule, lr=hp.discriminator_lr,
-                                             betas=tuple(hp.betas))  # fmt: skip
-        return [opt, opt_d], [sched, sched_d]
+        return fine_tuning_optimizers(
+            self.model.parameters(), self.discriminators, learning_rate=hp.learning_rate, betas=hp.betas,
+            weight_decay=hp.weight_decay, discriminator_lr=hp.discriminator_lr, warmup_steps=hp.warmup_steps,
+            min_lr_ratio=hp.min_lr_ratio, total_steps=hp.total_steps,
+            estimated_stepping_batches=self.trainer.estimated_stepping_batches,
+        )  # fmt: skip
 
     # --- EMA weights (training/ema.py) ------------------------------------------------------------
 
@@ -291,13 +273,8 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> dict[str, Any]:
         return self._evaluate(batch, "test")
 
-    def _eval_metrics(self) -> Any:
-        if not hasattr(self, "_metrics"):
-            self._metrics = [AudioMetrics(self.config.sample_rate)]  # a list: kept out of the state dict
-        return self._metrics[0].to(self.device)
-
     def on_validation_epoch_start(self) -> None:
-        self._eval_metrics().reset()
+        self.eval_metrics.on(self.device).reset()
 
     on_test_epoch_start = on_validation_epoch_start
 
@@ -306,7 +283,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         wav = self.model(codes)
         rec = self.reconstruction(wav, audio, lengths)
         self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
-        self._eval_metrics().update(wav.detach(), audio, lengths)
+        self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths)
         return {"wav": wav.detach()}  # EvaluationMedia logs samples from it
 
     def on_validation_epoch_end(self) -> None:
@@ -317,4 +294,4 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
 
     def _eval_end(self, stage: str) -> None:
         if not self.trainer.sanity_checking:  # values already reduced over ranks
-            self.log_dict({f"{stage}/{k}": float(v) for k, v in self._eval_metrics().compute().items()})
+            self.log_dict({f"{stage}/{k}": float(v) for k, v in self.eval_metrics.on(self.device).compute().items()})

@@ -91,6 +91,32 @@ def test_metrics_on_known_signals():
     assert metrics.compute()["si_sdr"] > 100 and metrics.compute()["audio_s"] == 1.0
 
 
+def test_a_padded_batch_scores_like_each_request_cut():
+    """One batched update (no per-request loop) equals the per-request definitions: spectral
+    distances on each cut request, SI-SDR and SNR from torchmetrics on it; padding is junk here."""
+    from torchmetrics.functional.audio import scale_invariant_signal_distortion_ratio, signal_noise_ratio
+
+    gen = torch.Generator().manual_seed(3)
+    lengths = [24000, 13001, 7000]
+    pred, target = torch.randn(3, 1, 24000, generator=gen), torch.randn(3, 24000, generator=gen)
+    target[:, :13001] += 2 * pred[:, 0, :13001]  # some signal in common, so SI-SDR and SNR are not all noise
+    for i, n in enumerate(lengths):
+        pred[i, :, n:], target[i, n:] = 9.0, -9.0
+    metrics = AudioMetrics()
+    metrics.update(pred, target, torch.tensor(lengths))
+    batched = metrics.compute()
+    cut = [(pred[i, 0, :n], target[i, :n]) for i, n in enumerate(lengths)]
+    expected = {
+        "mel_distance": [metrics.mel(p[None], t[None]) for p, t in cut],
+        "stft_distance": [metrics.stft(p[None], t[None]) for p, t in cut],
+        "si_sdr": [scale_invariant_signal_distortion_ratio(p, t) for p, t in cut],
+        "snr": [signal_noise_ratio(p, t) for p, t in cut],
+    }
+    for name, values in expected.items():
+        torch.testing.assert_close(batched[name], torch.stack(values).double().mean(), rtol=1e-5, atol=1e-6)
+    assert batched["requests"] == 3 and batched["audio_s"] == sum(lengths) / 24000
+
+
 def read_csv(folder):
     path = next(folder.rglob("metrics.csv"))
     with open(path) as f:

@@ -2,8 +2,14 @@
 
 Per request, on its real samples only: mel L1 distance (log-mel, multi-resolution), multi-resolution
 STFT distance (spectral convergence + log magnitude), SI-SDR and SNR (torchmetrics' functional
-implementations). The run-level values are means over requests, reduced across ranks, plus the
-request count, audio seconds and audio seconds per wall-clock second since the last ``reset``.
+implementations, without zero-mean). The run-level values are means over requests, reduced across
+ranks, plus the request count, audio seconds and audio seconds per wall-clock second since the last
+``reset``.
+
+A batch is scored at once on the device, with no host sync: the spectral distances by the losses'
+batched path (each item on its own frames, ``training/spectrogram.py``), SI-SDR and SNR on the batch
+with every sample past an item's length zeroed in both signals, which adds nothing to their sums:
+the same values as cutting each request.
 """
 
 from __future__ import annotations
@@ -19,17 +25,35 @@ from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResoluti
 NAMES = ("mel_distance", "stft_distance", "si_sdr", "snr")
 
 
+def batch_metrics(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    lengths: torch.Tensor | None,
+    mel: MultiResolutionMelLoss,
+    stft: MultiResolutionSTFTLoss,
+) -> dict[str, torch.Tensor]:
+    """All four metrics of each request, ``[B]`` each: ``pred`` ``[B, 1, T]`` or ``[B, T]``, ``target``
+    ``[B, N]``, ``lengths`` real samples per request (None: all)."""
+    pred, target = pred.reshape(pred.shape[0], -1).float(), target.reshape(target.shape[0], -1).float()
+    n = min(pred.shape[-1], target.shape[-1])
+    pred, target = pred[:, :n], target[:, :n]
+    if lengths is not None:
+        real = torch.arange(n, device=pred.device)[None] < lengths.to(pred.device)[:, None]
+        pred, target = pred * real, target * real
+    spectra = mel.spectra(pred, target, lengths)
+    return {
+        "mel_distance": torch.stack(mel.item_losses(spectra)).mean(0),
+        "stft_distance": torch.stack(stft.item_losses(spectra)).mean(0),
+        "si_sdr": scale_invariant_signal_distortion_ratio(pred, target),
+        "snr": signal_noise_ratio(pred, target),
+    }
+
+
 def request_metrics(
     pred: torch.Tensor, target: torch.Tensor, mel: MultiResolutionMelLoss, stft: MultiResolutionSTFTLoss
 ) -> dict[str, torch.Tensor]:
     """All four metrics of one request; ``pred``/``target`` are 1-D and already cut to its length."""
-    p, t = pred.float(), target.float()
-    return {
-        "mel_distance": mel(p[None], t[None]),
-        "stft_distance": stft(p[None], t[None]),
-        "si_sdr": scale_invariant_signal_distortion_ratio(p, t),
-        "snr": signal_noise_ratio(p, t),
-    }
+    return {name: value[0] for name, value in batch_metrics(pred[None], target[None], None, mel, stft).items()}
 
 
 class AudioMetrics(Metric):
@@ -55,14 +79,11 @@ class AudioMetrics(Metric):
 
     def update(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor) -> None:
         """``pred`` [B, 1, T] or [B, T], ``target`` [B, N], ``lengths`` real samples per request."""
-        pred, target = pred.reshape(pred.shape[0], -1), target.reshape(target.shape[0], -1)
-        for i, n in enumerate(lengths.tolist()):
-            n = min(n, pred.shape[-1], target.shape[-1])
-            values = request_metrics(pred[i, :n], target[i, :n], self.mel, self.stft)
-            for name, value in values.items():
-                setattr(self, name, getattr(self, name) + value.double())
-            self.requests += 1
-            self.audio_s += n / self.sample_rate
+        lengths = lengths.to(pred.device).clamp(max=min(pred.shape[-1], target.shape[-1]))
+        for name, values in batch_metrics(pred, target, lengths, self.mel, self.stft).items():
+            setattr(self, name, getattr(self, name) + values.double().sum())
+        self.requests += lengths.numel()
+        self.audio_s += lengths.sum().double() / self.sample_rate
 
     def compute(self) -> dict[str, torch.Tensor]:
         count = self.requests.clamp_min(1).double()

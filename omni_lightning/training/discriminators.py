@@ -1,5 +1,14 @@
 """Adversarial training parts: multi-period and multi-resolution STFT discriminators (plain
-``nn.Module``s) and the LSGAN and feature-matching losses a LightningModule composes with them."""
+``nn.Module``s) and the LSGAN and feature-matching losses a LightningModule composes with them.
+
+Every precision: the discriminators' weights take the module's dtype (Lightning's bf16-true
+converts them; the mixed precisions keep them fp32 and autocast the convolutions). The STFT
+discriminator takes its FFT in fp32 (no bf16 FFT on the CPU; a half-precision one would round the
+spectrum) and hands its convolutions the dtype of their own weights, as autocast would.
+Real and generated audio go through the discriminators in one batch where both need the same
+gradients (the discriminators' step); no layer mixes items, so that is exact. The losses loop over
+discriminators and layers (their shapes differ), never over items.
+"""
 
 from __future__ import annotations
 
@@ -55,8 +64,12 @@ class STFTDiscriminator(nn.Module):
         self.out = wn(nn.Conv2d(channels, 1, (3, 3), padding=(1, 1)))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        spec = torch.stft(x[:, 0].float(), self.n_fft, self.n_fft // 4, window=self.window, return_complex=True)
-        return _conv_stack(self.convs, self.out, torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3))
+        with torch.autocast(x.device.type, enabled=False):
+            window = self.window.float()  # a buffer: bf16-true rounds it with the weights
+            spec = torch.stft(x[:, 0].float(), self.n_fft, self.n_fft // 4, window=window, return_complex=True)
+        # back to the weights' dtype: under bf16-true nothing else would cast an fp32 spectrogram for them
+        spec = torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3).to(self.out.bias.dtype)
+        return _conv_stack(self.convs, self.out, spec)
 
 
 class Discriminators(nn.Module):
@@ -72,25 +85,36 @@ class Discriminators(nn.Module):
         return [d(x) for d in self.discriminators]
 
     def discriminator_loss(self, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-        """The discriminators' LSGAN loss on real and generated audio (no gradient to the generator)."""
-        return discriminator_loss(self(real), self(fake.detach()))
+        """The discriminators' LSGAN loss on real and generated audio (no gradient to the generator),
+        both in one pass."""
+        b = real.shape[0]
+        logits = [out for out, _ in self(torch.cat([real, fake.detach().to(real.dtype)]))]
+        return discriminator_loss([x[:b] for x in logits], [x[b:] for x in logits])
 
     def generator_losses(self, real: torch.Tensor, fake: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The generator's adversarial and feature-matching losses on real and generated audio."""
-        real_out, fake_out = self(real), self(fake)
-        return generator_adversarial_loss(fake_out), feature_matching_loss(real_out, fake_out)
+        """The generator's adversarial and feature-matching losses on real and generated audio.
+
+        The real pass only gives feature-matching targets, so it records no graph; the weight-normed
+        weights are computed once for both passes (``parametrize.cached``)."""
+        with torch.nn.utils.parametrize.cached():
+            fake_out = self(fake)
+            with torch.no_grad():
+                real_out = self(real)
+        adversarial = generator_adversarial_loss([out for out, _ in fake_out])
+        return adversarial, feature_matching_loss([f for _, f in real_out], [f for _, f in fake_out])
 
 
-def discriminator_loss(real: list, fake: list) -> torch.Tensor:
-    """Least-squares GAN: real logits toward 1, generated toward 0."""
-    return sum(((1 - r) ** 2).mean() + (f**2).mean() for (r, _), (f, _) in zip(real, fake)) / len(real)
+def discriminator_loss(real: list[torch.Tensor], fake: list[torch.Tensor]) -> torch.Tensor:
+    """Least-squares GAN over discriminators' logits: real toward 1, generated toward 0."""
+    return sum(((1 - r) ** 2).mean() + (f**2).mean() for r, f in zip(real, fake)) / len(real)
 
 
-def generator_adversarial_loss(fake: list) -> torch.Tensor:
-    return sum(((1 - f) ** 2).mean() for f, _ in fake) / len(fake)
+def generator_adversarial_loss(fake: list[torch.Tensor]) -> torch.Tensor:
+    """Least-squares GAN for the generator: its logits toward 1."""
+    return sum(((1 - f) ** 2).mean() for f in fake) / len(fake)
 
 
-def feature_matching_loss(real: list, fake: list) -> torch.Tensor:
-    """L1 between the discriminators' feature maps on real and generated audio."""
-    losses = [F.l1_loss(ff, rf.detach()) for (_, rfs), (_, ffs) in zip(real, fake) for rf, ff in zip(rfs, ffs)]
+def feature_matching_loss(real: list[list[torch.Tensor]], fake: list[list[torch.Tensor]]) -> torch.Tensor:
+    """L1 between the discriminators' feature maps (one list per discriminator) on real and generated audio."""
+    losses = [F.l1_loss(ff, rf.detach()) for rfs, ffs in zip(real, fake) for rf, ff in zip(rfs, ffs)]
     return torch.stack(losses).mean()

@@ -1,10 +1,15 @@
 """Reconstruction losses for fine-tuning Code2Wav (multi-resolution mel L1 and STFT), as ``nn.Module``s.
 
-Every loss takes ``lengths`` (real samples per item) so right-padding never enters a loss: each
-item is cut to its own length before its spectrogram is taken. Losses compute in fp32 whatever the
-model's precision: their filterbanks and windows are built in fp32 even when they are first built
-inside a ``precision="bf16-true"`` step (Lightning sets bf16 as the default dtype there), and inputs
-are cast to fp32.
+Batched on the device: one STFT per resolution for the predictions and targets of the whole batch
+(``training/spectrogram.py``), shared by the mel and STFT terms in :class:`ReconstructionLoss`. Every
+loss takes ``lengths`` (real samples per item): each item is scored on the frames its own cut has,
+with its own end reflected as a cut item's would be, so right-padding never enters a loss (that
+file says exactly how, and what differs from cutting each item). Each item weighs the same whatever
+its length: a loss is the mean over items (and resolutions) of each item's mean over its frames.
+
+Losses compute in fp32 with autocast off whatever the model's precision: their windows and
+filterbanks are built in fp32 even when first built inside a ``precision="bf16-true"`` step
+(Lightning makes bf16 the default dtype there), and inputs are cast to fp32.
 """
 
 from __future__ import annotations
@@ -13,8 +18,11 @@ import contextlib
 from collections.abc import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from omni_lightning.training.spectrogram import MultiResolutionSTFT, Spectrum
+
+REDUCTIONS = ("mean", "none")
 
 
 @contextlib.contextmanager
@@ -27,16 +35,17 @@ def _fp32_default() -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
-def _items(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor | Sequence[int] | None):
-    """(pred_i, target_i) cut to item i's real length; pred/target are [B, T] or [B, 1, T]."""
-    pred, target = pred.reshape(pred.shape[0], -1), target.reshape(target.shape[0], -1)
-    n = min(pred.shape[-1], target.shape[-1])
-    lengths = [n] * pred.shape[0] if lengths is None else [min(int(x), n) for x in lengths]
-    return [(pred[i, :m], target[i, :m]) for i, m in enumerate(lengths)]
+def _reduce(per_resolution: list[torch.Tensor], reduction: str) -> torch.Tensor:
+    """Per-item values of each resolution ``[B]`` to ``[B]`` (``"none"``) or their mean (``"mean"``)."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    per_item = torch.stack(per_resolution).mean(0)
+    return per_item if reduction == "none" else per_item.mean()
 
 
 class MultiResolutionMelLoss(nn.Module):
-    """Mean over resolutions of L1 between log-mel spectrograms (torchaudio ``MelSpectrogram``)."""
+    """Mean over resolutions of L1 between log-mel spectrograms (magnitude STFT, torchaudio's HTK
+    filterbank: what ``torchaudio.transforms.MelSpectrogram(power=1.0)`` computes)."""
 
     def __init__(
         self,
@@ -49,19 +58,22 @@ class MultiResolutionMelLoss(nn.Module):
         import torchaudio
 
         with _fp32_default():
-            self.mels = nn.ModuleList(
-                torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
-                for n, m in zip(n_ffts, n_mels)
-            )
+            self.spectra = MultiResolutionSTFT(n_ffts)
+            for n, m in zip(n_ffts, n_mels):
+                fb = torchaudio.functional.melscale_fbanks(n // 2 + 1, 0.0, float(sample_rate // 2), m, sample_rate)
+                self.register_buffer(f"filterbank_{n}", fb.T.contiguous(), persistent=False)
         self.eps = eps
 
-    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
-        losses = []
-        for p, t in _items(pred, target, lengths):
-            for mel in self.mels:
-                pm, tm = mel(p.float()), mel(t.float())
-                losses.append(F.l1_loss(torch.log(pm + self.eps), torch.log(tm + self.eps)))
-        return torch.stack(losses).mean()
+    def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
+        """Per resolution, each item's mean L1 between log-mels over its frames: ``[B]`` each."""
+        out = []
+        for n, s in zip(self.spectra.n_ffts, spectra):
+            fb = getattr(self, f"filterbank_{n}")
+            out.append(s.mean((torch.log(fb @ s.pred + self.eps) - torch.log(fb @ s.target + self.eps)).abs()))
+        return out
+
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None, reduction: str = "mean") -> torch.Tensor:
+        return _reduce(self.item_losses(self.spectra(pred, target, lengths)), reduction)
 
 
 class MultiResolutionSTFTLoss(nn.Module):
@@ -69,29 +81,26 @@ class MultiResolutionSTFTLoss(nn.Module):
 
     def __init__(self, n_ffts: Sequence[int] = (512, 1024, 2048), eps: float = 1e-7) -> None:
         super().__init__()
-        self.n_ffts = tuple(n_ffts)
+        with _fp32_default():
+            self.spectra = MultiResolutionSTFT(n_ffts)
         self.eps = eps
-        for n in self.n_ffts:
-            self.register_buffer(f"window_{n}", torch.hann_window(n, dtype=torch.float32), persistent=False)
 
-    def magnitude(self, x: torch.Tensor, n_fft: int) -> torch.Tensor:
-        window = getattr(self, f"window_{n_fft}")
-        spec = torch.stft(x.float(), n_fft, hop_length=n_fft // 4, window=window, return_complex=True)
-        return spec.abs().clamp_min(self.eps)
+    def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
+        """Per resolution, each item's spectral convergence plus mean log-magnitude L1: ``[B]`` each."""
+        out = []
+        for s in spectra:
+            pm, tm = s.pred.clamp_min(self.eps), s.target.clamp_min(self.eps)
+            convergence = s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps)
+            out.append(convergence + s.mean((torch.log(pm) - torch.log(tm)).abs()))
+        return out
 
-    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> torch.Tensor:
-        losses = []
-        for p, t in _items(pred, target, lengths):
-            for n in self.n_ffts:
-                pm, tm = self.magnitude(p, n), self.magnitude(t, n)
-                convergence = torch.linalg.norm(tm - pm) / torch.linalg.norm(tm).clamp_min(self.eps)
-                losses.append(convergence + F.l1_loss(torch.log(pm), torch.log(tm)))
-        return torch.stack(losses).mean()
+    def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None, reduction: str = "mean") -> torch.Tensor:
+        return _reduce(self.item_losses(self.spectra(pred, target, lengths)), reduction)
 
 
 class ReconstructionLoss(nn.Module):
     """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss, as a dict
-    ``{"loss", "mel", "stft"}`` (the parts for logging)."""
+    ``{"loss", "mel", "stft"}`` (the parts for logging). One set of STFTs serves both terms."""
 
     def __init__(self, sample_rate: int = 24000, mel_weight: float = 1.0, stft_weight: float = 1.0) -> None:
         super().__init__()
@@ -99,5 +108,6 @@ class ReconstructionLoss(nn.Module):
         self.mel_weight, self.stft_weight = mel_weight, stft_weight
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> dict[str, torch.Tensor]:
-        mel, stft = self.mel(pred, target, lengths), self.stft(pred, target, lengths)
+        spectra = self.mel.spectra(pred, target, lengths)
+        mel, stft = _reduce(self.mel.item_losses(spectra), "mean"), _reduce(self.stft.item_losses(spectra), "mean")
         return {"loss": self.mel_weight * mel + self.stft_weight * stft, "mel": mel, "stft": stft}

@@ -1,10 +1,11 @@
-"""The optimizer and learning-rate schedule of fine-tuning: AdamW, linear warm-up, then cosine
-decay to a floor, stepped once per batch."""
+"""The optimizers and learning-rate schedules of fine-tuning: AdamW, linear warm-up, then cosine
+decay to a floor, stepped once per batch; with adversarial training a second AdamW for the
+discriminators, on the same schedule."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -31,3 +32,31 @@ def adamw_with_schedule(
     """An AdamW optimizer and its Lightning ``lr_scheduler`` entry, stepped every batch."""
     opt = torch.optim.AdamW(params, **adamw)
     return opt, {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}
+
+
+def fine_tuning_optimizers(
+    generator: Iterable[torch.nn.Parameter],
+    discriminators: torch.nn.Module | None,
+    *,
+    learning_rate: float,
+    betas: Sequence[float],
+    weight_decay: float,
+    discriminator_lr: float,
+    warmup_steps: int,
+    min_lr_ratio: float,
+    total_steps: int | None,
+    estimated_stepping_batches: float,
+) -> Any:
+    """What ``configure_optimizers`` returns: the trainable generator parameters' AdamW and schedule,
+    and with ``discriminators`` theirs too (no weight decay). The schedule spans ``total_steps``
+    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators)."""
+    params = [p for p in generator if p.requires_grad]
+    if not params:
+        raise ValueError("every model parameter is frozen: nothing to fine-tune")
+    total = total_steps or int(estimated_stepping_batches) // (1 if discriminators is None else 2)
+    schedule = WarmupCosine(warmup_steps, max(total, 1), min_lr_ratio)
+    opt, sched = adamw_with_schedule(params, schedule, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay)
+    if discriminators is None:
+        return {"optimizer": opt, "lr_scheduler": sched}
+    opt_d, sched_d = adamw_with_schedule(discriminators.parameters(), schedule, lr=discriminator_lr, betas=tuple(betas))
+    return [opt, opt_d], [sched, sched_d]

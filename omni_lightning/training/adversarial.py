@@ -1,0 +1,97 @@
+"""The GAN step of fine-tuning, under Lightning's manual optimization: the discriminators, then the generator.
+
+The order is HiFi-GAN's: the discriminators learn from real audio and from the generated audio as
+it is (detached), then the generator takes the reconstruction, adversarial and feature-matching
+losses against the updated discriminators. Both see the same segment, every item cut to the
+shortest item's length, so padding never reaches a discriminator (reading that length is the step's
+one host sync; the module reads it before queueing the forward).
+
+Precisions (``training/discriminators.py`` for the discriminators' dtypes):
+- Gradients are clipped in :meth:`AdversarialStep.clip`, which the module calls from
+  ``on_before_optimizer_step``: there, under 16-mixed, Lightning's GradScaler has unscaled this
+  optimizer's gradients. Clipping in the step, before ``optimizer.step()``, would clip gradients
+  still multiplied by the loss scale (a clip at norm 1 would act at 1 / 65,536 of it).
+- 16-mixed updates the scale after each of the two optimizer steps (Lightning's plugin does), so the
+  generator's backward runs at the scale the discriminators' step left; each backward is unscaled by
+  the scale it was made with, and a step with non-finite gradients is skipped (its logged norm is
+  then not finite).
+- The generator's backward runs with the discriminators' parameters frozen (``toggle_optimizer``),
+  so no weight gradients are computed for them there.
+Not done: gradient accumulation (Lightning refuses it with manual optimization: both optimizers step
+on every batch) and separate discriminator/generator update rates.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from omni_lightning.training.discriminators import Discriminators
+
+
+class AdversarialStep:
+    """One batch of GAN training for a LightningModule with ``automatic_optimization = False`` and
+    the optimizers ``[generator, discriminators]``; the losses' weights are those of the objective."""
+
+    def __init__(
+        self,
+        discriminators: Discriminators,
+        adversarial_weight: float = 1.0,
+        feature_matching_weight: float = 2.0,
+        grad_clip: float | None = 1.0,
+    ) -> None:
+        self.discriminators = discriminators
+        self.adversarial_weight = adversarial_weight
+        self.feature_matching_weight = feature_matching_weight
+        self.grad_clip = grad_clip
+        self._stepping = ""  # the norm being measured: "grad_norm" (generator) or "disc_grad_norm"
+        self._norms: dict[str, torch.Tensor] = {}
+
+    def __call__(
+        self,
+        module: pl.LightningModule,
+        wav: torch.Tensor,
+        audio: torch.Tensor,
+        shortest: int,
+        reconstruction_loss: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
+        """Steps both optimizers and their schedules; returns what to log: the generator's total
+        ``loss``, ``adv``, ``feature_matching``, ``disc`` and both gradient norms (before clipping).
+
+        ``wav`` [B, 1, T] generated, ``audio`` [B, N] the targets, ``shortest`` the shortest item's
+        real length in samples."""
+        opt_g, opt_d = module.optimizers()
+        real, fake = audio[:, None, :shortest], wav[..., :shortest]
+        d_loss = self.discriminators.discriminator_loss(real, fake)
+        d_norm = self._step(module, opt_d, d_loss, "disc_grad_norm")
+        module.toggle_optimizer(opt_g)
+        try:
+            adv, fm = self.discriminators.generator_losses(real, fake)
+            g_loss = reconstruction_loss + self.adversarial_weight * adv + self.feature_matching_weight * fm
+            g_norm = self._step(module, opt_g, g_loss, "grad_norm")
+        finally:
+            module.untoggle_optimizer(opt_g)
+        for scheduler in module.lr_schedulers():
+            scheduler.step()
+        return {"loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss, "grad_norm": g_norm,
+                "disc_grad_norm": d_norm}  # fmt: skip
+
+    def _step(self, module: pl.LightningModule, optimizer: Any, loss: torch.Tensor, norm: str) -> torch.Tensor:
+        optimizer.zero_grad()
+        module.manual_backward(loss)
+        self._stepping = norm
+        optimizer.step()  # Lightning calls on_before_optimizer_step, hence clip(), inside
+        if norm not in self._norms:
+            raise RuntimeError("on_before_optimizer_step must call AdversarialStep.clip (a subclass overrode it?)")
+        return self._norms.pop(norm)
+
+    def clip(self, optimizer: torch.optim.Optimizer) -> None:
+        """Clips ``optimizer``'s gradients to ``grad_clip`` (none: measures only) and keeps their
+        norm for the step's logs. Call it from ``on_before_optimizer_step``, where they are unscaled."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.grad_clip:
+            torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
+        self._norms[self._stepping] = total

@@ -1,0 +1,85 @@
+"""The batched spectral losses against each item alone, padding never scored; the discriminators in bf16."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omni_lightning.training.discriminators import Discriminators
+from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss, ReconstructionLoss
+from omni_lightning.training.spectrogram import reflect_at_lengths
+
+LENGTHS = [24000, 17001, 9000, 1500]  # the last is shorter than the largest window
+TOLERANCE = 1e-5  # relative: only float rounding differs (batched FFTs, sums in another order)
+
+
+def padded_batch(seed=0):
+    """Predictions and targets with junk past each item's length: large values, so any leak shows."""
+    gen = torch.Generator().manual_seed(seed)
+    n = max(LENGTHS)
+    pred = 0.3 * torch.randn(len(LENGTHS), 1, n, generator=gen)
+    target = 0.3 * torch.randn(len(LENGTHS), n, generator=gen)
+    for i, m in enumerate(LENGTHS):
+        pred[i, :, m:], target[i, m:] = 5.0, -7.0
+    return pred, target, torch.tensor(LENGTHS)
+
+
+def cut_item_losses(pred, target):
+    """The per-item definitions, from torchaudio and torch.stft directly: one item, no padding."""
+    import torchaudio
+
+    mel, stft = [], []
+    for n, m in zip((512, 1024, 2048), (40, 80, 128)):
+        spectrogram = torchaudio.transforms.MelSpectrogram(24000, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
+        mel.append(F.l1_loss(torch.log(spectrogram(pred) + 1e-5), torch.log(spectrogram(target) + 1e-5)))
+        pm, tm = (torch.stft(x, n, n // 4, window=torch.hann_window(n), return_complex=True).abs().clamp_min(1e-7)
+                  for x in (pred, target))  # fmt: skip
+        stft.append(torch.linalg.norm(tm - pm) / torch.linalg.norm(tm) + F.l1_loss(torch.log(pm), torch.log(tm)))
+    return torch.stack(mel).mean(), torch.stack(stft).mean()
+
+
+@pytest.mark.parametrize("loss_type", [MultiResolutionMelLoss, MultiResolutionSTFTLoss])
+def test_a_padded_batch_scores_each_item_as_alone(loss_type):
+    pred, target, lengths = padded_batch()
+    loss = loss_type()
+    batched = loss(pred, target, lengths, reduction="none")
+    alone = torch.stack([loss(pred[i : i + 1, :, :m], target[i : i + 1, :m]) for i, m in enumerate(LENGTHS)])
+    torch.testing.assert_close(batched, alone, rtol=TOLERANCE, atol=0)
+    torch.testing.assert_close(loss(pred, target, lengths), alone.mean(), rtol=TOLERANCE, atol=0)
+    # and each item alone is the per-item definition (the full cut, reflected at its own end)
+    kind = 0 if loss_type is MultiResolutionMelLoss else 1
+    for i, m in enumerate(LENGTHS[:3]):  # torch.stft cannot reflect-pad the shortest alone
+        reference = cut_item_losses(pred[i, 0, :m], target[i, :m])[kind]
+        torch.testing.assert_close(alone[i], reference, rtol=TOLERANCE, atol=0)
+
+
+def test_padding_gets_no_gradient_and_the_objective_shares_its_spectra():
+    pred, target, lengths = padded_batch(1)
+    pred.requires_grad_()
+    rec = ReconstructionLoss()(pred, target, lengths)
+    rec["loss"].backward()
+    for i, m in enumerate(LENGTHS):
+        assert torch.count_nonzero(pred.grad[i, :, m:]) == 0 and torch.count_nonzero(pred.grad[i, :, :m]) > 0
+    torch.testing.assert_close(rec["mel"], MultiResolutionMelLoss()(pred, target, lengths), rtol=TOLERANCE, atol=0)
+    torch.testing.assert_close(rec["stft"], MultiResolutionSTFTLoss()(pred, target, lengths), rtol=TOLERANCE, atol=0)
+    assert torch.isfinite(rec["loss"])
+
+
+def test_reflection_at_each_items_end_matches_torch_pad():
+    x = torch.arange(2 * 30, dtype=torch.float32).reshape(2, 30)
+    out = reflect_at_lengths(x, torch.tensor([30, 12]), 5)
+    assert torch.equal(out[0], F.pad(x[None, :1], (5, 5), mode="reflect")[0, 0])
+    assert torch.equal(out[1, :22], F.pad(x[None, 1:, :12], (5, 5), mode="reflect")[0, 0])
+
+
+def test_discriminators_run_in_bf16_and_score_real_and_fake_in_one_pass():
+    """bf16 weights with the STFT branch's fp32 FFT once crashed in conv2d (``Input type (float) and
+    bias type (c10::BFloat16)``); the joint real + fake pass equals two separate passes. (Training
+    under bf16-true, backward included: tests/test_finetune.py.)"""
+    gen = torch.Generator().manual_seed(0)
+    real, fake = 0.1 * torch.randn(2, 1, 2000, generator=gen), 0.1 * torch.randn(2, 1, 2000, generator=gen)
+    disc = Discriminators()
+    separate = [((1 - r) ** 2).mean() + (f**2).mean() for (r, _), (f, _) in zip(disc(real), disc(fake))]
+    torch.testing.assert_close(disc.discriminator_loss(real, fake), sum(separate) / len(separate))
+    with torch.no_grad():
+        loss = disc.to(torch.bfloat16).discriminator_loss(real.to(torch.bfloat16), fake.to(torch.bfloat16))
+    assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
