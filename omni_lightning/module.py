@@ -36,6 +36,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     ``Code2WavConfig`` or its dict; random weights). Requests longer than
     ``max_frames_per_request`` frames are decoded with gap-free ``chunked_decode`` (``chunk_size``,
     ``left_context``), so one long request cannot exhaust memory.
+    ``random_weights``: read only by the command line's weights guard (no checkpoint: predict refused).
 
     Fine-tuning: the steps here; losses, discriminators, freezing, schedule and EMA in ``training/``.
     ``ema_decay`` adds ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after
@@ -52,6 +53,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         model: Code2Wav | None = None,
         config: str | dict | Code2WavConfig = "qwen3-omni",
         checkpoint: str | None = None,
+        random_weights: bool = False,
         max_frames_per_request: int = 1500,
         chunk_size: int = 300,
         left_context: int = 25,
