@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from typing import Any
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
     quiet_known_noise()
     compact_warnings()
-    interrupted = _catch_interrupt()
+    interrupted, restore_handler = _catch_interrupt()
     try:
         if argv and argv[0] == "demo":
             from omni_lightning.demo import main as demo_main
@@ -101,24 +102,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_USAGE
     finally:
+        restore_handler()
         if timings_path:
             timings["end"] = time.time()
             _write_timings(timings_path, timings)
 
 
-def _catch_interrupt() -> list[bool]:
-    """Ctrl-C still raises KeyboardInterrupt; the returned list records that it came."""
+def _catch_interrupt() -> tuple[list[bool], Any]:
+    """Ctrl-C still raises KeyboardInterrupt; the returned list records that it came. Returns it and
+    a function that puts the previous handler back (``main`` may run inside another program)."""
     interrupted: list[bool] = []
     previous = signal.getsignal(signal.SIGINT)
-    if previous is not signal.default_int_handler:
-        return interrupted  # someone else handles it (or ignores it): left alone
+    if previous is not signal.default_int_handler or threading.current_thread() is not threading.main_thread():
+        return interrupted, lambda: None  # someone else handles it (or ignores it): left alone
 
     def on_interrupt(signum: int, frame: Any) -> None:
         interrupted.append(True)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, on_interrupt)
-    return interrupted
+    return interrupted, lambda: signal.signal(signal.SIGINT, previous)
 
 
 def _run(argv: list[str], timings: dict[str, Any] | None) -> int:
