@@ -18,6 +18,7 @@ and prints them in one line.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -61,6 +62,7 @@ def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the command line; returns the exit status (see the module docstring)."""
     timings: dict[str, Any] = {"process_start": process_start_time(), "main": time.time()}
+    program = argv is None  # run as the program (not called from Python): the process ends after this
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
@@ -106,6 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         if timings_path:
             timings["end"] = time.time()
             _write_timings(timings_path, timings)
+        if program:
+            # the process exits next: its final garbage collection would walk every object torch and
+            # Lightning made (1.5 s of a 2 s exit on a 2-core machine); nothing left needs collecting
+            gc.freeze()
 
 
 def _catch_interrupt() -> tuple[list[bool], Any]:

@@ -59,12 +59,13 @@ class OmniCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         self._mark("parsed")
+        if self.subcommand is None:
+            return  # run=False (benchmarks): the caller decides what runs
         config = self.config[self.subcommand]
-        if self.subcommand not in ("fit", "validate", "test", "predict"):
-            return
-        if isinstance(config.get("model"), dict) or "class_path" in (config.get("model") or {}):
+        model = config.get("model")
+        if model is None or "random_weights" not in model:
             return  # another model class: its own rules
-        check_weights(self.subcommand, config.model.checkpoint, config.get("ckpt_path"), config.model.random_weights)
+        check_weights(self.subcommand, model.checkpoint, config.get("ckpt_path"), model.random_weights)
         if self.subcommand == "predict" and config.get("out_dir") and config.data.get("skip_done") is None:
             config.data.skip_done = config.out_dir  # one reading of the folder decides what is finished
 
