@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         if done is not None:
             print(f"predict: {done}")
             return EXIT_OK
-        return _run(argv, timings if timings_path else None)
+        return _run(argv, timings if timings_path else None, command.finished if command else None)
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -130,12 +130,12 @@ def _catch_interrupt() -> tuple[list[bool], Any]:
     return interrupted, lambda: signal.signal(signal.SIGINT, previous)
 
 
-def _run(argv: list[str], timings: dict[str, Any] | None) -> int:
+def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) -> int:
     # LightningCLI reads sys.argv (passing args as well makes it warn), and DDP starts the other
     # ranks from sys.argv: both see exactly these arguments
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
     try:
-        cli = run_cli(None, timings)
+        cli = run_cli(None, timings, finished)
     finally:
         sys.argv = saved
     writer = getattr(cli, "writer", None)
@@ -144,12 +144,13 @@ def _run(argv: list[str], timings: dict[str, Any] | None) -> int:
     return EXIT_OK
 
 
-def run_cli(argv: list[str] | None, timings: dict[str, Any] | None = None) -> Any:
-    """Builds and runs the LightningCLI (this imports torch and Lightning)."""
+def run_cli(argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None) -> Any:
+    """Builds and runs the LightningCLI (this imports torch and Lightning); ``finished``: the output
+    folder's finished requests as the checks read them (not read again)."""
     from omni_lightning.lightning_cli import run_lightning_cli
 
     compact_warnings()  # again: importing Lightning replaced the format
-    return run_lightning_cli(argv, description=__doc__, timings=timings)
+    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished)
 
 
 def process_start_time() -> float:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.callbacks import BasePredictionWriter
@@ -19,7 +20,7 @@ from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
 from omni_lightning.data.datamodule import CodesDataModule
-from omni_lightning.data.output_folder import FORMATS
+from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.preflight import check_weights
@@ -38,12 +39,16 @@ class SaveConfigWithLogger(SaveConfigCallback):
 
 class OmniCLI(LightningCLI):
     """LightningCLI plus what the module docstring lists. ``timings``: a dict to fill with the run's
-    phase times (wall clock), or None."""
+    phase times (wall clock), or None. ``finished``: ``--out_dir``'s finished requests as the
+    command-line checks read them, handed to the data module instead of a second reading."""
 
     writer: WaveformWriter | None = None
 
-    def __init__(self, *args: Any, timings: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, timings: dict[str, Any] | None = None, finished: Finished | None = None, **kwargs: Any
+    ) -> None:
         self.timings = timings
+        self.finished = finished
         self.profiler: PhaseProfiler | None = None
         super().__init__(*args, **kwargs)
 
@@ -80,6 +85,10 @@ class OmniCLI(LightningCLI):
         except ValueError as err:
             raise UsageError(f"the configuration could not be built: {err}") from err
         self._mark("built")
+        data, finished = getattr(self, "datamodule", None), self.finished
+        same = isinstance(data, CodesDataModule) and isinstance(data.skip_done, (str, Path)) and finished is not None
+        if same and Path(data.skip_done).resolve() == finished.out_dir.resolve():
+            data.skip_done = finished  # the folder as the checks read it a moment ago: not read again
 
     def before_predict(self) -> None:
         config = self.config[self.subcommand]
@@ -124,10 +133,13 @@ class OmniCLI(LightningCLI):
 
 
 def run_lightning_cli(
-    argv: list[str] | None = None, description: str | None = None, timings: dict[str, Any] | None = None
+    argv: list[str] | None = None,
+    description: str | None = None,
+    timings: dict[str, Any] | None = None,
+    finished: Finished | None = None,
 ) -> OmniCLI:
     """Parses ``argv`` (None: ``sys.argv``), builds model, data and trainer, runs the subcommand;
-    ``timings``: filled with the phases' wall-clock times (``cli --timings``)."""
+    ``timings`` and ``finished``: see :class:`OmniCLI`."""
     if timings is not None:
         timings["imported"] = time.time()  # torch and Lightning are loaded once this module is
     return OmniCLI(
@@ -143,4 +155,5 @@ def run_lightning_cli(
             "formatter_class": argparse.RawDescriptionHelpFormatter,
         },
         timings=timings,
+        finished=finished,
     )

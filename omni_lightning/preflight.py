@@ -46,6 +46,7 @@ class CommandLine:
     values: dict[str, Any]
     predict_ids: list[str] | None = None  # None: the sources are not all folders or manifests
     unread: list[Path] = field(default_factory=list)
+    finished: Finished | None = None  # --out_dir's finished requests, as finished_job read them
 
 
 def check_command_line(argv: list[str]) -> CommandLine | None:
@@ -217,9 +218,9 @@ def finished_job(command: CommandLine | None) -> str | None:
     out_dir = command.values.get("out_dir")
     if not isinstance(out_dir, str) or not Path(out_dir).is_dir():
         return None
-    finished = Finished.read(out_dir)
+    finished = command.finished = Finished.read(out_dir)
     if any(req_id not in finished for req_id in command.predict_ids):
-        return None
+        return None  # the run reuses this reading (lightning_cli hands it to the data module)
     remove_temp_files(finished.out_dir)
     finished.compact()
     stats = {"skipped": len(command.predict_ids)}

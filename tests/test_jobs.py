@@ -433,3 +433,29 @@ def test_training_crops_differ_between_loader_workers_and_epochs():
     epochs = [[int(item["codes"][0, 0]) for item in loader] for _ in range(2)]
     worker0, worker1 = epochs[0][0::2], epochs[0][1::2]
     assert worker0 != worker1 and epochs[0] != epochs[1]
+
+
+def test_one_reading_of_the_output_folder_decides_what_a_rerun_skips(tmp_path, monkeypatch):
+    from omni_lightning.cli import main
+    from omni_lightning.data.output_folder import Finished
+
+    ckpt = save_model(tmp_path / "ckpt")
+    src = tmp_path / "codes"
+    src.mkdir()
+    for i in range(3):
+        np.save(src / f"r{i}.npy", random_codes(1, 2 + i, seed=i)[0].numpy())
+    out = tmp_path / "out"
+    job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
+           "--data.predict", str(src), "--out_dir", str(out), "--trainer.accelerator", "cpu"]  # fmt: skip
+    assert main(job) == 0
+    (out / "r1.wav").unlink()  # r1 is no longer finished, r0 and r2 are
+    readings = []
+    read = Finished.read.__func__
+    monkeypatch.setattr(Finished, "read", classmethod(lambda cls, d: readings.append(d) or read(cls, d)))
+    forwards = []
+    monkeypatch.setattr(CodesDataset, "__getitem__", lambda ds, i, get=CodesDataset.__getitem__: forwards.append(
+        ds.entries[i].id) or get(ds, i))  # fmt: skip
+    assert main(job) == 0
+    assert readings == [str(out)]  # the checks read it before torch; data module and writer reuse that
+    assert forwards == ["r1"]  # finished requests were never loaded
+    assert sorted(rows(out)) == ["r0", "r1", "r2"] and (out / "r1.wav").is_file()

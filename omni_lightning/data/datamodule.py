@@ -32,8 +32,9 @@ class CodesDataModule(pl.LightningDataModule):
     4), so file reading overlaps compute where there are cores to spare. On CUDA, batches are
     collated into pinned memory, so their copy to the GPU does not wait for a staging copy.
 
-    ``skip_done``: a ``WaveformWriter``'s output folder. The predict requests its manifest lists as
-    finished (``output_folder.Finished``, read once in ``setup``) are neither read nor decoded, so a
+    ``skip_done``: a ``WaveformWriter``'s output folder (or its ``output_folder.Finished``, already
+    read). The predict requests its manifest lists as finished (read once, in ``setup``) are neither
+    read nor decoded, so a
     rerun resumes; ``predict_plan`` then records the job (every id, what was finished, input files
     not read), which the writer reads instead of the folder. The command line sets it to
     ``--out_dir``. Without it every request is decoded and the writer still writes no finished id twice.
@@ -53,7 +54,7 @@ class CodesDataModule(pl.LightningDataModule):
         config: str | None = None,
         seed: int = 0,
         duplicate_ids: str = "error",
-        skip_done: str | Path | None = None,
+        skip_done: str | Path | Finished | None = None,
     ) -> None:
         super().__init__()
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
@@ -93,7 +94,9 @@ class CodesDataModule(pl.LightningDataModule):
 
     def _setup_predict(self, sources: Any) -> None:
         many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
-        finished = Finished.read(self.skip_done) if self.skip_done is not None else None
+        finished = self.skip_done
+        if isinstance(finished, (str, Path)):
+            finished = Finished.read(finished)
         skip = finished.ids if finished is not None else set()
         datasets = [self._dataset(s, skip=skip) for s in (sources if many else [sources])]
         self.datasets["predict"] = datasets
