@@ -94,7 +94,7 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
            "--data.predict", str(src), "--out_dir", str(tmp_path / "out"), "--trainer.accelerator", "cpu"]  # fmt: skip
     mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
         "--model.max_frames_per_request": ("0", "the configuration could not be built: max_frames_per_request"),
-        "--data.batch_size": ("0", "batch_size must be >= 1, got 0"),
+        "--data.batch_size": ("0", "batch_size and max_frames must be >= 1, got 0"),
         "--trainer.enable_progress_bar": ("false", "Trainer was configured with `enable_progress_bar=False`"),
     }
     for flag, (value, message) in mistakes.items():

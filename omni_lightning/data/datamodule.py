@@ -10,9 +10,10 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from omni_lightning.data.collate import collate_codes
-from omni_lightning.data.dataset import CodesDataset
+from omni_lightning.data.dataset import BAD_INPUT_MODES, CodesDataset
 from omni_lightning.data.output_folder import Finished, PredictPlan
 from omni_lightning.data.sampler import LengthBucketBatchSampler
+from omni_lightning.data.sources import DUPLICATE_ID_MODES
 from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig
 
@@ -57,6 +58,14 @@ class CodesDataModule(pl.LightningDataModule):
         skip_done: str | Path | Finished | None = None,
     ) -> None:
         super().__init__()
+        # checked here, where a mistake is the caller's, not inside a dataloader hook: Lightning 2.6
+        # leaves DataLoader.__init__ patched when a hook raises
+        if batch_size < 1 or (max_frames is not None and max_frames < 1):
+            raise UsageError(f"batch_size and max_frames must be >= 1, got {batch_size} and {max_frames}")
+        if on_bad_input not in BAD_INPUT_MODES:
+            raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
+        if duplicate_ids not in DUPLICATE_ID_MODES:
+            raise UsageError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
         self.batch_size = batch_size
         self.max_frames = max_frames
