@@ -42,12 +42,14 @@ def quiet() -> None:
 def prepare_work_dir(work: Path) -> bool:
     """Makes ``work`` ready for a fresh run; True when a previous demo's outputs were removed.
 
-    ValueError when ``work`` is a file, or a non-empty folder the demo did not make.
+    UsageError when ``work`` is a file, or a non-empty folder the demo did not make.
     """
+    from omni_lightning.errors import UsageError
+
     if work.exists() and not work.is_dir():
-        raise ValueError(f"--work-dir {work} is a file: give a folder (it is created when missing)")
+        raise UsageError(f"--work-dir {work} is a file: give a folder (it is created when missing)")
     if work.is_dir() and any(work.iterdir()) and not (work / MARKER).is_file():
-        raise ValueError(f"--work-dir {work} is not empty and was not made by the demo: give a new or empty folder")
+        raise UsageError(f"--work-dir {work} is not empty and was not made by the demo: give a new or empty folder")
     previous = [work / name for name in OUTPUTS if (work / name).exists()]
     for path in previous:
         shutil.rmtree(path)

@@ -1,19 +1,32 @@
 """The LightningCLI behind ``omni-lightning`` (``omni_lightning.cli`` is the entry point, which checks
-the command line before this module, torch and Lightning are imported)."""
+the command line before this module, torch and Lightning are imported).
+
+What it adds to LightningCLI: ``--out_dir`` / ``--format`` / ``--subtype`` for predict (a
+``WaveformWriter``; the data module is told the same folder, ``--data.skip_done``, so finished requests
+are never read), the weights guard on the parsed config, configuration mistakes the classes raise while
+being built reported as usage errors, an end-of-run summary, and phase timings when asked.
+"""
 
 from __future__ import annotations
 
 import argparse
+import time
+from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
 
-from omni_lightning.callbacks.writer import MANIFEST, SUBTYPES, WaveformWriter, read_manifest
+from omni_lightning.callbacks.timings import PhaseProfiler
+from omni_lightning.callbacks.writer import WaveformWriter
 from omni_lightning.data.datamodule import CodesDataModule
+from omni_lightning.data.output_folder import FORMATS, Finished
+from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
-from omni_lightning.preflight import UsageError
+from omni_lightning.preflight import check_weights
 from omni_lightning.trainer import Trainer
+
+SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
 
 
 class SaveConfigWithLogger(SaveConfigCallback):
@@ -25,32 +38,82 @@ class SaveConfigWithLogger(SaveConfigCallback):
 
 
 class OmniCLI(LightningCLI):
-    """LightningCLI plus ``--out_dir`` for predict (WaveformWriter) and an end-of-run summary."""
+    """LightningCLI plus what the module docstring lists. ``timings``: a dict to fill with the run's
+    phase times (wall clock), or None. ``finished``: ``--out_dir``'s finished requests as the
+    command-line checks read them, handed to the data module instead of a second reading."""
 
     writer: WaveformWriter | None = None
 
+    def __init__(
+        self, *args: Any, timings: dict[str, Any] | None = None, finished: Finished | None = None, **kwargs: Any
+    ) -> None:
+        self.timings = timings
+        self.finished = finished
+        self.profiler: PhaseProfiler | None = None
+        super().__init__(*args, **kwargs)
+
+    def _mark(self, name: str) -> None:
+        if self.timings is not None:
+            self.timings[name] = time.time()
+
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument("--out_dir", type=str | None, default=None, help="predict: WAV files + manifest.jsonl")
-        parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16", help="predict: WAV sample format")
+        parser.add_argument("--out_dir", type=str | None, default=None, help="predict: audio files + manifest.jsonl")
+        parser.add_argument("--format", type=Literal[tuple(FORMATS)], default="wav", help="predict: wav or flac")
+        parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16",
+                            help="predict: sample format (FLAC: PCM_16 or PCM_24)")  # fmt: skip
+
+    def before_instantiate_classes(self) -> None:
+        self._mark("parsed")
+        if self.subcommand is None:
+            return  # run=False (benchmarks): the caller decides what runs
+        config = self.config[self.subcommand]
+        model = config.get("model")
+        if model is None or "random_weights" not in model:
+            return  # another model class: its own rules
+        check_weights(self.subcommand, model.checkpoint, config.get("ckpt_path"), model.random_weights)
+        if self.subcommand == "predict" and config.get("out_dir") and config.data.get("skip_done") is None:
+            config.data.skip_done = config.out_dir  # one reading of the folder decides what is finished
+
+    def instantiate_classes(self) -> None:
+        """Builds model, data and trainer. A ``ValueError`` a class raises while being built is about
+        the arguments it was given (a checkpoint that does not fit its preset, a setting out of
+        range): it is reported as a usage error. Errors after this point keep their own kind."""
+        try:
+            super().instantiate_classes()
+        except UsageError:
+            raise
+        except ValueError as err:
+            raise UsageError(f"the configuration could not be built: {err}") from err
+        self._mark("built")
+        data, finished = getattr(self, "datamodule", None), self.finished
+        same = isinstance(data, CodesDataModule) and isinstance(data.skip_done, (str, Path)) and finished is not None
+        if same and Path(data.skip_done).resolve() == finished.out_dir.resolve():
+            data.skip_done = finished  # the folder as the checks read it a moment ago: not read again
 
     def before_predict(self) -> None:
         config = self.config[self.subcommand]
         self.writer = None
         if config.get("out_dir"):
-            self.writer = WaveformWriter(config["out_dir"], subtype=config.get("subtype", "PCM_16"))
+            self.writer = WaveformWriter(config["out_dir"], subtype=config["subtype"], audio_format=config["format"])
             self.trainer.callbacks.append(self.writer)
             self.config_init[self.subcommand]["return_predictions"] = False  # the files are the output
         elif not any(isinstance(cb, BasePredictionWriter) for cb in self.trainer.callbacks):
-            raise UsageError("predict has no --out_dir: give the folder the WAV files and manifest.jsonl go to")
+            raise UsageError("predict has no --out_dir: give the folder the audio files and manifest.jsonl go to")
+        if self.timings is not None:
+            self.profiler = self.trainer.profiler = PhaseProfiler()
 
     def after_predict(self) -> None:
+        if self.timings is not None and self.profiler is not None:
+            self.timings.update(self.profiler.phases())
+            if self.writer is not None:
+                self.timings.update(writer=self.writer.timing, stats=self.writer.stats)
         if self.writer is not None and self.trainer.is_global_zero:
             print(f"predict: {self.writer.summary()}")
-            errors = [r for r in read_manifest(self.writer.out_dir / MANIFEST) if r.get("status") == "error"]
-            for row in errors[:20]:
-                print(f"  failed {row['id']}: {row['reason']}")
-            if len(errors) > 20:
-                print(f"  ... {len(errors) - 20} more in {self.writer.out_dir / MANIFEST}")
+            failed = list(self.writer.failed.items())
+            for req_id, reason in failed[:20]:
+                print(f"  failed {req_id}: {reason}")
+            if len(failed) > 20:
+                print(f"  ... {len(failed) - 20} more in {self.writer.out_dir / 'manifest.jsonl'}")
 
     def after_validate(self) -> None:
         self._print_metrics("validate")
@@ -69,8 +132,16 @@ class OmniCLI(LightningCLI):
             print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
 
-def run_lightning_cli(argv: list[str] | None = None, description: str | None = None) -> OmniCLI:
-    """Parses ``argv`` (None: ``sys.argv``), builds model, data and trainer, runs the subcommand."""
+def run_lightning_cli(
+    argv: list[str] | None = None,
+    description: str | None = None,
+    timings: dict[str, Any] | None = None,
+    finished: Finished | None = None,
+) -> OmniCLI:
+    """Parses ``argv`` (None: ``sys.argv``), builds model, data and trainer, runs the subcommand;
+    ``timings`` and ``finished``: see :class:`OmniCLI`."""
+    if timings is not None:
+        timings["imported"] = time.time()  # torch and Lightning are loaded once this module is
     return OmniCLI(
         Code2WavModule,
         CodesDataModule,
@@ -83,4 +154,6 @@ def run_lightning_cli(argv: list[str] | None = None, description: str | None = N
             "description": description,
             "formatter_class": argparse.RawDescriptionHelpFormatter,
         },
+        timings=timings,
+        finished=finished,
     )

@@ -37,6 +37,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
     HF-layout folder, see ``Code2Wav.from_pretrained``) or ``config`` (a preset name, a
     ``Code2WavConfig`` or its dict; random weights).
+    ``random_weights``: read only by the command line's weights guard (no checkpoint: predict refused).
 
     Predict and streaming run through a :class:`~omni_lightning.engine.DecodeEngine`: every request is
     exact at any length (long ones are decoded chunk by chunk, carrying state) and a forward decodes
@@ -61,6 +62,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         model: Code2Wav | None = None,
         config: str | dict | Code2WavConfig = "qwen3-omni",
         checkpoint: str | None = None,
+        random_weights: bool = False,
         frames_per_forward: int | None = None,
         fast_path: bool = True,
         # fine-tuning

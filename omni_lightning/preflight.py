@@ -1,42 +1,62 @@
 """Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
-either is imported (which takes ~10 s on a small machine): data sources, checkpoint folders, the
-preset name, ``--ckpt_path``, ``--out_dir``, config files.
+either is imported (which takes seconds): data sources and their ids (repeated ids listed), checkpoint
+folders, the preset name, ``--ckpt_path``, ``--out_dir``, the output format, config files, and the
+weights guard: ``predict``, ``validate`` and ``test`` need ``--model.checkpoint`` or ``--ckpt_path``
+unless ``--model.random_weights true`` (``fit`` may start from random weights).
 
-A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>``. Values come
-from the subcommand's ``--config`` files (a top-level ``--config`` too, under the subcommand's key) and
-from ``--key value`` / ``--key=value`` options, the last one winning as in jsonargparse. What these
-checks cannot see (a value set through an environment variable, a custom ``class_path`` for the
-model or data, a whole group given as ``--data file.yaml``) is left to the parser and the classes,
-whose ``ValueError``s the CLI also prints as one ``error:`` line.
+A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>`` (a repeated-id
+listing follows its line). Values come from the subcommand's ``--config`` files (a top-level
+``--config`` too, under the subcommand's key) and from ``--key value`` / ``--key=value`` options, the
+last one winning as in jsonargparse. What these checks cannot see (a value set through an environment
+variable, a custom ``class_path`` for the model or data, a whole group given as ``--data file.yaml``)
+is left to the parser, to ``lightning_cli`` (which applies the weights guard again to the parsed
+config) and to the classes, whose ``UsageError``s the CLI prints the same way.
+
+:func:`finished_job`: a predict job whose output folder already holds every request is done here,
+before torch loads (the folder's temp files removed and its manifest compacted, as a run's start does).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
+from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
+from omni_lightning.data.sources import list_source
+from omni_lightning.errors import UsageError
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 OWN_CLASSES = {"model": "Code2WavModule", "data": "CodesDataModule"}
 CKPT_KEYWORDS = ("last", "best", "hpc")
+NEEDS_WEIGHTS = ("predict", "validate", "test")
+__all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
 
-class UsageError(Exception):
-    """A mistake on the command line: printed as one ``error:`` line, exit status 2."""
+@dataclass
+class CommandLine:
+    """A checked command line: the subcommand, the values seen, and (predict) the job's requests."""
+
+    sub: str
+    values: dict[str, Any]
+    predict_ids: list[str] | None = None  # None: the sources are not all folders or manifests
+    unread: list[Path] = field(default_factory=list)
+    finished: Finished | None = None  # --out_dir's finished requests, as finished_job read them
 
 
-def check_command_line(argv: list[str]) -> None:
-    """Raises UsageError for the first problem found in ``argv`` (the arguments after the program)."""
+def check_command_line(argv: list[str]) -> CommandLine | None:
+    """Raises UsageError for the first problem found in ``argv`` (the arguments after the program);
+    None when there is nothing to check (help, no subcommand)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
-        return  # help and config printing need nothing to exist
+        return None  # help and config printing need nothing to exist
     sub_at = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
     if sub_at is None:
-        return  # the parser says which subcommands exist
+        return None  # the parser says which subcommands exist
     sub = argv[sub_at]
     values: dict[str, Any] = {}
     for path in _config_paths(argv[:sub_at]):
@@ -44,7 +64,7 @@ def check_command_line(argv: list[str]) -> None:
     for path in _config_paths(argv[sub_at + 1 :]):
         _merge(values, _read_config(path))
     _merge(values, _options(argv[sub_at + 1 :]))
-    _check(sub, values)
+    return _check(sub, values)
 
 
 def _config_paths(args: list[str]) -> list[str]:
@@ -121,7 +141,8 @@ def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:
     return {**group.get("init_args", {}), **{k: v for k, v in group.items() if k not in ("class_path", "init_args")}}
 
 
-def _check(sub: str, values: dict[str, Any]) -> None:
+def _check(sub: str, values: dict[str, Any]) -> CommandLine:
+    command = CommandLine(sub, values)
     data = _group(values, "data")
     if data is not None:
         required = REQUIRED_DATA[sub]
@@ -135,6 +156,7 @@ def _check(sub: str, values: dict[str, Any]) -> None:
             for item in source if isinstance(source, list) else [source]:
                 if isinstance(item, str):
                     check_source(f"--data.{key}", item)
+        _list_requests(command, data)
     model = _group(values, "model")
     if model is not None:
         checkpoint = model.get("checkpoint")
@@ -147,9 +169,62 @@ def _check(sub: str, values: dict[str, Any]) -> None:
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
     if local and ckpt_path not in CKPT_KEYWORDS and not Path(ckpt_path).is_file():
         raise UsageError(f"--ckpt_path {ckpt_path} does not exist: give a Lightning .ckpt file (fit saves them)")
-    out_dir = values.get("out_dir")
-    if sub == "predict" and isinstance(out_dir, str):
-        check_out_dir(out_dir)
+    if sub == "predict":
+        out_dir = values.get("out_dir")
+        if isinstance(out_dir, str):
+            check_out_dir(out_dir)
+        check_format(str(values.get("format") or "wav"), str(values.get("subtype") or "PCM_16"))
+    if model is not None:
+        check_weights(sub, model.get("checkpoint"), ckpt_path, model.get("random_weights"))
+    return command
+
+
+def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
+    """Lists the subcommand's requests (repeated ids refused as the dataset would); for predict,
+    keeps every id for :func:`finished_job` and refuses ids two sources share."""
+    keys = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[command.sub]
+    mode = str(data.get("duplicate_ids") or "error")
+    ids: list[str] | None = []
+    for key in keys:
+        sources = data.get(key)
+        for source in sources if isinstance(sources, list) else [sources]:
+            if not isinstance(source, str):
+                ids = None  # held in memory or given another way: the data module lists it
+                continue
+            entries, unread = list_source(source, mode)
+            if key == "predict" and ids is not None:
+                ids.extend(e.id for e in entries)
+                command.unread.extend(unread)
+    if command.sub == "predict" and ids is not None:
+        check_names(ids)
+        command.predict_ids = ids
+
+
+def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any) -> None:
+    """The weights guard: UsageError when ``sub`` needs weights and none are given (see the module docstring)."""
+    random = random_weights is True or str(random_weights).strip().lower() in ("true", "yes", "on", "1")
+    if sub in NEEDS_WEIGHTS and not checkpoint and not ckpt_path and not random:
+        raise UsageError(
+            f"{sub} has no weights: give --model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) or "
+            "--ckpt_path <Lightning .ckpt>; --model.random_weights true runs on random weights (benchmarks, demos)"
+        )
+
+
+def finished_job(command: CommandLine | None) -> str | None:
+    """The summary line of a predict job with nothing left to do (every request finished in
+    ``--out_dir``), or None. The folder is tidied as a run's start would tidy it."""
+    if command is None or command.sub != "predict" or command.predict_ids is None:
+        return None
+    out_dir = command.values.get("out_dir")
+    if not isinstance(out_dir, str) or not Path(out_dir).is_dir():
+        return None
+    finished = command.finished = Finished.read(out_dir)
+    if any(req_id not in finished for req_id in command.predict_ids):
+        return None  # the run reuses this reading (lightning_cli hands it to the data module)
+    remove_temp_files(finished.out_dir)
+    finished.compact()
+    stats = {"skipped": len(command.predict_ids)}
+    return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
 
 
 def check_source(flag: str, value: str) -> None:

@@ -3,9 +3,10 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import soundfile as sf
 import torch
-from helpers import cli
+from helpers import ROOT, cli, random_codes, save_model
 from wandb_records import history, wait_for_exit
 
 from omni_lightning import Code2WavModule, CodesDataset
@@ -80,3 +81,31 @@ def test_demo_runs_and_fine_tuning_moves_toward_the_teacher(tmp_path):
     before, after = (float(x.split()[0]) for x in line.split("teacher ")[1].split(" before fine-tuning, "))
     assert after < before
     assert len(list((tmp_path / "demo" / "wavs_after").glob("*.wav"))) == 4
+
+
+def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tmp_path, monkeypatch, capsys):
+    from omni_lightning.cli import main
+
+    ckpt = save_model(tmp_path / "ckpt")
+    src = tmp_path / "codes"
+    src.mkdir()
+    np.save(src / "a.npy", random_codes(1, 3)[0].numpy())
+    job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
+           "--data.predict", str(src), "--out_dir", str(tmp_path / "out"), "--trainer.accelerator", "cpu"]  # fmt: skip
+    mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
+        "--model.frames_per_forward": ("0", "the configuration could not be built: frames_per_forward"),
+        "--data.batch_size": ("0", "batch_size and max_frames must be >= 1, got 0"),
+        "--trainer.enable_progress_bar": ("false", "Trainer was configured with `enable_progress_bar=False`"),
+    }
+    for flag, (value, message) in mistakes.items():
+        assert main([*job, flag, value]) == 2
+        err = capsys.readouterr().err
+        assert f"error: {message}" in err and "Traceback" not in err, err
+
+    def broken(self, batch):
+        raise ValueError("an internal check failed")  # a bug deep inside: not the user's mistake
+
+    monkeypatch.setattr(Code2WavModule, "decode_batch", broken)
+    assert main(job) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "ValueError: an internal check failed" in err and "\nerror: " not in err

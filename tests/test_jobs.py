@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 from omni_lightning import Code2WavConfig, Code2WavModule, CodesDataModule, CodesDataset, Trainer, WaveformWriter
 from omni_lightning.callbacks.progress import AudioProgressBar
+from omni_lightning.data.output_folder import file_name
 from omni_lightning.models import validate_codes
 
 TINY = Code2WavConfig.from_name("tiny")
@@ -32,7 +33,7 @@ def model():
 
 def predict_to(out, source, model, **data_kw):
     writer = WaveformWriter(out)
-    data = CodesDataModule(predict=source if isinstance(source, dict) else str(source), **data_kw)
+    data = CodesDataModule(predict=source if isinstance(source, dict) else str(source), skip_done=out, **data_kw)
     Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), datamodule=data,
                                                           return_predictions=False)  # fmt: skip
     return writer
@@ -133,10 +134,10 @@ def test_ids_map_to_distinct_files_inside_out_dir_and_a_rerun_resumes(tmp_path, 
 
 
 def test_file_names_are_injective_and_case_clashes_are_refused():
-    from omni_lightning.callbacks.writer import check_names, wav_name
+    from omni_lightning.data.output_folder import check_names
 
     ids = [*TRICKY, "a", "a b ", "a  b", "x//a", "a" * 151, "", "a.", "a..", "ü2", "a~b~c"]
-    names = [wav_name(i) for i in ids]
+    names = [file_name(i) for i in ids]
     assert len(set(names)) == len(ids)
     assert all("/" not in n and not n.startswith(".") and len(n) <= 110 for n in names)
     check_names(["A", "b"], fold=True)
@@ -241,6 +242,20 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     wanted.append(("'tinyy'", "is not a preset: use one of qwen3-omni, tiny"))
     runs.append(["predict", "--config", "configs/predict.yaml", "--out_dir", str(tmp_path / "out")])
     wanted.append(("--data.predict", "is not set"))
+    for fmt, subtype, value, fix in (("flac", "FLOAT", "'FLOAT'", "cannot be written as flac: use one of PCM_16"),
+                                     ("mp3", "PCM_16", "'mp3'", "is not an output format: use one of wav, flac")):
+        runs.append([*good, "--format", fmt, "--subtype", subtype])
+        wanted.append((value, fix))
+    # the weights guard: no --model.checkpoint, no --ckpt_path, no --model.random_weights true
+    no_weights = {"predict": ["--config", "configs/predict.yaml", "--data.predict", str(tmp_path), "--out_dir",
+                              str(tmp_path / "out")],
+                  "validate": ["--config", "configs/eval_wandb.yaml", "--data.val", str(tmp_path)],
+                  "test": ["--config", "configs/eval_wandb.yaml", "--data.test", str(tmp_path)]}  # fmt: skip
+    for sub, args in no_weights.items():
+        for random in ([], ["--model.random_weights", "false"]):
+            runs.append([sub, *args, *random])
+            wanted.append((f"{sub} has no weights", "--model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) "
+                           "or --ckpt_path <Lightning .ckpt>; --model.random_weights true"))
     proc = subprocess.run([sys.executable, "-c", CHECK_MISTAKES, json.dumps(runs)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -251,6 +266,46 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
 
     debug = cli("predict", "--config", "configs/nope.yaml", "--debug").communicate(timeout=300)[0]
     assert "Traceback" in debug and "UsageError" in debug  # --debug keeps the traceback
+
+
+def test_a_rerun_with_nothing_left_to_do_ends_before_torch_is_imported(tmp_path):
+    src = tmp_path / "codes"
+    (src / "x").mkdir(parents=True)
+    for rid in ("a", "x/b"):
+        np.save(src / f"{rid}.npy", random_codes(1, 3)[0].numpy())
+    (src / "notes.txt").write_text("not codes")
+    out = tmp_path / "out"
+    out.mkdir()
+    for rid in ("a", "x/b"):  # as a finished run leaves them
+        (out / file_name(rid)).write_bytes(b"RIFF")
+    lines = [{"id": "a", "path": "a.wav", "status": "ok"}, {"id": "x/b", "status": "error", "reason": "earlier"},
+             {"id": "x/b", "path": file_name("x/b"), "status": "ok"}]  # fmt: skip
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"id": "torn')
+    (out / ".a.wav.tmp").write_bytes(b"left by a killed run")
+    config = tmp_path / "random.yaml"  # the weights guard's switch, set in a config file
+    config.write_text("model:\n  random_weights: true\n")
+    argv = ["predict", "--config", "configs/predict.yaml", "--config", str(config), "--data.predict", str(src),
+            "--out_dir", str(out), "--timings", str(tmp_path / "timings.json")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", NOTHING_TO_DO, json.dumps(argv)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["rc"] == 0 and not report["torch_imported"], proc.stderr
+    assert "0 requests written" in report["out"] and "2 already done, 0 failed" in report["out"]
+    assert "nothing left to do" in report["out"] and "1 input files not read" in report["out"]
+    assert not (out / ".a.wav.tmp").exists()  # the folder tidied as a run's start tidies it
+    assert [json.loads(x)["id"] for x in (out / "manifest.jsonl").read_text().splitlines()] == ["a", "x/b"]
+    timings = json.loads((tmp_path / "timings.json").read_text())
+    assert timings["process_start"] <= timings["main"] <= timings["checked"] <= timings["end"]
+
+
+NOTHING_TO_DO = """
+import contextlib, io, json, sys
+from omni_lightning.cli import main
+out = io.StringIO()
+with contextlib.redirect_stdout(out):
+    rc = main(json.loads(sys.argv[1]))
+print(json.dumps({"rc": rc, "out": out.getvalue(), "torch_imported": "torch" in sys.modules}))
+"""
 
 
 def test_cli_duplicate_ids_refuse_the_job_in_one_listing_and_help_prints_no_warnings(tmp_path):
@@ -378,3 +433,29 @@ def test_training_crops_differ_between_loader_workers_and_epochs():
     epochs = [[int(item["codes"][0, 0]) for item in loader] for _ in range(2)]
     worker0, worker1 = epochs[0][0::2], epochs[0][1::2]
     assert worker0 != worker1 and epochs[0] != epochs[1]
+
+
+def test_one_reading_of_the_output_folder_decides_what_a_rerun_skips(tmp_path, monkeypatch):
+    from omni_lightning.cli import main
+    from omni_lightning.data.output_folder import Finished
+
+    ckpt = save_model(tmp_path / "ckpt")
+    src = tmp_path / "codes"
+    src.mkdir()
+    for i in range(3):
+        np.save(src / f"r{i}.npy", random_codes(1, 2 + i, seed=i)[0].numpy())
+    out = tmp_path / "out"
+    job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
+           "--data.predict", str(src), "--out_dir", str(out), "--trainer.accelerator", "cpu"]  # fmt: skip
+    assert main(job) == 0
+    (out / "r1.wav").unlink()  # r1 is no longer finished, r0 and r2 are
+    readings = []
+    read = Finished.read.__func__
+    monkeypatch.setattr(Finished, "read", classmethod(lambda cls, d: readings.append(d) or read(cls, d)))
+    forwards = []
+    monkeypatch.setattr(CodesDataset, "__getitem__", lambda ds, i, get=CodesDataset.__getitem__: forwards.append(
+        ds.entries[i].id) or get(ds, i))  # fmt: skip
+    assert main(job) == 0
+    assert readings == [str(out)]  # the checks read it before torch; data module and writer reuse that
+    assert forwards == ["r1"]  # finished requests were never loaded
+    assert sorted(rows(out)) == ["r0", "r1", "r2"] and (out / "r1.wav").is_file()

@@ -1,8 +1,10 @@
-"""WaveformWriter and `omni-lightning predict`: real WAV files, resumable after kill -9, DDP on CPU."""
+"""WaveformWriter and `omni-lightning predict`: real audio files written by a background thread, resumable
+after kill -9 in the middle of its work, DDP on CPU."""
 
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -12,8 +14,10 @@ import soundfile as sf
 import torch
 from conftest import random_codes, random_model
 from helpers import cli, save_model, trainer_kwargs
+from lightning.pytorch.callbacks import Callback
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter
+from omni_lightning.callbacks.write_queue import BackgroundWriteError, WriteQueue
 
 
 def write_codes(folder: Path, lengths, bad=()):
@@ -62,52 +66,164 @@ def test_wav_files_and_manifest(tmp_path):
     assert writer.stats["ok"] == 4 and writer.stats["error"] == 1
 
 
-def test_float_subtype_and_bad_configuration(tmp_path):
+FORMAT_CASES = [("wav", "FLOAT", 0.0), ("wav", "PCM_24", 1.5 / 2**23), ("flac", "PCM_16", 1.5 / 2**15),
+                ("flac", "PCM_24", 1.5 / 2**23)]  # fmt: skip
+
+
+def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(tmp_path):
     model = random_model("tiny", seed=2)
-    manifest = write_codes(tmp_path / "data", [4])
-    writer = WaveformWriter(tmp_path / "out", subtype="FLOAT")
-    Trainer(**trainer_kwargs(callbacks=[writer])).predict(
-        Code2WavModule(model=model), datamodule=CodesDataModule(predict=str(manifest)), return_predictions=False
-    )
-    data, _ = sf.read(tmp_path / "out" / "r000.wav", dtype="float32")
+    lengths = [4, 9]
+    manifest = write_codes(tmp_path / "data", lengths)
     with torch.inference_mode():
-        assert np.array_equal(data, model(random_codes(1, 4, seed=0))[0, 0].numpy())
-    with pytest.raises(ValueError, match="subtype"):
-        WaveformWriter(tmp_path, subtype="MP3")
+        wants = [model(random_codes(1, n, seed=i))[0, 0].numpy() for i, n in enumerate(lengths)]
+    for audio_format, subtype, tolerance in FORMAT_CASES:
+        out = tmp_path / f"{audio_format}-{subtype}"
+        writer = WaveformWriter(out, subtype=subtype, audio_format=audio_format)
+        Trainer(**trainer_kwargs(callbacks=[writer])).predict(
+            Code2WavModule(model=model), datamodule=CodesDataModule(predict=str(manifest), batch_size=1),
+            return_predictions=False,  # batches of one: the same computation as the reference, bit for bit
+        )
+        rows = manifest_rows(out)
+        assert len(rows) == 2 and writer.all_written
+        for row in rows:
+            assert row["path"] == f"{row['id']}.{audio_format}"
+            assert (row["format"], row["subtype"]) == (audio_format, subtype)
+            info = sf.info(str(out / row["path"]))
+            assert info.format == audio_format.upper() and info.subtype == subtype
+            data, _ = sf.read(out / row["path"], dtype="float32")
+            want = wants[int(row["id"][1:])]
+            assert data.shape == want.shape and np.abs(data - want).max() <= tolerance, (audio_format, subtype)
+    for bad, named in ((dict(subtype="MP3"), "MP3"), (dict(audio_format="ogg"), "ogg"),
+                       (dict(audio_format="flac", subtype="FLOAT"), "FLOAT")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            WaveformWriter(tmp_path, **bad)
 
 
-def test_kill_9_then_rerun_writes_every_request_exactly_once(tmp_path):
+def test_a_file_that_cannot_be_written_fails_only_its_request_and_a_rerun_writes_it(tmp_path):
+    model = random_model("tiny", seed=2)
+    manifest = write_codes(tmp_path / "data", [4, 5, 6])
+    out = tmp_path / "out"
+    (out / "r001.wav").mkdir(parents=True)  # a folder where r001's file goes: renaming onto it fails
+
+    def predict():
+        writer = WaveformWriter(out)
+        data = CodesDataModule(predict=str(manifest), batch_size=3, skip_done=out)
+        Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), datamodule=data,
+                                                              return_predictions=False)  # fmt: skip
+        return writer
+
+    writer = predict()
+    rows = {r["id"]: r for r in manifest_rows(out)}
+    assert rows["r000"]["status"] == rows["r002"]["status"] == "ok"
+    assert rows["r001"]["status"] == "error" and "could not write r001.wav" in rows["r001"]["reason"]
+    assert writer.stats["ok"] == 2 and writer.stats["error"] == 1 and not writer.all_written
+    assert not list(out.glob(".*.tmp"))
+    (out / "r001.wav").rmdir()
+    again = predict()
+    assert (again.stats["ok"], again.stats["skipped"], again.stats["error"]) == (1, 2, 0) and again.all_written
+    assert sorted((r["id"], r["status"]) for r in manifest_rows(out)) == [(f"r00{i}", "ok") for i in range(3)]
+
+
+class BreakManifest(Callback):
+    """Turns the manifest into a folder once predict has started: the background thread's append fails."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_predict_start(self, trainer, pl_module):
+        (self.out / "manifest.jsonl").unlink()
+        (self.out / "manifest.jsonl").mkdir()
+
+
+def test_an_error_of_the_background_writer_stops_predict_with_that_error(tmp_path):
+    manifest = write_codes(tmp_path / "data", [3, 4, 5, 6, 7])
+    writer = WaveformWriter(tmp_path / "out", max_pending=1)
+    trainer = Trainer(**trainer_kwargs(callbacks=[writer, BreakManifest(tmp_path / "out")]))
+    with pytest.raises(BackgroundWriteError) as err:
+        trainer.predict(Code2WavModule(model=random_model("tiny")), return_predictions=False,
+                        datamodule=CodesDataModule(predict=str(manifest), batch_size=1))  # fmt: skip
+    assert isinstance(err.value.__cause__, IsADirectoryError)
+    assert not [t for t in threading.enumerate() if t.name.startswith("omni-lightning")]  # the threads stopped
+
+
+def test_write_queue_runs_items_in_order_and_never_hangs_on_a_failed_worker():
+    done = []
+    queue = WriteQueue(done.append, max_pending=2)
+    for i in range(20):
+        queue.put(i)
+    queue.drain()
+    assert done == list(range(20))
+    queue.close()
+
+    def fail(item):
+        if item == 1:
+            raise OSError("disk gone")
+        time.sleep(0.01)
+        done.append(item)
+
+    done.clear()
+    queue = WriteQueue(fail, max_pending=1)
+    with pytest.raises(BackgroundWriteError, match="disk gone"):
+        for i in range(50):  # blocks on the full queue at times: the worker's error ends the wait
+            queue.put(i)
+    assert done == [0]  # nothing after the failed item ran, nothing ran out of order
+    with pytest.raises(BackgroundWriteError):
+        queue.close()
+    assert not queue._thread.is_alive()
+
+
+def test_kill_9_while_the_background_writer_is_mid_batch_then_rerun_writes_every_request_once(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
-    manifest = write_codes(tmp_path / "data", [50 + (i * 7) % 40 for i in range(40)])
+    lengths = [20 + (i * 7) % 30 for i in range(16)]
+    manifest = write_codes(tmp_path / "data", lengths)
     out = tmp_path / "out"
     args = ["predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
-            "--data.predict", str(manifest), "--data.batch_size", "1", "--out_dir", str(out)]  # fmt: skip
+            "--data.predict", str(manifest), "--data.batch_size", "4", "--out_dir", str(out)]  # fmt: skip
+    # Batches are sorted by length, so the longest request is in the last batch. Its temp file is made a
+    # FIFO, whose open blocks until a reader comes, as a stalled disk would: the background thread stops
+    # in the middle of that batch, the batch's other files in durable temp files, not yet renamed or listed.
+    target = f"r{max(range(16), key=lambda i: (lengths[i], i)):03d}"
     proc = cli(*args)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "manifest.jsonl").is_file() and len((out / "manifest.jsonl").read_text().splitlines()) >= 3:
-            break
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not manifest_rows_or_none(out):
         time.sleep(0.05)
-    assert proc.poll() is None, "the job ended before it could be killed:\n" + proc.stdout.read()
+    assert proc.poll() is None, "the job ended before the writer could be stalled:\n" + proc.stdout.read()
+    os.mkfifo(out / f".{target}.wav.tmp")
+    while proc.poll() is None and time.time() < deadline and len(temp_files(out)) < 2:
+        time.sleep(0.05)
+    assert proc.poll() is None and len(temp_files(out)) >= 2, "the writer never got to the stalled batch"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    written = len(manifest_rows(out))
-    assert 3 <= written < 40
+    proc.stdout.close()
+    rows = manifest_rows(out)
+    assert 1 <= len(rows) < 16 and all((out / r["path"]).is_file() for r in rows)  # a line only for a durable file
+    assert target not in {r["id"] for r in rows} and not (out / f"{target}.wav").exists()
+
     rerun = cli(*args)
     log = rerun.communicate(timeout=600)[0]
     assert rerun.returncode == 0, log
+    assert f"{16 - len(rows)} requests written" in log and f"{len(rows)} already done" in log
     rows = manifest_rows(out)
     ids = [r["id"] for r in rows]
-    assert sorted(ids) == [f"r{i:03d}" for i in range(40)] and len(set(ids)) == 40
+    assert sorted(ids) == [f"r{i:03d}" for i in range(16)] and len(set(ids)) == 16
     assert all(r["status"] == "ok" for r in rows)
-    assert f"{written} already done" in log
     model = Code2Wav.from_pretrained(ckpt)
     for r in rows:
         info = sf.info(str(out / r["path"]))
-        n = np.load(tmp_path / "data" / "codes" / f"{r['id']}.npy").shape[-1]
-        assert info.frames == r["n_samples"] == model.output_length(n) and info.samplerate == 24000
-    assert not list(out.glob(".*.tmp"))
-    assert sorted(p.name for p in out.glob("*.wav")) == sorted(r["path"] for r in rows)
+        assert info.frames == r["n_samples"] == model.output_length(lengths[int(r["id"][1:])])
+    assert temp_files(out) == [] and sorted(p.name for p in out.glob("*.wav")) == sorted(r["path"] for r in rows)
+
+    done = cli(*args)  # nothing left: decided before the model is built
+    log = done.communicate(timeout=120)[0]
+    assert done.returncode == 0 and "16 already done" in log and "nothing left to do" in log, log
+
+
+def temp_files(out: Path) -> list[Path]:
+    return sorted(out.glob(".*.tmp"))
+
+
+def manifest_rows_or_none(out: Path):
+    return manifest_rows(out) if (out / "manifest.jsonl").is_file() else None
 
 
 def test_cli_predict_with_bad_entries_and_summary(tmp_path):
@@ -115,12 +231,21 @@ def test_cli_predict_with_bad_entries_and_summary(tmp_path):
     manifest = write_codes(tmp_path / "data", [6, 9, 3, 4], bad={"r001": "missing", "r002": "range"})
     out = tmp_path / "out"
     proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
-               "--data.predict", str(manifest), "--out_dir", str(out))  # fmt: skip
+               "--data.predict", str(manifest), "--out_dir", str(out),
+               "--timings", str(tmp_path / "t.json"))  # fmt: skip
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 3, log  # finished, but not every request was written
     assert "2 requests written" in log and "2 failed" in log and "failed r001" in log
     rows = {r["id"]: r["status"] for r in manifest_rows(out)}
     assert rows == {"r000": "ok", "r001": "error", "r002": "error", "r003": "ok"}
+    # --timings: the phases as the run saw them (wall clock), in order, and the writer's share
+    t = json.loads((tmp_path / "t.json").read_text())
+    order = ["process_start", "main", "checked", "imported", "parsed", "built", "predict_start", "first_batch",
+             "last_batch_end", "predict_end", "end"]  # fmt: skip
+    assert [t[k] for k in order] == sorted(t[k] for k in order), t
+    assert t["batches"] >= 1 and t["stats"]["ok"] == 2 and set(t["writer"]) == {"queue_wait_s", "write_busy_s",
+                                                                                 "drain_s"}  # fmt: skip
+    assert "timings (since process start): Lightning loaded" in log
 
 
 def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
@@ -137,3 +262,22 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     assert sorted(r["id"] for r in rows) == [f"r{i:03d}" for i in range(13)]
     assert not list(out.glob("manifest.rank*.jsonl"))
     assert len(list(out.glob("*.wav"))) == 13
+
+
+def test_ctrl_c_writes_what_was_decoded_then_exits_130(tmp_path):
+    ckpt = save_model(tmp_path / "ckpt")
+    manifest = write_codes(tmp_path / "data", [20 + (i * 7) % 30 for i in range(12)])
+    out = tmp_path / "out"
+    proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
+               "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out))  # fmt: skip
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and not manifest_rows_or_none(out):
+        time.sleep(0.05)
+    assert proc.poll() is None, "the job ended before it could be interrupted:\n" + proc.stdout.read()
+    seen = len(manifest_rows(out))
+    proc.send_signal(signal.SIGINT)
+    log = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130 and "error: interrupted" in log, log
+    rows = manifest_rows(out)
+    assert seen <= len(rows) < 12 and all((out / r["path"]).is_file() for r in rows)
+    assert temp_files(out) == []  # the background thread finished its batches: nothing half-written

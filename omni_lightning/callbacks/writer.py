@@ -1,39 +1,43 @@
-"""``WaveformWriter``: each request's waveform to ``<out_dir>/<name>.wav``, resumable, nothing lost.
+"""``WaveformWriter``: each request's waveform to ``<out_dir>/<name>.wav`` (or ``.flac``), written off
+the predict loop's thread, resumable, nothing lost.
 
-- File names come from ids injectively (:func:`wav_name`): an id made of letters, digits, ``_``,
-  ``-`` and ``.`` (not first), up to 100 characters, is its own name (``utt1`` -> ``utt1.wav``);
-  any other id gets a readable part plus 16 hex digits of the SHA-256 of the exact id after a ``~``,
-  which no plain id contains (``x/a b`` -> ``x_a_b~<hash>.wav``). A name never holds a path
-  separator or starts with a dot, so no id writes outside ``out_dir``. Before anything is decoded
-  the writer refuses a job in which two requests share an id (over all predict sources) or a file
-  name (on a case-insensitive file system, names that differ only by case). ``manifest.jsonl`` maps
-  each id to its file (``path``).
-- Each WAV is written to a temp file in ``out_dir`` and renamed into place (atomic), then a line
-  ``{"id", "path", "n_samples", "duration_s", "sr", "status": "ok"}`` is appended to
-  ``manifest.jsonl``, flushed and fsynced per batch. Bad requests get ``{"id", "status": "error",
-  "reason"}``.
-- A rerun with the same ``out_dir`` skips ids that are complete (in the manifest and file present):
-  the writer tells a ``CodesDataModule`` to drop them before any dataloader is built, and never
-  writes an id twice. Temp files of a killed run are removed, and the manifest is compacted to one
-  line per id (error lines are dropped so those requests are tried again).
-- Writing lags one batch behind predict, so the host copy of a batch (``AsyncD2HCallback``) is
-  waited for only while the next batch computes; the last batch is written at epoch end, and on an
-  exception the batch already computed is written before the error propagates.
-- Under DDP every rank writes only its own requests (the sampler gives each request to one rank)
-  into ``manifest.rank<r>.jsonl``; rank 0 merges them into ``manifest.jsonl`` at the end (and at the
-  next start, after a killed run). The counts (``stats``: written, failed, audio seconds) are summed
-  over ranks at the end, so every rank's ``summary()`` and ``all_written`` describe the whole job.
-- At the end, every request the job was given is either written (now or by an earlier run) or
-  recorded as failed; one that is neither is counted in ``stats["missing"]`` (a bug, never silent).
+- Names, formats and what is finished are ``data/output_folder.py``'s: file names come from ids
+  injectively and never leave ``out_dir``; WAV as PCM_16, PCM_24 or FLOAT, FLAC as PCM_16 or PCM_24.
+  Before anything is decoded the writer refuses a job in which two requests share an id (over all
+  predict sources) or a file name (on a case-insensitive file system, names that differ only by case).
+- **Off the critical path.** At each batch end the writer takes the previous batch (its host copy,
+  ``AsyncD2HCallback``, ran under the step that just launched), decides on the loop's thread which
+  of its requests to write, and hands them to a :class:`WriteQueue`. A background thread encodes the
+  batch's files on ``encoders`` threads, each into a temp file in ``out_dir`` that is fsynced, then
+  commits the batch in order: the files renamed into place, one fsync of the folder, then the batch's
+  manifest lines ``{"id", "path", "format", "subtype", "n_samples", "duration_s", "sr", "status": "ok"}``
+  appended to ``manifest.jsonl`` and fsynced once. The loop waits for the disk only when
+  ``max_pending`` batches are queued.
+- **Exactly once, kill -9 safe.** A manifest line is written only after its file is durable, so a
+  crash leaves at worst temp files (removed at the next start) and files without a line (written
+  again). A rerun writes no finished id again (``output_folder.Finished``); at its start the
+  manifest is compacted to the finished lines (error lines dropped, so those requests are tried
+  again). With ``CodesDataModule(skip_done=out_dir)`` finished requests are not even decoded and the
+  writer reuses that module's reading of the folder (``predict_plan``); it never changes the data.
+- **Failures.** A request whose file cannot be written gets ``{"id", "status": "error", "reason"}``
+  and the others go on; so do bad requests (the reason from the data). Any other failure of the
+  background thread (the manifest itself cannot be written) is raised in the loop at the next batch
+  or at the end, never lost. On an exception or Ctrl-C in predict, the batches already computed are
+  written before the error propagates.
+- **DDP.** Every rank writes only its own requests into ``manifest.rank<r>.jsonl``; rank 0 merges
+  them into ``manifest.jsonl`` at the end (and compacts them at the next start, after a killed run).
+  The counts (``stats``) are summed over ranks, so every rank's ``summary()`` and ``all_written``
+  describe the whole job.
+- At the end every request of the job is either written (now or by an earlier run) or recorded as
+  failed; one that is neither is counted in ``stats["missing"]`` (a bug, never silent).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,92 +45,53 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from omni_lightning.callbacks.write_queue import WriteQueue
+from omni_lightning.data.output_folder import (
+    MANIFEST,
+    Finished,
+    PredictPlan,
+    case_insensitive,
+    check_format,
+    check_names,
+    file_name,
+    file_stem,
+    fsync_write,
+    merge_manifests,
+    remove_temp_files,
+    summary_line,
+)
 from omni_lightning.runner.output import OmniModelRunnerOutput
-
-MANIFEST = "manifest.jsonl"
-SUBTYPES = ("PCM_16", "PCM_24", "FLOAT")
-
-
-_PLAIN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,99}")
-
-
-def wav_name(req_id: str) -> str:
-    """The WAV file name of a request id; injective (see the module docstring)."""
-    if _PLAIN_ID.fullmatch(req_id):
-        return f"{req_id}.wav"
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", req_id)[:80].lstrip(".") or "id"
-    digest = hashlib.sha256(req_id.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-    return f"{readable}~{digest}.wav"
-
-
-def _case_insensitive(folder: Path) -> bool:
-    """Whether ``folder``'s file system folds case (macOS and Windows defaults): probed with a file."""
-    probe = folder / f".Case-Probe-{os.getpid()}.tmp"
-    try:
-        probe.touch()
-        return (folder / probe.name.lower()).exists()
-    finally:
-        probe.unlink(missing_ok=True)
-
-
-def check_names(req_ids: list[str], fold: bool = False) -> None:
-    """ValueError, listing them, when two requests share an id or a file name (``fold``: names that
-    differ only by case count as one, as on a case-insensitive file system)."""
-    owners: dict[str, list[str]] = {}
-    for req_id in req_ids:
-        name = wav_name(req_id)
-        owners.setdefault(name.casefold() if fold else name, []).append(req_id)
-    clashes = [ids for ids in owners.values() if len(ids) > 1]
-    if clashes:
-        shown = "; ".join(", ".join(repr(i) for i in ids) for ids in clashes[:10])
-        more = f" ... ({len(clashes) - 10} more)" if len(clashes) > 10 else ""
-        what = "ids or file names that differ only by case (this file system ignores case)" if fold else "ids"
-        raise ValueError(
-            f"{len(clashes)} group(s) of requests share {what}, so one WAV would overwrite another; nothing "
-            f"was decoded. Make the ids unique: {shown}{more}"
-        )
-
-
-def read_manifest(path: Path) -> list[dict[str, Any]]:
-    """The lines of a manifest; a torn last line (a killed writer) is ignored."""
-    rows = []
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(row, dict) and "id" in row:
-                rows.append(row)
-    return rows
-
-
-def _fsync_write(path: Path, text: str, mode: str = "a") -> None:
-    with open(path, mode) as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class WaveformWriter(BasePredictionWriter):
-    """Writes WAV files and a manifest from ``OmniModelRunnerOutput``; see the module docstring."""
+    """Writes audio files and a manifest from ``OmniModelRunnerOutput``; see the module docstring.
 
-    def __init__(self, out_dir: str | Path, subtype: str = "PCM_16", skip_done: bool = True) -> None:
+    ``max_pending``: batches queued for the background thread before the loop waits for it.
+    ``encoders``: threads that encode and fsync files in parallel (None: up to 4, one per core).
+    """
+
+    def __init__(self, out_dir: str | Path, subtype: str = "PCM_16", audio_format: str = "wav",
+                 max_pending: int = 4, encoders: int | None = None) -> None:  # fmt: skip
         super().__init__(write_interval="batch")
-        if subtype not in SUBTYPES:
-            raise ValueError(f"subtype must be one of {SUBTYPES}, got {subtype!r}")
+        check_format(audio_format, subtype)
         self.out_dir = Path(out_dir)
-        self.subtype = subtype
-        self.skip_done = skip_done
-        self.done: set[str] = set()
+        self.subtype, self.audio_format = subtype, audio_format
+        self.max_pending = max_pending
+        self.encoders = encoders or min(4, os.cpu_count() or 1)
         self._pending: OmniModelRunnerOutput | None = None
         self._manifest = self.out_dir / MANIFEST
         self.stats = self._zero_stats()
+        self.failed: dict[str, str] = {}  # id -> reason, this run's (under DDP, rank 0: every rank's)
         self.unread: list[Path] = []  # input files that are not code files (listed in the summary)
+        self.timing: dict[str, float] = {}
         self._expected: set[str] = set()
+        self._finished = Finished(self.out_dir)
         self._fold = False  # the file system ignores case
-        self._names: dict[str, str] = {}  # file name (casefolded when _fold) -> the id written there
-        self._written_now: set[str] = set()
+        self._owners: dict[str, str] = {}  # file stem (casefolded when _fold) -> the id written there
+        self._claimed: set[str] = set()  # ids handed to the background thread in this run
+        self._ok_now: set[str] = set()  # ids the background thread wrote in this run
+        self._queue: WriteQueue | None = None
+        self._pool: ThreadPoolExecutor | None = None
         self._start = 0.0
 
     @staticmethod
@@ -135,71 +100,131 @@ class WaveformWriter(BasePredictionWriter):
 
     @property
     def all_written(self) -> bool:
-        """True when every request of the job has its WAV (written now or by an earlier run)."""
+        """True when every request of the job has its file (written now or by an earlier run)."""
         return self.stats["error"] == 0 and self.stats["missing"] == 0
 
-    # --- run start: compact the manifest, clean up, tell the data what to skip -------------------
+    # --- run start: what is finished, clean up, start the background thread ---------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "predict":
             return
         rank, world = trainer.global_rank, trainer.world_size
         self._manifest = self.out_dir / (MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl")
+        plan = getattr(trainer.datamodule, "predict_plan", None)
+        if not (isinstance(plan, PredictPlan) and plan.out_dir.resolve() == self.out_dir.resolve()):
+            plan = None  # no data module told of this folder: the writer reads it itself
+        finished = plan.finished if plan is not None else None
         if rank == 0:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            for tmp in self.out_dir.glob(".*.tmp"):
-                tmp.unlink()
-            self._merge()
+            remove_temp_files(self.out_dir)
+            finished = finished or Finished.read(self.out_dir)
+            finished.compact()
         trainer.strategy.barrier("WaveformWriter.setup")
-        done_rows = [r for r in read_manifest(self.out_dir / MANIFEST) if r.get("status") == "ok"]
-        self.done = {r["id"] for r in done_rows}
-        self._fold = _case_insensitive(self.out_dir)
-        self._names = {self._key(r.get("path", "")): r["id"] for r in done_rows}
-        self._written_now = set()
+        self._finished = finished or Finished.read(self.out_dir)
+        self._fold = case_insensitive(self.out_dir)
+        self._owners = self._finished.owners(self._fold)
+        self._claimed, self._ok_now, self.failed = set(), set(), {}
         self.stats = self._zero_stats()
-        datamodule = trainer.datamodule
         self._expected, self.unread = set(), []
-        if datamodule is not None and hasattr(datamodule, "predict_ids"):
-            ids = datamodule.predict_ids()
-            check_names(ids, self._fold)  # before anything is decoded, on every rank alike
-            self._expected = set(ids)
-            self.unread = datamodule.unread_files()
-        if self.skip_done and self.done and datamodule is not None and hasattr(datamodule, "skip_requests"):
-            self.stats["skipped"] = datamodule.skip_requests(self.done)
-
-    def _key(self, name: str) -> str:
-        return name.casefold() if self._fold else name
-
-    def _merge(self, keep_errors: bool = False) -> None:
-        """Rank parts into manifest.jsonl, one line per id (an ok line whose file exists wins).
-
-        At a run's start error lines are dropped (those requests are tried again); at a DDP run's
-        end they are kept.
-        """
-        parts = sorted(self.out_dir.glob("manifest.rank*.jsonl"))
-        rows: dict[str, dict[str, Any]] = {}
-        for path in [self.out_dir / MANIFEST, *parts]:
-            for row in read_manifest(path):
-                ok = row.get("status") == "ok" and (self.out_dir / row.get("path", "")).is_file()
-                if ok or (keep_errors and rows.get(row["id"], {}).get("status") != "ok"):
-                    rows[row["id"]] = row
-        tmp = self.out_dir / f".{MANIFEST}.tmp"
-        _fsync_write(tmp, "".join(json.dumps(r) + "\n" for r in rows.values()), mode="w")
-        os.replace(tmp, self.out_dir / MANIFEST)
-        for path in parts:
-            path.unlink()
+        if plan is not None:
+            check_names(plan.ids, self._fold)  # before anything is decoded, on every rank alike
+            self._expected, self.unread = set(plan.ids), plan.unread
+            self.stats["skipped"] = plan.skipped
+        self._close(drain=False)
+        self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="omni-lightning-encoder")
+        self._queue = WriteQueue(self._write_batch, self.max_pending)
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
 
-    # --- per batch, one batch behind ----------------------------------------------------------------
+    # --- per batch, one batch behind: decided here, written on the background thread -------------------
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         if not isinstance(prediction, OmniModelRunnerOutput):
             raise TypeError(f"WaveformWriter needs OmniPredictionLoop outputs, got {type(prediction).__name__}")
         previous, self._pending = self._pending, prediction
         if previous is not None:
-            self._write(previous)
+            self._submit(previous)
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._submit(pending)
+
+    def _submit(self, output: OmniModelRunnerOutput) -> None:
+        """Decides, on the loop's thread, what to write; queues it (waits only on a full queue)."""
+        files, lines = [], []
+        for req_id, payload in zip(output.req_ids, output.pooler_output):
+            # the data module skips finished requests and checks ids up front; plain dataloaders get this net
+            stem_key = self._key(file_stem(req_id))
+            owner = self._owners.get(stem_key)
+            if req_id in self._claimed:
+                lines.append(_error(req_id, "duplicate id: a request with this id was already written in this run"))
+            elif req_id in self._finished:  # finished by an earlier run, and the data was not told to skip it
+                self.stats["skipped"] += 1
+            elif owner is not None and owner != req_id:
+                lines.append(_error(req_id, f"its file name {file_name(req_id, self.audio_format)} is taken by "
+                                            f"request {owner!r}"))  # fmt: skip
+            else:
+                self._claimed.add(req_id)
+                self._owners[stem_key] = req_id
+                files.append((req_id, payload["model_outputs"], int(payload["sr"])))
+        lines += [_error(req_id, reason) for req_id, reason in output.errors.items()]
+        if files or lines:
+            self._queue.put((files, lines))
+
+    def _key(self, stem: str) -> str:
+        return stem.casefold() if self._fold else stem
+
+    # --- on the background thread --------------------------------------------------------------------
+
+    def _write_batch(self, work: tuple[list, list]) -> None:
+        files, lines = work
+        written = list(self._pool.map(self._encode, files))
+        committed = []
+        for req_id, name, n_samples, sr, problem in written:
+            if problem is None:
+                try:
+                    os.replace(self.out_dir / f".{name}.tmp", self.out_dir / name)
+                except OSError as err:
+                    problem = f"could not write {name}: {type(err).__name__}: {err}"
+                    (self.out_dir / f".{name}.tmp").unlink(missing_ok=True)
+            if problem is not None:
+                lines.append(_error(req_id, problem))
+                continue
+            committed.append(req_id)
+            lines.append({"id": req_id, "path": name, "format": self.audio_format, "subtype": self.subtype,
+                          "n_samples": n_samples, "duration_s": n_samples / sr, "sr": sr, "status": "ok"})  # fmt: skip
+            self.stats["audio_s"] += n_samples / sr
+        if committed:
+            _fsync_folder(self.out_dir)  # the renames are durable before any line names their files
+        fsync_write(self._manifest, "".join(_json_line(line) for line in lines))
+        self._ok_now.update(committed)
+        self.stats["ok"] += len(committed)
+        for line in lines:
+            if line["status"] == "error":
+                self.failed[line["id"]] = line["reason"]
+                self.stats["error"] += 1
+
+    def _encode(self, file: tuple[str, Any, int]) -> tuple[str, str, int, int, str | None]:
+        """One file into its durable temp file; a failure is this request's (its reason returned)."""
+        import soundfile as sf
+
+        req_id, wav, sr = file
+        name = file_name(req_id, self.audio_format)
+        tmp = self.out_dir / f".{name}.tmp"
+        try:
+            data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else wav.reshape(-1)
+            with open(tmp, "wb") as f:
+                sf.write(f, data, sr, subtype=self.subtype, format=self.audio_format.upper())
+                f.flush()
+                os.fsync(f.fileno())
+        except Exception as err:  # whatever encoding or the disk raises, it is this request's failure
+            tmp.unlink(missing_ok=True)
+            return req_id, name, 0, sr, f"could not write {name}: {type(err).__name__}: {err}"
+        return req_id, name, int(data.shape[0]), sr, None
+
+    # --- run end or error: drain, merge, summary -------------------------------------------------------
 
     def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush()
@@ -207,84 +232,63 @@ class WaveformWriter(BasePredictionWriter):
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         try:  # what was computed before the error is kept
             self._flush()
+            self._close(drain=True)
         except Exception:  # the original error matters more than a failed last write
-            self._pending = None
+            self._close(drain=False)
 
-    def _flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._write(pending)
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._close(drain=False)  # already closed, unless predict ended on a path that skipped its hooks
 
-    def _write(self, output: OmniModelRunnerOutput) -> None:
-        import soundfile as sf
-
-        lines = []
-        for req_id, payload in zip(output.req_ids, output.pooler_output):
-            # the data module drops finished and checks ids up front; plain dataloaders get this net
-            name = wav_name(req_id)
-            owner = self._names.get(self._key(name))
-            reason = None
-            if req_id in self._written_now:
-                reason = "duplicate id: a request with this id was already written in this run"
-            elif req_id in self.done:  # finished by an earlier run, and the data was not told to skip it
-                self.stats["skipped"] += 1
-                continue
-            elif owner is not None and owner != req_id:
-                reason = f"its file name {name} is taken by request {owner!r}"
-            if reason is not None:
-                lines.append({"id": req_id, "status": "error", "reason": reason})
-                self.stats["error"] += 1
-                continue
-            wav, sr = payload["model_outputs"], int(payload["sr"])
-            data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else wav
-            tmp = self.out_dir / f".{name}.tmp"
-            with open(tmp, "wb") as f:
-                sf.write(f, data, sr, subtype=self.subtype, format="WAV")
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.out_dir / name)
-            n = int(data.shape[0])
-            lines.append({"id": req_id, "path": name, "n_samples": n, "duration_s": n / sr, "sr": sr, "status": "ok"})
-            self.done.add(req_id)
-            self._written_now.add(req_id)
-            self._names[self._key(name)] = req_id
-            self.stats["ok"] += 1
-            self.stats["audio_s"] += n / sr
-        for req_id, reason in output.errors.items():
-            lines.append({"id": req_id, "status": "error", "reason": reason})
-            self.stats["error"] += 1
-        if lines:
-            _fsync_write(self._manifest, "".join(json.dumps(line) + "\n" for line in lines))
-
-    # --- run end: merge, summary -------------------------------------------------------------------
+    def _close(self, drain: bool) -> None:
+        queue, self._queue = self._queue, None
+        try:
+            if queue is not None:
+                start = time.perf_counter()
+                queue.close(drain=drain)
+                self.timing = {"queue_wait_s": queue.waited_s, "write_busy_s": queue.busy_s,
+                               "drain_s": time.perf_counter() - start}  # fmt: skip
+        finally:
+            pool, self._pool = self._pool, None  # the background thread has stopped using it
+            if pool is not None:
+                pool.shutdown(wait=True)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._flush()
+        self._close(drain=True)
         self.stats["seconds"] = time.perf_counter() - self._start
-        if trainer.world_size > 1:
-            trainer.strategy.barrier("WaveformWriter.end")
-            if trainer.global_rank == 0:
-                self._merge(keep_errors=True)
-            # every rank wrote its own share: sum the counts, so each rank reports the whole job
-            own = [self.stats["ok"], self.stats["error"], self.stats["audio_s"]]
-            total = trainer.strategy.reduce(
-                torch.tensor(own, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum"
-            )
-            ok, error, audio_s = total.tolist()  # rank 0 merged before it joined this reduce
-            self.stats.update(ok=round(ok), error=round(error), audio_s=audio_s)
-        recorded = {r["id"] for r in read_manifest(self.out_dir / MANIFEST)}
-        self.stats["missing"] = len(self._expected - recorded)
+        if trainer.world_size == 1:
+            recorded = self._finished.ids | self._ok_now | set(self.failed)
+            self.stats["missing"] = len(self._expected - recorded)
+            return
+        trainer.strategy.barrier("WaveformWriter.end")
+        missing = 0
+        if trainer.global_rank == 0:
+            rows = merge_manifests(self.out_dir)
+            missing = len(self._expected - set(rows))
+            self.failed = {i: r["reason"] for i, r in rows.items() if r.get("status") == "error"}
+        # every rank wrote its own share: sum the counts, so each rank reports the whole job
+        own = [self.stats["ok"], self.stats["error"], self.stats["audio_s"], missing]
+        total = trainer.strategy.reduce(
+            torch.tensor(own, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum"
+        )
+        ok, error, audio_s, missing = total.tolist()  # rank 0 merged before it joined this reduce
+        self.stats.update(ok=round(ok), error=round(error), audio_s=audio_s, missing=round(missing))
 
     def summary(self) -> str:
-        s = self.stats
-        rate = s["audio_s"] / s["seconds"] if s["seconds"] else 0.0
-        text = (
-            f"{s['ok']} requests written ({s['audio_s']:.1f} s of audio, {rate:.1f} audio s/s), "
-            f"{s['skipped']} already done, {s['error']} failed -> {self.out_dir.resolve()}"
-        )
-        if s["missing"]:
-            text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
-        if self.unread:
-            names = ", ".join(str(p) for p in self.unread[:5]) + (", ..." if len(self.unread) > 5 else "")
-            text += f"; {len(self.unread)} input files not read (not code files): {names}"
-        return text
+        return summary_line(self.stats, self.out_dir, self.unread)
+
+
+def _error(req_id: str, reason: str) -> dict[str, Any]:
+    return {"id": req_id, "status": "error", "reason": reason}
+
+
+def _json_line(row: dict[str, Any]) -> str:
+    return json.dumps(row) + "\n"
+
+
+def _fsync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +10,11 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from omni_lightning.data.collate import collate_codes
-from omni_lightning.data.dataset import CodesDataset
+from omni_lightning.data.dataset import BAD_INPUT_MODES, CodesDataset
+from omni_lightning.data.output_folder import Finished, PredictPlan
 from omni_lightning.data.sampler import LengthBucketBatchSampler
+from omni_lightning.data.sources import DUPLICATE_ID_MODES
+from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig
 
 Source = str | Path | list
@@ -26,7 +30,15 @@ class CodesDataModule(pl.LightningDataModule):
     training crops. ``num_workers``: loader processes; None picks 0 for data already in memory
     (tensors: a worker would only add a fork and a copy of every batch through shared memory) and
     otherwise Lightning's suggestion for this machine (0 when it suggests one or fewer, else up to
-    4), so file reading overlaps compute where there are cores to spare.
+    4), so file reading overlaps compute where there are cores to spare. On CUDA, batches are
+    collated into pinned memory, so their copy to the GPU does not wait for a staging copy.
+
+    ``skip_done``: a ``WaveformWriter``'s output folder (or its ``output_folder.Finished``, already
+    read). The predict requests its manifest lists as finished (read once, in ``setup``) are neither
+    read nor decoded, so a
+    rerun resumes; ``predict_plan`` then records the job (every id, what was finished, input files
+    not read), which the writer reads instead of the folder. The command line sets it to
+    ``--out_dir``. Without it every request is decoded and the writer still writes no finished id twice.
     """
 
     def __init__(
@@ -43,8 +55,17 @@ class CodesDataModule(pl.LightningDataModule):
         config: str | None = None,
         seed: int = 0,
         duplicate_ids: str = "error",
+        skip_done: str | Path | Finished | None = None,
     ) -> None:
         super().__init__()
+        # checked here, where a mistake is the caller's, not inside a dataloader hook: Lightning 2.6
+        # leaves DataLoader.__init__ patched when a hook raises
+        if batch_size < 1 or (max_frames is not None and max_frames < 1):
+            raise UsageError(f"batch_size and max_frames must be >= 1, got {batch_size} and {max_frames}")
+        if on_bad_input not in BAD_INPUT_MODES:
+            raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
+        if duplicate_ids not in DUPLICATE_ID_MODES:
+            raise UsageError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
         self.batch_size = batch_size
         self.max_frames = max_frames
@@ -54,7 +75,9 @@ class CodesDataModule(pl.LightningDataModule):
         self.config = config
         self.seed = seed
         self.duplicate_ids = duplicate_ids
+        self.skip_done = skip_done
         self.datasets: dict[str, Any] = {}
+        self.predict_plan: PredictPlan | None = None
 
     def _config(self) -> Code2WavConfig | str:
         if self.config is not None:
@@ -62,17 +85,15 @@ class CodesDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
 
-    def _dataset(self, source: Any, train: bool = False) -> CodesDataset:
+    def _dataset(self, source: Any, train: bool = False, skip: Collection[str] = ()) -> CodesDataset:
         if isinstance(source, CodesDataset):
             return source
         return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input, duplicate_ids=self.duplicate_ids,
-                            crop_frames=self.crop_frames if train else None, seed=self.seed)  # fmt: skip
+                            crop_frames=self.crop_frames if train else None, seed=self.seed, skip=skip)  # fmt: skip
 
     def setup(self, stage: str) -> None:
         if stage == "predict" and self.sources["predict"] is not None:
-            sources = self.sources["predict"]
-            many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
-            self.datasets["predict"] = [self._dataset(s) for s in sources] if many else [self._dataset(sources)]
+            self._setup_predict(self.sources["predict"])
         if stage == "fit" and self.sources["fit"] is not None:
             self.datasets["fit"] = self._dataset(self.sources["fit"], train=True)
         if stage in ("fit", "validate") and self.sources["validate"] is not None:
@@ -80,17 +101,17 @@ class CodesDataModule(pl.LightningDataModule):
         if stage == "test" and self.sources["test"] is not None:
             self.datasets["test"] = self._dataset(self.sources["test"])
 
-    def skip_requests(self, ids: set[str]) -> int:
-        """Drops already finished requests from the predict data (called by ``WaveformWriter``)."""
-        return sum(ds.drop(ids) for ds in self.datasets.get("predict", []))
-
-    def predict_ids(self) -> list[str]:
-        """Every predict request's id, over all predict sources (``WaveformWriter`` checks them)."""
-        return [req_id for ds in self.datasets.get("predict", []) for req_id in ds.ids]
-
-    def unread_files(self) -> list[Path]:
-        """Files of the predict folders that are not code files (listed in the writer's summary)."""
-        return [p for ds in self.datasets.get("predict", []) for p in ds.unread]
+    def _setup_predict(self, sources: Any) -> None:
+        many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
+        finished = self.skip_done
+        if isinstance(finished, (str, Path)):
+            finished = Finished.read(finished)
+        skip = finished.ids if finished is not None else set()
+        datasets = [self._dataset(s, skip=skip) for s in (sources if many else [sources])]
+        self.datasets["predict"] = datasets
+        if finished is not None:
+            ids = [i for ds in datasets for i in (*ds.skipped, *ds.ids)]
+            self.predict_plan = PredictPlan(finished, ids, [p for ds in datasets for p in ds.unread])
 
     def _workers(self, dataset: CodesDataset) -> int:
         if self.num_workers is not None:
@@ -107,11 +128,13 @@ class CodesDataModule(pl.LightningDataModule):
         sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
         batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,
                                            max_frames=self.max_frames, shuffle=shuffle, seed=self.seed)  # fmt: skip
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset))
+        pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
+        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
+                          pin_memory=pin)  # fmt: skip
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:
-            raise ValueError(f"CodesDataModule has no {stage!r} data: pass it to the constructor")
+            raise UsageError(f"CodesDataModule has no {stage!r} data: pass it to the constructor")
         return self.datasets[stage]
 
     def predict_dataloader(self) -> list[DataLoader]:

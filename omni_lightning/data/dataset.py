@@ -14,13 +14,18 @@ checked. A float, bool or complex file is a bad request naming its dtype.
 
 Ids must be unique: ``duplicate_ids="error"`` (default) refuses the whole source before anything is
 decoded, listing every repeated id and where it occurs; ``"rename"`` keeps the first occurrence's id and
-numbers the repeats (``a``, ``a#2``, ``a#3``, skipping ids that exist).
+numbers the repeats (``a``, ``a#2``, ``a#3``, skipping ids that exist). Ids and files come from
+``sources.py``, which the command line also uses before torch loads. ``skip``: ids left out (a
+resumed job's finished requests, see ``output_folder.py``): their files are never opened.
 
-Every entry is checked once when the dataset is built (file readable, integer ``[Q, T]``, codes in
-range, audio readable) and again when it is loaded. Any exception from one request's files is that
-request's failure, never the run's. ``on_bad_input="raise"`` stops at construction, listing every bad
-entry; ``"skip"`` keeps bad entries as error items (``{"id", "error"}``) that flow through the batches
-to the writer, which records them, while the rest is predicted.
+Every entry is checked when the dataset is built and again, fully, when it is loaded. With
+``on_bad_input="raise"`` the build reads every file and stops, listing every bad entry, before
+anything is decoded. With ``"skip"`` (what a prediction job uses) the build reads only the header of
+``.npy`` and ``.safetensors`` files (shape and dtype: enough to size, sort and refuse most bad
+files), so each file's codes are read once, when loaded; a request whose values turn out bad there
+(codes out of range, a file changed since) becomes an error item (``{"id", "error"}``) that flows
+through the batches to the writer, which records it, while the rest is predicted. Any exception from
+one request's files is that request's failure, never the run's.
 
 Audio (paired data for fine-tuning and evaluation) is read with soundfile, mixed to mono, resampled
 with torchaudio to the model's rate when it differs, and aligned to the codes by this rule: request
@@ -30,36 +35,27 @@ audio is zero-padded and ``audio_length`` marks the real samples, so the pad nev
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset
 
-from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
-from omni_lightning.data.io import check_audio, load_audio, load_codes_file
+from omni_lightning.data.files import CODE_SUFFIXES
+from omni_lightning.data.io import check_audio, codes_file_layout, load_audio, load_codes_file
+from omni_lightning.data.sources import Entry, list_source, unique_ids
+from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.models.codes import check_codes_layout
 
 BAD_INPUT_MODES = ("raise", "skip")
-DUPLICATE_ID_MODES = ("error", "rename")
 
 
-@dataclass
-class Entry:
-    id: str
-    codes: Path | torch.Tensor
-    audio: Path | None = None
-    n_frames: int = 0
-    error: str | None = None
-    where: str = ""  # "line 3" of a manifest, a file of a folder: where a duplicate id comes from
-
-
-def check_request(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tensor:
-    """One request's codes as Long ``[Q, T]`` (any integer dtype widened), or a ValueError naming it."""
+def check_layout(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tensor:
+    """One request's codes as ``[Q, T]`` after the checks that read no value (type, dtype, shape,
+    codebook count, emptiness); works on meta tensors. ValueError naming the request."""
     if not isinstance(codes, torch.Tensor):
         raise ValueError(f"request {req_id!r}: codes must be a tensor, got {type(codes).__name__}")
     if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
@@ -69,6 +65,13 @@ def check_request(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tens
         codes = codes[0]
     if codes.dim() != 2:
         raise ValueError(f"request {req_id!r}: codes must have shape [codebooks, frames], got {tuple(codes.shape)}")
+    check_codes_layout(codes[None], config, req_ids=[req_id])
+    return codes
+
+
+def check_request(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tensor:
+    """One request's codes as Long ``[Q, T]`` (any integer dtype widened), or a ValueError naming it."""
+    codes = check_layout(codes, config, req_id)
     if codes.dtype == torch.uint64 and codes.numel():  # values past int64's range would wrap negative
         top = int(codes.numpy().max())
         if top >= config.codebook_size:
@@ -94,13 +97,12 @@ class CodesDataset(Dataset):
         crop_frames: int | None = None,
         seed: int = 0,
         duplicate_ids: str = "error",
+        skip: Collection[str] = (),
     ) -> None:
         if on_bad_input not in BAD_INPUT_MODES:
-            raise ValueError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
-        if duplicate_ids not in DUPLICATE_ID_MODES:
-            raise ValueError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
+            raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if crop_frames is not None and crop_frames < 1:
-            raise ValueError(f"crop_frames must be >= 1, got {crop_frames}")
+            raise UsageError(f"crop_frames must be >= 1, got {crop_frames}")
         self.config = resolve_config(config)
         self.on_bad_input = on_bad_input
         self.load_audio = load_audio
@@ -108,39 +110,34 @@ class CodesDataset(Dataset):
         self._rng = random.Random(seed)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
-        self.entries = self._entries(source)
-        _unique_ids(self.entries, self.source, rename=duplicate_ids == "rename")
+        if isinstance(source, (str, Path)):
+            self.entries, self.unread = list_source(source, duplicate_ids)
+        else:
+            items = source.items() if isinstance(source, Mapping) else enumerate(source)
+            self.entries = [Entry(str(k), v) for k, v in items]
+            unique_ids(self.entries, self.source, duplicate_ids)
         if self.unread:
             from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
             suffixes = ", ".join(CODE_SUFFIXES)
             rank_zero_warn(f"{_listing(self.unread, self.source)} not read: not code files ({suffixes})")
+        self.skipped = [e.id for e in self.entries if e.id in skip]  # finished already: never opened
+        if self.skipped:
+            self.entries = [e for e in self.entries if e.id not in skip]
         for entry in self.entries:
             if entry.error is None:
                 self._scan(entry)
         bad = [e for e in self.entries if e.error is not None]
         if bad and on_bad_input == "raise":
             lines = "\n".join(f"  {e.id}: {e.error}" for e in bad)
-            raise ValueError(f"{len(bad)} bad request(s) in {self.source}:\n{lines}")
-
-    def _entries(self, source: Any) -> list[Entry]:
-        if isinstance(source, Mapping):
-            return [Entry(str(k), v) for k, v in source.items()]
-        if isinstance(source, (list, tuple)):
-            return [Entry(str(i), v) for i, v in enumerate(source)]
-        path = Path(source)
-        if path.is_dir():
-            files, self.unread = scan_folder(path)
-            if not files:
-                raise ValueError(f"no code files ({', '.join(CODE_SUFFIXES)}) in {path}")
-            return [Entry(req_id, p, where=str(p.relative_to(path))) for req_id, p in files]
-        if path.is_file():
-            return _read_manifest(path)
-        raise ValueError(f"data source {path} is neither a manifest file nor a folder")
+            raise UsageError(f"{len(bad)} bad request(s) in {self.source}:\n{lines}")
 
     def _scan(self, entry: Entry) -> None:
         try:
-            codes = self._load_codes(entry)
+            layout = None
+            if isinstance(entry.codes, Path) and self.on_bad_input == "skip":
+                layout = codes_file_layout(entry.codes)  # the values are checked when loaded
+            codes = check_layout(layout, self.config, entry.id) if layout is not None else self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
             if entry.audio is not None and self.load_audio:
                 check_audio(entry.audio)
@@ -163,12 +160,6 @@ class CodesDataset(Dataset):
         if getattr(self, "_worker_seed", None) != info.seed:
             self._worker_seed, self._worker_rng = info.seed, random.Random(info.seed)
         return self._worker_rng
-
-    def drop(self, ids: set[str]) -> int:
-        """Removes the entries with these ids (a resumed run's finished requests); returns how many."""
-        before = len(self.entries)
-        self.entries = [e for e in self.entries if e.id not in ids]
-        return before - len(self.entries)
 
     @property
     def ids(self) -> list[str]:
@@ -230,57 +221,3 @@ def _listing(paths: Sequence[Path], folder: Any, limit: int = 10) -> str:
     names = [str(p.relative_to(folder)) if isinstance(folder, (str, Path)) else str(p) for p in paths[:limit]]
     more = f", ... ({len(paths) - limit} more)" if len(paths) > limit else ""
     return f"{len(paths)} file(s) in {folder} ({', '.join(names)}{more})"
-
-
-def _unique_ids(entries: list[Entry], source: Any, rename: bool) -> None:
-    """Refuses repeated ids, listing each with where it occurs; or, with ``rename``, numbers the repeats."""
-    places: dict[str, list[Entry]] = {}
-    for entry in entries:
-        places.setdefault(entry.id, []).append(entry)
-    repeated = {req_id: group for req_id, group in places.items() if len(group) > 1}
-    if not repeated:
-        return
-    if not rename:
-        shown = [f"  {req_id!r}: {', '.join(e.where or '?' for e in group)}" for req_id, group in repeated.items()]
-        more = [f"  ... ({len(shown) - 20} more)"] if len(shown) > 20 else []
-        raise ValueError(
-            f"{len(repeated)} request id(s) occur more than once in {source}; each id names one output "
-            "file, so nothing was decoded. Make the ids unique, or number the repeats with "
-            "duplicate_ids='rename' (CLI: --data.duplicate_ids rename):\n" + "\n".join(shown[:20] + more)
-        )
-    taken = set(places)
-    for req_id, group in repeated.items():
-        k = 2
-        for entry in group[1:]:
-            while f"{req_id}#{k}" in taken:
-                k += 1
-            entry.id = f"{req_id}#{k}"
-            taken.add(entry.id)
-
-
-def _read_manifest(path: Path) -> list[Entry]:
-    entries = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-            if not isinstance(row, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as err:
-            entries.append(Entry(f"line-{line_no}", Path(), error=f"{path}:{line_no}: invalid JSON ({err})",
-                                 where=f"line {line_no}"))  # fmt: skip
-            continue
-        codes = row.get("codes")
-        req_id = row.get("id")
-        req_id = str(req_id) if req_id is not None else (Path(codes).stem if isinstance(codes, str) else "")
-        req_id = req_id or f"line-{line_no}"
-        where = f"line {line_no}"
-        if not isinstance(codes, str):
-            entries.append(Entry(req_id, Path(), error=f"{path}:{line_no}: no 'codes' path", where=where))
-            continue
-        audio = row.get("audio")
-        entries.append(Entry(req_id, path.parent / codes, path.parent / audio if audio else None, where=where))
-    if not entries:
-        raise ValueError(f"manifest {path} lists no request")
-    return entries

@@ -1,11 +1,13 @@
 """Reading requests' files: code files (``.npy``, ``.pt``, ``.safetensors``) and audio (soundfile).
 
 Every failure is a ``ValueError`` naming the file, never the reader's own exception type, so one bad
-file is one recorded bad request.
+file is one recorded bad request. :func:`codes_file_layout` reads only a file's header (shape and
+dtype), so a job's requests can be sized and sorted without reading their codes twice.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -49,11 +51,70 @@ def _numpy_to_tensor(path: Path, array: Any) -> torch.Tensor:
 
     if not isinstance(array, np.ndarray):
         raise ValueError(f"codes file {path} holds a {type(array).__name__}, not an array")
-    if array.dtype.kind not in "biuf":  # strings, objects, records: nothing torch can hold
-        raise ValueError(f"codes file {path} holds {array.dtype} values; codes must be integers")
+    _check_numpy_dtype(path, array.dtype)
     if not array.dtype.isnative:  # big-endian files: torch takes native byte order only
         array = array.astype(array.dtype.newbyteorder("="))
     return torch.from_numpy(np.ascontiguousarray(array))
+
+
+def _check_numpy_dtype(path: Path, dtype: Any) -> None:
+    if dtype.kind not in "biuf":  # strings, objects, records: nothing torch can hold
+        raise ValueError(f"codes file {path} holds {dtype} values; codes must be integers")
+
+
+# safetensors' header dtype names
+_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+                       "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
+                       "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                       "F64": torch.float64}  # fmt: skip
+
+
+def codes_file_layout(path: Path) -> torch.Tensor | None:
+    """An empty tensor on the meta device with the shape and dtype of a code file, read from its
+    header only (``.npy``, ``.safetensors``); None for ``.pt`` (a pickle: only a full read tells).
+    ValueError naming the file when the header cannot be read."""
+    if path.suffix not in (".npy", ".safetensors"):
+        return None
+    if not path.is_file():
+        raise ValueError(f"codes file {path} does not exist")
+    try:
+        header = _npy_header(path) if path.suffix == ".npy" else _safetensors_header(path)
+    except Exception as err:  # a corrupt header raises anything from numpy, json or a short read
+        raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
+    if path.suffix == ".npy":
+        import numpy as np
+
+        shape, dtype = header
+        _check_numpy_dtype(path, dtype)
+        torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
+    else:
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        if "codes" not in tensors and len(tensors) != 1:
+            raise ValueError(f"codes file {path} holds tensors {sorted(tensors)}; name one 'codes'")
+        info = tensors.get("codes") or next(iter(tensors.values()))
+        shape, torch_dtype = tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"])
+        if torch_dtype is None:
+            raise ValueError(f"codes file {path} holds {info['dtype']} values; codes must be integers")
+    return torch.empty(shape, dtype=torch_dtype, device="meta")
+
+
+def _npy_header(path: Path) -> tuple[tuple[int, ...], Any]:
+    import numpy as np
+
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, _, dtype = read(f)
+    return shape, dtype
+
+
+def _safetensors_header(path: Path) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    for name, info in header.items():  # the shape of every entry is checked here, inside the caller's try
+        if name != "__metadata__" and not (isinstance(info["shape"], list) and isinstance(info["dtype"], str)):
+            raise ValueError(f"tensor {name!r} has no valid shape and dtype")
+    return header
 
 
 def check_audio(path: Path) -> None:

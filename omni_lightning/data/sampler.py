@@ -7,6 +7,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch.utils.data import BatchSampler, Sampler
 
+from omni_lightning.errors import UsageError
+
 
 class LengthBucketBatchSampler(BatchSampler):
     """Sorts the indices ``sampler`` yields by length and cuts them into batches.
@@ -29,9 +31,9 @@ class LengthBucketBatchSampler(BatchSampler):
         seed: int = 0,
     ) -> None:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise UsageError(f"batch_size must be >= 1, got {batch_size}")
         if max_frames is not None and max_frames < 1:
-            raise ValueError(f"max_frames must be >= 1, got {max_frames}")
+            raise UsageError(f"max_frames must be >= 1, got {max_frames}")
         if lengths is None:
             dataset = getattr(sampler, "dataset", None) or getattr(sampler, "data_source", None)
             lengths = getattr(dataset, "lengths", None)

@@ -1,0 +1,109 @@
+"""The requests a data source lists, without reading any code file: each request's id, files and where
+it comes from (a folder's code files, a JSONL manifest's lines), repeated ids refused or numbered.
+
+Standard library only: the command line lists a job with it before torch loads (a rerun with nothing
+left to do ends there), and ``CodesDataset`` builds its entries with it, so both see the same ids.
+What it does not do: open a code file (``CodesDataset`` checks them) or look at an output folder
+(``output_folder.py`` decides what is finished).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
+from omni_lightning.errors import UsageError
+
+DUPLICATE_ID_MODES = ("error", "rename")
+
+
+@dataclass
+class Entry:
+    id: str
+    codes: Any  # a Path, or a tensor for a source held in memory
+    audio: Path | None = None
+    n_frames: int = 0
+    error: str | None = None
+    where: str = ""  # "line 3" of a manifest, a file of a folder: where a duplicate id comes from
+
+
+def list_source(source: str | Path, duplicate_ids: str = "error") -> tuple[list[Entry], list[Path]]:
+    """``(entries, unread files)`` of a folder or a manifest, ids made unique (see :func:`unique_ids`).
+
+    UsageError when the source is neither, a folder holds no code file or a manifest no request.
+    """
+    path = Path(source)
+    unread: list[Path] = []
+    if path.is_dir():
+        files, unread = scan_folder(path)
+        if not files:
+            raise UsageError(f"no code files ({', '.join(CODE_SUFFIXES)}) in {path}")
+        entries = [Entry(req_id, p, where=str(p.relative_to(path))) for req_id, p in files]
+    elif path.is_file():
+        entries = read_manifest_entries(path)
+    else:
+        raise UsageError(f"data source {path} is neither a manifest file nor a folder")
+    unique_ids(entries, source, duplicate_ids)
+    return entries, unread
+
+
+def read_manifest_entries(path: Path) -> list[Entry]:
+    """One entry per non-blank line; a line that is not a JSON object or names no codes is a bad entry
+    (its id ``line-<n>`` or its own), never the end of the job. No ``id``: the codes file's stem."""
+    entries = []
+    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"line {line_no}"
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as err:
+            reason = f"{path}:{line_no}: invalid JSON ({err})"
+            entries.append(Entry(f"line-{line_no}", Path(), error=reason, where=where))
+            continue
+        codes = row.get("codes")
+        req_id = row.get("id")
+        req_id = str(req_id) if req_id is not None else (Path(codes).stem if isinstance(codes, str) else "")
+        req_id = req_id or f"line-{line_no}"
+        if not isinstance(codes, str):
+            entries.append(Entry(req_id, Path(), error=f"{path}:{line_no}: no 'codes' path", where=where))
+            continue
+        audio = row.get("audio")
+        entries.append(Entry(req_id, path.parent / codes, path.parent / audio if audio else None, where=where))
+    if not entries:
+        raise UsageError(f"manifest {path} lists no request")
+    return entries
+
+
+def unique_ids(entries: list[Entry], source: Any, duplicate_ids: str = "error") -> None:
+    """Refuses repeated ids (``"error"``: UsageError listing each with where it occurs) or numbers the
+    repeats (``"rename"``: the first keeps its id, then ``a#2``, ``a#3``, skipping ids that exist)."""
+    if duplicate_ids not in DUPLICATE_ID_MODES:
+        raise UsageError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
+    places: dict[str, list[Entry]] = {}
+    for entry in entries:
+        places.setdefault(entry.id, []).append(entry)
+    repeated = {req_id: group for req_id, group in places.items() if len(group) > 1}
+    if not repeated:
+        return
+    if duplicate_ids == "error":
+        shown = [f"  {req_id!r}: {', '.join(e.where or '?' for e in group)}" for req_id, group in repeated.items()]
+        more = [f"  ... ({len(shown) - 20} more)"] if len(shown) > 20 else []
+        raise UsageError(
+            f"{len(repeated)} request id(s) occur more than once in {source}; each id names one output "
+            "file, so nothing was decoded. Make the ids unique, or number the repeats with "
+            "duplicate_ids='rename' (CLI: --data.duplicate_ids rename):\n" + "\n".join(shown[:20] + more)
+        )
+    taken = set(places)
+    for req_id, group in repeated.items():
+        k = 2
+        for entry in group[1:]:
+            while f"{req_id}#{k}" in taken:
+                k += 1
+            entry.id = f"{req_id}#{k}"
+            taken.add(entry.id)
