@@ -66,8 +66,10 @@ def test_wav_files_and_manifest(tmp_path):
     assert writer.stats["ok"] == 4 and writer.stats["error"] == 1
 
 
-FORMAT_CASES = [("wav", "FLOAT", 0.0), ("wav", "PCM_24", 1.5 / 2**23), ("flac", "PCM_16", 1.5 / 2**15),
-                ("flac", "PCM_24", 1.5 / 2**23)]  # fmt: skip
+# the engine's forward (state, in-place residuals, chunks padded to a bucket) rounds in another order
+# than the whole decode: 1e-5 is fp32's share of that, far below PCM_24's step
+FORMAT_CASES = [("wav", "FLOAT", 1e-5), ("wav", "PCM_24", 1.5 / 2**23 + 1e-5), ("flac", "PCM_16", 1.5 / 2**15),
+                ("flac", "PCM_24", 1.5 / 2**23 + 1e-5)]  # fmt: skip
 
 
 def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(tmp_path):
@@ -81,7 +83,7 @@ def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(t
         writer = WaveformWriter(out, subtype=subtype, audio_format=audio_format)
         Trainer(**trainer_kwargs(callbacks=[writer])).predict(
             Code2WavModule(model=model), datamodule=CodesDataModule(predict=str(manifest), batch_size=1),
-            return_predictions=False,  # batches of one: the same computation as the reference, bit for bit
+            return_predictions=False,
         )
         rows = manifest_rows(out)
         assert len(rows) == 2 and writer.all_written

@@ -136,7 +136,10 @@ def _add_pointwise_(x: torch.Tensor, h: torch.Tensor, conv: CausalConv1d, step: 
     """``x + conv1x1(h)`` without the bias, one GEMM with the residual as its accumulator (in place in
     inference; autograd needs ``x`` kept)."""
     channels = x.shape[-1]
-    weight = conv.conv.weight.view(conv.conv.out_channels, -1).t()
+    # under autocast (bf16-mixed) the stream is in the autocast dtype and the weights are not: the
+    # in-place GEMM is not autocast, so it takes the stream's dtype explicitly
+    weight = conv.conv.weight.view(conv.conv.out_channels, -1).t().to(x.dtype)
+    h = h.to(x.dtype)
     if step.kernels.inplace and x.is_contiguous():
         return x.view(-1, channels).addmm_(h.reshape(-1, h.shape[-1]), weight).view(x.shape)
     return torch.addmm(x.reshape(-1, channels), h.reshape(-1, h.shape[-1]), weight).view(x.shape)
