@@ -26,30 +26,17 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from workload import rel_l2, timed
 
 from omni_lightning import Code2Wav, StreamingDecoder, randomize_weights
 from omni_lightning.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def clock(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
 
 
 class Redecode:
@@ -106,11 +93,6 @@ def profile(stream_step: Callable[[int, int], dict], start: int, args: argparse.
     print(table, file=sys.stderr, flush=True)
 
 
-def rel_l2(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.double().flatten(), ref.double().flatten()
-    return ((x - ref).norm() / ref.norm()).item()
-
-
 def run(args: argparse.Namespace) -> dict:
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.backends.cudnn.benchmark = device.type == "cuda" and not args.no_cudnn_benchmark
@@ -149,10 +131,10 @@ def run(args: argparse.Namespace) -> dict:
         for codes in first:
             for name, dec in streamers.items():
                 sid = dec.open()
-                ttfa[name].append(clock(lambda c=codes, s=sid, d=dec: d.step({s: c}), device))
+                ttfa[name].append(timed(lambda c=codes, s=sid, d=dec: d.step({s: c}), device))
                 dec.close(sid)
             for name, base in baselines.items():
-                ttfa[name].append(clock(lambda c=codes, b=base: b.chunk(c[None].to(device), 0, 1), device))
+                ttfa[name].append(timed(lambda c=codes, b=base: b.chunk(c[None].to(device), 0, 1), device))
     res["ttfa_ms"] = {k: 1e3 * statistics.median(v) for k, v in ttfa.items()}
     res["ttfa_p90_ms"] = {k: 1e3 * sorted(v)[int(0.9 * (len(v) - 1))] for k, v in ttfa.items()}
     print(f"  ttfa {res['ttfa_ms']}", file=sys.stderr, flush=True)
@@ -175,10 +157,10 @@ def run(args: argparse.Namespace) -> dict:
             stream_step(0, 1)
             for a in range(1, ramp, args.chunk):
                 stream_step(a, a + args.chunk)
-            steady[f"{name}_pipelined"] = clock(lambda f=stream_step: [f(a, a + args.chunk) for a in starts[:half]],
+            steady[f"{name}_pipelined"] = timed(lambda f=stream_step: [f(a, a + args.chunk) for a in starts[:half]],
                                                 device) / half  # fmt: skip
             steady[f"{name}_sync"] = statistics.median(
-                clock(lambda a=a, f=stream_step: f(a, a + args.chunk), device) for a in starts[half:]
+                timed(lambda a=a, f=stream_step: f(a, a + args.chunk), device) for a in starts[half:]
             )
             if name == "stream_eager" and args.profile:
                 profile(stream_step, starts[-1], args)
@@ -187,17 +169,17 @@ def run(args: argparse.Namespace) -> dict:
         on_device = codes.to(device)
         for name, base in baselines.items():
             base.chunk(on_device, ramp, ramp + args.chunk)  # warm-up (autotune, capture)
-            steady[f"{name}_pipelined"] = clock(lambda b=base: [b.chunk(on_device, a, a + args.chunk)
+            steady[f"{name}_pipelined"] = timed(lambda b=base: [b.chunk(on_device, a, a + args.chunk)
                                                                 for a in starts[:half]], device) / half  # fmt: skip
             steady[f"{name}_sync"] = statistics.median(
-                clock(lambda a=a, b=base: b.chunk(on_device, a, a + args.chunk), device) for a in starts[half:]
+                timed(lambda a=a, b=base: b.chunk(on_device, a, a + args.chunk), device) for a in starts[half:]
             )
         rows = decoder.engine.planner.row_bucket(args.streams)
         graph = decoder.engine.graphs.graphs.get((rows, args.chunk)) if graphs else None
         if graph is not None:  # the device's share: replays alone, every row on the scratch slot
             graph.rows.fill_(decoder.engine.scratch)
             graph.valid.zero_()
-            steady["stream_graph_only"] = clock(lambda: [graph.replay() for _ in range(args.steps)], device)
+            steady["stream_graph_only"] = timed(lambda: [graph.replay() for _ in range(args.steps)], device)
             steady["stream_graph_only"] /= args.steps
     res["steady_step_ms"] = {k: 1e3 * v for k, v in steady.items()}
     res["steady_x_realtime"] = {k: step_audio / v for k, v in steady.items()}
