@@ -92,7 +92,7 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
         if model is None:
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if frames_per_forward is not None and frames_per_forward < 1:
-            raise ValueError(f"frames_per_forward must be >= 1 (or None: from the memory budget), got {frames_per_forward}")
+            raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
