@@ -21,6 +21,7 @@ from omni_lightning.training.adversarial import AdversarialStep
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
+from omni_lightning.training.kernels import TrainingKernels
 from omni_lightning.training.losses import ReconstructionLoss
 from omni_lightning.training.schedule import fine_tuning_optimizers
 from omni_lightning.training.unregistered import Unregistered
@@ -31,7 +32,7 @@ warnings.filterwarnings(
 )
 
 
-class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
+class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
     """Code2Wav in Lightning: predict (vLLM-Omni runner semantics), fine-tune, evaluate.
 
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
@@ -51,10 +52,11 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
     optimization (``adversarial.py``), freezing, optimizers and schedule, EMA. ``ema_decay`` adds
     ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after fit the model holds
     the EMA weights, ``use_ema(False)`` the raw ones. Any Lightning precision works: 32-true,
-    bf16-mixed, bf16-true, 16-mixed (with the GAN too). Evaluation: metrics are logged here
-    (``evaluation/metrics.py``); the W&B run config and media by ``evaluation.media.EvaluationMedia``,
-    which fit, validate and test get from ``configure_callbacks``. The losses and metrics stay fp32
-    and out of the state dict (``training/unregistered.py``).
+    bf16-mixed, bf16-true, 16-mixed (with the GAN too; bf16 weights step through fp32 master weights).
+    ``fast_training``: Triton SnakeBeta forward and backward on CUDA (``training/kernels.py``).
+    Evaluation: metrics are logged here (``evaluation/metrics.py``); the W&B run config and media by
+    ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
+    The losses and metrics stay fp32 and out of the state dict (``training/unregistered.py``).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         frames_per_forward: int | None = None,
         fast_path: bool = True,
         # fine-tuning
+        fast_training: bool = True,
         learning_rate: float = 1e-4,
         betas: tuple[float, float] = (0.8, 0.99),
         weight_decay: float = 0.0,
@@ -89,23 +92,21 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         if model is None:
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if frames_per_forward is not None and frames_per_forward < 1:
-            raise ValueError(f"frames_per_forward must be >= 1 (or None: from the memory budget), "
-                             f"got {frames_per_forward}")  # fmt: skip
+            raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
         self.hparams["config"] = asdict(model.config)
-        self.frames_per_forward, self.fast_path = frames_per_forward, fast_path
+        self.frames_per_forward, self.fast_path, self.fast_training = frames_per_forward, fast_path, fast_training
+        self.training_kernels = Kernels()  # fit's, validate's and test's, chosen in `setup` (training/kernels.py)
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
         freeze_parameters(self.model, freeze or [], train_only)
         self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
         self.discriminators = Discriminators() if adversarial else None
-        self.adversarial_step = (
-            AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight, grad_clip)
-            if self.discriminators is not None else None
-        )  # fmt: skip
+        self.adversarial_step = AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight,
+                                                grad_clip) if adversarial else None  # fmt: skip
         self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
         self.eval_metrics = Unregistered(AudioMetrics(model.config.sample_rate))
@@ -226,7 +227,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
         codes, audio, lengths = self._paired(batch, "training")
         # the GAN's segment length, read before the forward is queued (the step's one host sync)
         shortest = int(lengths.min()) if self.adversarial_step is not None else 0
-        wav = self.model(codes)
+        wav = self.model(codes, kernels=self.training_kernels)
         rec = self.reconstruction(wav, audio, lengths)
         if self.adversarial_step is not None:
             rec = {**rec, **self.adversarial_step(self, wav, audio, shortest, rec["loss"])}
@@ -282,7 +283,7 @@ class Code2WavModule(HostWeightsOnPredict, pl.LightningModule):
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)
-        wav = self.model(codes)
+        wav = self.model(codes, kernels=self.training_kernels)
         rec = self.reconstruction(wav, audio, lengths)
         self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
         self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths)

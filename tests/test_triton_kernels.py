@@ -1,12 +1,16 @@
-"""The Triton SnakeBeta kernel's index and mask logic, run by Triton's interpreter on the CPU.
+"""The Triton SnakeBeta kernels' index and mask logic and the backward's arithmetic, run by Triton's
+interpreter on the CPU.
 
 ``TRITON_INTERPRET=1`` (set in a subprocess, before Triton is imported) runs ``@triton.jit`` kernels
-on CPU tensors with NumPy, so every machine checks the launcher and kernel against the torch
+on CPU tensors with NumPy, so every machine checks the launchers and kernels against the torch
 reference (``kernels/snake_beta.py``): history rows (given or zero), the snake part with a bias,
 junk rows of fresh batch rows (all or per row), zero padding to a multiple, strided inputs (a
-convolution's output is a view), channel counts that are not multiples of the tiles. Not checked
-here: the fast sine (inline PTX has no interpreter; ``precise=True`` runs libdevice's instead, and
-the CUDA tests check the fast one) and the speed.
+convolution's output is a view), channel counts that are not multiples of the tiles. The backward
+(the autograd function) against the reference's autograd, itself checked by ``gradcheck`` in fp64:
+every gradient (``x``, ``log_alpha``, ``log_beta``, ``bias``, the history), strided inputs and output
+gradients, several row tiles per program, fp32 and bf16. Not checked here: the fast sine and cosine
+(inline PTX has no interpreter; ``precise=True`` runs libdevice's instead, and the CUDA tests check
+the fast ones) and the speed.
 """
 
 import os
@@ -15,8 +19,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
-pytest.importorskip("triton")
+from omni_lightning.kernels.snake_beta import snake_beta_reference
 
 SCRIPT = textwrap.dedent(
     """
@@ -46,7 +51,92 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_snake_beta_kernel_in_the_triton_interpreter_equals_the_torch_reference():
+BACKWARD = textwrap.dedent(
+    """
+    import torch
+    from omni_lightning.kernels.snake_beta import (
+        snake_beta_reference, snake_beta_triton_autograd, snake_beta_triton_backward,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+    cases = 0
+    # (channels, length, batch, block_c): tiles narrower than the channels, and the default tile
+    for channels, length, batch, block_c in ((40, 37, 3, 16), (96, 20, 2, None), (200, 11, 2, None)):
+        for bias_on, context_len, history, fresh, junk, multiple, dtype in (
+            (False, 0, False, False, 0, 1, torch.float32),
+            (True, 6, True, torch.tensor([True, False, True][:batch]), 5, 9, torch.float32),
+            (True, 1, False, True, 3, 1, torch.float32),
+            (True, 18, True, False, 4, 3, torch.bfloat16),
+        ):
+            base = rand(batch, length + 5, channels, scale=2.0).to(dtype)
+            x = base[:, 3 : 3 + length]  # strided, as a convolution's output view
+            params = [rand(channels, scale=0.3) for _ in range(2)] + [rand(channels, scale=0.1)] * bias_on
+            ctx = rand(batch, context_len, channels).to(dtype) if history else None
+            kw = dict(context_len=context_len, fresh=fresh, junk=junk, multiple=multiple)
+            grads = {}
+            for name, op in (("ref", snake_beta_reference), ("triton", snake_beta_triton_autograd)):
+                leaves = [t.detach().clone().requires_grad_() for t in [x, *params] + ([ctx] if history else [])]
+                inputs = [leaves[0], *leaves[1 : 1 + len(params)]] + ([None] if not bias_on else [])
+                extra = dict(precise=True, block_c=block_c) if name == "triton" else {}
+                out = op(*inputs, context=leaves[-1] if history else None, **kw, **extra)
+                g = rand(*out.shape[::-1]).to(dtype).transpose(0, 2) if name == "ref" else g  # strided, as autograd's
+                grads[name] = (out.detach(), torch.autograd.grad(out, leaves, g))
+            (want_out, want), (got_out, got) = grads["ref"], grads["triton"]
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert float((got_out.float() - want_out.float()).abs().max()) <= tol * 10, (channels, context_len)
+            for i, (a, b) in enumerate(zip(want, got)):
+                assert a.shape == b.shape and a.dtype == b.dtype, (i, a.shape, b.shape, a.dtype, b.dtype)
+                error = float((a.float() - b.float()).abs().max()) / max(float(a.float().abs().max()), 1e-6)
+                assert error <= tol, (channels, length, context_len, junk, dtype, i, error)
+            if junk and fresh is not False:  # junk rows of fresh batch rows: no gradient reaches x
+                rows = fresh if isinstance(fresh, torch.Tensor) else torch.ones(batch, dtype=torch.bool)
+                assert float(got[0][rows, :junk].abs().max()) == 0.0 and float(got[0][rows, junk:].abs().max()) > 0
+            cases += 1
+    # several row tiles per program (9 tiles of 128 rows, 3 programs a row), a non-contiguous output gradient
+    x, la, lb, bias = rand(2, 1100, 24), rand(24, scale=0.3), rand(24, scale=0.3), rand(24, scale=0.1)
+    leaves = [t.clone().requires_grad_() for t in (x, la, lb, bias)]
+    out = snake_beta_reference(*leaves, context_len=3, fresh=True, junk=7, multiple=9)
+    g = rand(*out.shape[::-1]).transpose(0, 2)
+    want = torch.autograd.grad(out, leaves, g)
+    got = snake_beta_triton_backward(g, x, la, lb, bias, context_len=3, fresh=True, junk=7, precise=True,
+                                     block_c=16, programs=3)
+    for a, b in zip(want, got):
+        assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max()), float((a - b).abs().max())
+    # x without a gradient (a frozen layer before it): the parameters' gradients alone
+    x, la, lb = rand(2, 9, 24), rand(24).requires_grad_(), rand(24).requires_grad_()
+    d_alpha = torch.autograd.grad(snake_beta_triton_autograd(x, la, lb, precise=True).sum(), la)[0]
+    assert torch.allclose(d_alpha, torch.autograd.grad(snake_beta_reference(x, la, lb).sum(), la)[0], atol=1e-4)
+    print("backward ok", cases)
+    """
+)
+
+
+def run_interpreted(script: str) -> subprocess.CompletedProcess:
+    pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_snake_beta_kernel_in_the_triton_interpreter_equals_the_torch_reference():
+    done = run_interpreted(SCRIPT)
     assert done.returncode == 0 and "kernels ok 12" in done.stdout, done.stderr[-3000:]
+
+
+def test_snake_beta_reference_gradients_pass_gradcheck():
+    # the reference whose autograd the Triton backward is checked against, in fp64: every input
+    # differentiable, junk rows of some batch rows zeroed, history and padding rows
+    gen = torch.Generator().manual_seed(2)
+    x, la, lb, bias = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((3, 7, 5), (5,), (5,), (5,)))
+    ctx = torch.randn(3, 2, 5, generator=gen, dtype=torch.float64)
+    fresh = torch.tensor([True, False, True])
+    for t in (x, la, lb, bias, ctx):
+        t.requires_grad_()
+    op = lambda *a: snake_beta_reference(*a[:4], context=a[4], context_len=2, fresh=fresh, junk=3, multiple=4)
+    assert torch.autograd.gradcheck(op, (x, la, lb, bias, ctx))
+
+
+def test_snake_beta_backward_in_the_triton_interpreter_equals_the_references_autograd():
+    done = run_interpreted(BACKWARD)
+    assert done.returncode == 0 and "backward ok 12" in done.stdout, done.stderr[-3000:]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_lightning.kernels import snake_beta
-from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
+from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
 
 def triton_available() -> bool:
@@ -37,3 +37,11 @@ class Kernels:
         if fused and torch.device(device).type == "cuda" and triton_available():
             return cls(snake_beta_triton, inplace=True, name="triton")
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
+
+    @classmethod
+    def for_training(cls, device: torch.device | str) -> Kernels:
+        """Triton SnakeBeta forward and backward (one autograd function) on CUDA when Triton is
+        installed, the torch reference elsewhere; residuals out of place (autograd keeps the stream)."""
+        if torch.device(device).type == "cuda" and triton_available():
+            return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd")
+        return cls(snake_beta_reference, inplace=False, name="reference")

@@ -4,7 +4,8 @@ The decoder runs time-major (``[B, T, C]``, channels contiguous) and every causa
 a buffer that holds its history first (``models/layers.py``). So the op produces that buffer whole:
 
     out[:, :context]                    the convolution's history (``context`` rows, or zeros)
-    out[:, context:context + T]         snake(x + bias) in fp32, rounded to x's dtype
+    out[:, context:context + T]         snake(x + bias) in fp32 (the reference: fp64 for fp64 x),
+                                        rounded to x's dtype
     out[:, context + T:]                zeros, up to a multiple of ``multiple`` rows (the folded
                                         dilated convolutions need whole rows of ``dilation``)
 
@@ -12,17 +13,25 @@ and rows ``t < junk`` of the snake part are zero for rows marked ``fresh`` (a st
 those samples stand for time before the request's start, where ``decode`` has zero padding).
 ``bias`` is the preceding convolution's bias, added here instead of in its own pass.
 
-Here are the torch reference (:func:`snake_beta_reference`, any device, autograd) and the Triton
-kernel with its launcher (:func:`snake_beta_triton`, CUDA, inference: no autograd). Their sine: the
-reference uses torch's; the kernel reduces the argument to ``[-pi, pi]`` exactly (a two-constant
-2*pi) and evaluates the GPU's ``sin.approx.f32`` (absolute error ~1e-6, far below bf16's rounding
-of the output; libdevice's precise sine made the late, narrow decoder stages arithmetic-bound on an
-H200). ``precise=True`` keeps libdevice's sine. Offsets are 64-bit: a batch of long chunks at 96
-channels passes 2**31 elements.
+Here are the torch reference (:func:`snake_beta_reference`, any device, autograd), the Triton
+kernel with its launcher (:func:`snake_beta_triton`, CUDA, forward only: inference), and the same
+kernel with a Triton backward as one autograd function (:func:`snake_beta_triton_autograd`, CUDA:
+training). Their sine: the reference uses torch's; the kernels reduce the argument to ``[-pi, pi]``
+exactly (a two-constant 2*pi) and evaluate the GPU's ``sin.approx.f32`` (and ``cos.approx.f32`` in
+the backward; absolute error ~1e-6, far below bf16's rounding of the output; libdevice's precise
+sine made the late, narrow decoder stages arithmetic-bound on an H200). ``precise=True`` keeps
+libdevice's. Offsets are 64-bit: a batch of long chunks at 96 channels passes 2**31 elements.
 
-Not here: the backward in Triton (training runs the reference's autograd); the parameters are the
-layer's log-scale ``alpha`` and ``beta`` and are exponentiated in fp32 on every call (a few hundred
-values: nothing to cache, and nothing goes stale when fine-tuning changes them).
+The backward recomputes the sine from the saved input (it saves ``x``, not the fp32 intermediates
+the reference's autograd keeps) and gives ``x`` its gradient in one pass, with the per-channel
+gradients of ``log_alpha``, ``log_beta`` and ``bias`` summed in fp32: each program sums its rows,
+then one small torch sum adds the programs' partial sums. Junk-zeroed and padding rows get no
+gradient; the history's gradient is the output gradient's first ``context_len`` rows.
+
+Not here: double backward (the backward is not itself differentiable: nothing here needs a second
+derivative); the parameters are the layer's log-scale ``alpha`` and ``beta`` and are exponentiated
+in fp32 on every call (a few hundred values: nothing to cache, and nothing goes stale when
+fine-tuning changes them).
 """
 
 from __future__ import annotations
@@ -51,9 +60,10 @@ def snake_beta_reference(
     """The op in torch (see the module docstring); ``x [B, T, C]``, ``context [B, context_len, C]``
     or None (zeros), ``fresh`` a bool per row or one for all rows. Returns ``[B, rows, C]``."""
     batch, length, channels = x.shape
-    xf = x.float() if bias is None else x.float() + bias.float()
-    s = torch.sin(xf * log_alpha.float().exp())
-    y = torch.addcmul(xf, s, s * (1.0 / (log_beta.float().exp() + 1e-9)))
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp64 stays fp64: gradcheck runs on it
+    xf = x.to(dtype) if bias is None else x.to(dtype) + bias.to(dtype)
+    s = torch.sin(xf * log_alpha.to(dtype).exp())
+    y = torch.addcmul(xf, s, s * (1.0 / (log_beta.to(dtype).exp() + 1e-9)))
     if junk and fresh is not False:  # rows before time 0 (in place: addcmul keeps no output for backward)
         head = y[:, :junk]
         head.mul_(0.0 if fresh is True else (~fresh.bool()).to(y.dtype)[:, None, None])
@@ -81,12 +91,11 @@ def snake_beta_triton(
     block_c: int | None = None,
 ) -> torch.Tensor:
     """:func:`snake_beta_reference` as one Triton pass on CUDA (no autograd). ``block_c``: channels
-    per tile, a power of two (default: 128, else 64 where it divides ``C``, else whole rows)."""
+    per tile, a power of two (default: 128, else 64 where it divides ``C``, else whole rows, up to 256)."""
     batch, length, channels = x.shape
     rows = -(-(context_len + length) // multiple) * multiple
     out = torch.empty((batch, rows, channels), dtype=x.dtype, device=x.device)
-    if block_c is None:
-        block_c = next((b for b in (128, 64) if channels % b == 0), min(256, triton.next_power_of_2(channels)))
+    block_c = block_c or _default_block_c(channels)
     block_t = max(1, 4096 // block_c)
     ctx = context if context is not None else x  # never read without HAS_CONTEXT
     per_row = isinstance(fresh, torch.Tensor)
@@ -102,17 +111,128 @@ def snake_beta_triton(
     return out
 
 
+def snake_beta_triton_autograd(
+    x: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    context: torch.Tensor | None = None,
+    context_len: int = 0,
+    fresh: torch.Tensor | bool = False,
+    junk: int = 0,
+    multiple: int = 1,
+    precise: bool = False,
+    block_c: int | None = None,
+) -> torch.Tensor:
+    """:func:`snake_beta_triton` with its Triton backward (:func:`snake_beta_triton_backward`): one
+    autograd function, differentiable in ``x``, ``log_alpha``, ``log_beta``, ``bias`` and ``context``."""
+    return _SnakeBetaFunction.apply(x, log_alpha, log_beta, bias, context, context_len, fresh, junk, multiple,
+                                    precise, block_c)  # fmt: skip
+
+
+def snake_beta_triton_backward(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    log_alpha: torch.Tensor,
+    log_beta: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    context_len: int = 0,
+    fresh: torch.Tensor | bool = False,
+    junk: int = 0,
+    precise: bool = False,
+    block_c: int | None = None,
+    grad_x: bool = True,
+    programs: int | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The gradients, given the output's gradient ``grad_out [B, rows, C]`` (any strides), of ``x``
+    (None unless ``grad_x``), ``log_alpha``, ``log_beta`` and ``bias`` (None without one), each in
+    its tensor's dtype. One Triton pass over ``x``; the per-channel sums are fp32. ``programs``: at
+    most this many programs per batch row and channel tile, each summing a run of row tiles
+    (default: about 1,024 programs in all, a few per SM, so the partial sums stay small)."""
+    batch, length, channels = x.shape
+    block_c = block_c or _default_block_c(channels)
+    block_t = max(1, 2048 // block_c)
+    c_tiles, tiles = triton.cdiv(channels, block_c), triton.cdiv(length, block_t)
+    programs = min(tiles, programs or max(1, triton.cdiv(1024, batch * c_tiles)))
+    per_program = triton.cdiv(tiles, programs)
+    programs = triton.cdiv(tiles, per_program)
+    dx = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device) if grad_x else x  # x: never written
+    partial = torch.empty((3, batch * programs, channels), dtype=torch.float32, device=x.device)
+    per_row = isinstance(fresh, torch.Tensor)
+    _snake_beta_backward_kernel[(programs, c_tiles, batch)](
+        x, grad_out, dx, partial, log_alpha, log_beta, bias if bias is not None else log_alpha,
+        fresh if per_row else log_alpha, length, channels, context_len, junk, per_program,
+        x.stride(0), x.stride(1), x.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        HAS_BIAS=bias is not None, JUNK_MODE=0 if not junk or fresh is False else (2 if per_row else 1),
+        GRAD_X=grad_x, PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
+    )  # fmt: skip
+    d_alpha, d_beta, d_bias = partial.sum(1)
+    return (dx if grad_x else None, d_alpha.to(log_alpha.dtype), d_beta.to(log_beta.dtype),
+            d_bias.to(bias.dtype) if bias is not None else None)  # fmt: skip
+
+
+def _default_block_c(channels: int) -> int:
+    return next((b for b in (128, 64) if channels % b == 0), min(256, triton.next_power_of_2(channels)))
+
+
+class _SnakeBetaFunction(torch.autograd.Function):
+    """The Triton forward and backward as one autograd node; it saves ``x`` and the parameters only."""
+
+    @staticmethod
+    def forward(ctx, x, log_alpha, log_beta, bias, context, context_len, fresh, junk, multiple, precise, block_c):
+        out = snake_beta_triton(x, log_alpha, log_beta, bias, context=context, context_len=context_len, fresh=fresh,
+                                junk=junk, multiple=multiple, precise=precise, block_c=block_c)  # fmt: skip
+        per_row = isinstance(fresh, torch.Tensor)
+        ctx.save_for_backward(x, log_alpha, log_beta, bias, fresh if per_row else None)
+        ctx.fresh, ctx.junk, ctx.context_len, ctx.precise, ctx.block_c = fresh, junk, context_len, precise, block_c
+        ctx.context_dtype = context.dtype if context is not None else None
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, log_alpha, log_beta, bias, fresh_rows = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        dx, d_alpha, d_beta, d_bias = snake_beta_triton_backward(
+            grad_out, x, log_alpha, log_beta, bias, context_len=ctx.context_len,
+            fresh=fresh_rows if fresh_rows is not None else ctx.fresh, junk=ctx.junk, precise=ctx.precise,
+            block_c=ctx.block_c, grad_x=need[0],
+        )  # fmt: skip
+        d_context = grad_out[:, : ctx.context_len].to(ctx.context_dtype) if need[4] else None
+        return (dx, d_alpha if need[1] else None, d_beta if need[2] else None, d_bias if need[3] else None,
+                d_context, None, None, None, None, None, None)  # fmt: skip
+
+
 if triton is not None:
+
+    @triton.jit
+    def _reduced(v):
+        """``v`` minus its nearest multiple of 2 pi (two constants: exact to fp32 for large ``v``)."""
+        k = tl.floor(v * 0.15915494309189535 + 0.5)
+        r = tl.fma(k, -6.2831854820251465, v)  # float32(2 pi)
+        return tl.fma(k, 1.7484555314695172e-07, r)  # float32(2 pi) - 2 pi
 
     @triton.jit
     def _sin(v, PRECISE: tl.constexpr):
         if PRECISE:
             return tl.sin(v)
-        k = tl.floor(v * 0.15915494309189535 + 0.5)  # nearest multiple of 2 pi
-        r = tl.fma(k, -6.2831854820251465, v)  # float32(2 pi)
-        r = tl.fma(k, 1.7484555314695172e-07, r)  # float32(2 pi) - 2 pi
-        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
-                                         pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [_reduced(v)], dtype=tl.float32,
+                                         is_pure=True, pack=1)  # fmt: skip
+
+    @triton.jit
+    def _sin_cos(v, PRECISE: tl.constexpr):
+        if PRECISE:
+            s = tl.sin(v)
+            c = tl.cos(v)
+        else:
+            r = _reduced(v)
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                          pack=1)  # fmt: skip
+            c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
+                                          pack=1)  # fmt: skip
+        return s, c
 
     # lengths and batch strides vary with every chunk size: one compile serves them all
     @triton.jit(do_not_specialize=["length", "rows", "context_len", "junk", "x_sb", "x_st", "c_sb", "c_st"])
@@ -148,3 +268,57 @@ if triton is not None:
             y = tl.where(is_ctx, h.to(tl.float32), y)
         out_mask = (o < rows)[:, None] & in_c[None, :]
         tl.store(y_ptr + (b * rows + o[:, None]) * channels + c[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
+
+    @triton.jit(do_not_specialize=["length", "context_len", "junk", "per_program", "x_sb", "x_st", "g_sb", "g_st"])
+    def _snake_beta_backward_kernel(x_ptr, g_ptr, dx_ptr, partial_ptr, la_ptr, lb_ptr, bias_ptr, fresh_ptr, length,
+                                    channels, context_len, junk, per_program, x_sb, x_st, x_sc, g_sb, g_st, g_sc,
+                                    HAS_BIAS: tl.constexpr, JUNK_MODE: tl.constexpr, GRAD_X: tl.constexpr,
+                                    PRECISE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+        """Program ``p`` of batch row ``b``: ``per_program`` tiles of ``BLOCK_T`` rows of ``x`` from row
+        ``p * per_program * BLOCK_T``; writes their ``dx`` and its channels' sums to ``partial[:, b * P + p]``.
+        With ``u = x + bias``, ``y = u + sin(alpha u)^2 / beta`` (``beta`` = ``e^log_beta + 1e-9``):
+        ``dy/du = 1 + alpha sin(2 alpha u) / beta``, ``dy/dlog_alpha = alpha u sin(2 alpha u) / beta``,
+        ``dy/dlog_beta = -e^log_beta sin(alpha u)^2 / beta^2``."""
+        p = tl.program_id(0)
+        b = tl.program_id(2).to(tl.int64)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        in_c = c < channels
+        alpha_c = tl.exp(tl.load(la_ptr + c, mask=in_c, other=0.0).to(tl.float32))
+        e_beta = tl.exp(tl.load(lb_ptr + c, mask=in_c, other=0.0).to(tl.float32))
+        inv_beta_c = 1.0 / (e_beta + 1e-9)
+        alpha, inv_beta = alpha_c[None, :], inv_beta_c[None, :]
+        if HAS_BIAS:
+            shift = tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
+        if JUNK_MODE == 2:
+            fresh = tl.load(fresh_ptr + b) != 0
+        sum_dx = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        sum_alpha = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        sum_beta = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+        first = p.to(tl.int64) * per_program * BLOCK_T
+        for i in range(per_program):
+            t = first + i * BLOCK_T + tl.arange(0, BLOCK_T)
+            mask = (t < length)[:, None] & in_c[None, :]
+            u = tl.load(x_ptr + b * x_sb + t[:, None] * x_st + c[None, :] * x_sc, mask=mask, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                u += shift
+            g = tl.load(g_ptr + b * g_sb + (t + context_len)[:, None] * g_st + c[None, :] * g_sc, mask=mask,
+                        other=0.0).to(tl.float32)  # fmt: skip
+            if JUNK_MODE == 1:
+                g = tl.where((t < junk)[:, None], 0.0, g)
+            if JUNK_MODE == 2:
+                g = tl.where((t < junk)[:, None] & fresh, 0.0, g)
+            s, co = _sin_cos(u * alpha, PRECISE)
+            g_sin2 = g * inv_beta * (2.0 * s * co)  # g sin(2 alpha u) / beta; zero where g is (masked rows)
+            dx = g + g_sin2 * alpha
+            if GRAD_X:
+                tl.store(dx_ptr + (b * length + t[:, None]) * channels + c[None, :], dx.to(dx_ptr.dtype.element_ty),
+                         mask=mask)  # fmt: skip
+            sum_dx += dx
+            sum_alpha += g_sin2 * u
+            sum_beta += g * s * s
+        programs = tl.num_programs(0) * tl.num_programs(2)
+        row = b * tl.num_programs(0) + p
+        tl.store(partial_ptr + row * channels + c, tl.sum(sum_alpha, axis=0) * alpha_c, mask=in_c)
+        d_beta = -tl.sum(sum_beta, axis=0) * e_beta * inv_beta_c * inv_beta_c
+        tl.store(partial_ptr + (programs + row) * channels + c, d_beta, mask=in_c)
+        tl.store(partial_ptr + (2 * programs + row) * channels + c, tl.sum(sum_dx, axis=0), mask=in_c)

@@ -1,6 +1,7 @@
 """The optimizers and learning-rate schedules of fine-tuning: AdamW, linear warm-up, then cosine
 decay to a floor, stepped once per batch; with adversarial training a second AdamW for the
-discriminators, on the same schedule."""
+discriminators, on the same schedule. Parameters below fp32 (bf16-true) get AdamW with fp32 master
+weights (``master_weights.py``): plain AdamW on bf16 weights rounds most updates away."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
+
+from omni_lightning.training.master_weights import MasterWeightAdamW, below_fp32
 
 
 class WarmupCosine:
@@ -29,8 +32,10 @@ class WarmupCosine:
 def adamw_with_schedule(
     params: Iterable[torch.nn.Parameter], schedule: WarmupCosine, **adamw: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
-    """An AdamW optimizer and its Lightning ``lr_scheduler`` entry, stepped every batch."""
-    opt = torch.optim.AdamW(params, **adamw)
+    """An AdamW optimizer (with fp32 master weights for parameters below fp32) and its Lightning
+    ``lr_scheduler`` entry, stepped every batch."""
+    params = list(params)
+    opt = (MasterWeightAdamW if below_fp32(params) else torch.optim.AdamW)(params, **adamw)
     return opt, {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}
 
 

@@ -1,0 +1,105 @@
+"""fp32 master weights for parameters held in bf16 or fp16 (Lightning's ``bf16-true``): AdamW steps
+an fp32 copy of them, and the parameters take its values, rounded to nearest.
+
+Why: with bf16 weights, AdamW's update (about the learning rate per element) is rounded away
+wherever it is below half a bf16 step of the weight (2^-9 to 2^-8 of it): at the default 1e-4 a step
+changed 15.7 % of the generator's weights, and the same ones every step (``docs/performance.md``).
+The fp32 copy keeps every update; a bf16 weight moves once its copy has moved past a rounding
+boundary. ``fine_tuning_optimizers`` (``schedule.py``) uses :class:`MasterWeightAdamW` whenever a
+trainable parameter is below fp32, whatever the precision setting that made it so. Rejected:
+- stochastic rounding: bf16-only memory, but each weight is right only on average, and AdamW's
+  moments stay bf16;
+- refusing bf16-true (or only warning): it is the smallest and fastest setting; ``bf16-mixed``
+  keeps fp32 weights but casts them in every autocast op of every step.
+Cost: the copy (4 bytes a parameter) and AdamW's two moments in fp32 rather than in the
+parameters' bf16 (8 bytes rather than 4): 16 bytes a parameter with the bf16 weights and gradients
+instead of 8 (qwen3-omni's 216 M parameters: 3.5 GB instead of 1.7 GB); per step, a cast of each
+gradient to fp32 and a copy of each weight back.
+
+The parameters are a rounded view of the copy: a change made to them during fit outside the
+optimizer is overwritten at its next step. The optimizer's ``state_dict`` holds the copy and its
+AdamW state, so a resumed fit goes on from the unrounded weights. Not done: other optimizers
+(fine-tuning uses AdamW only), and keeping the copy of fp32 parameters apart (a module whose
+parameters mix fp32 and bf16 gets a copy of each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay")
+
+
+def below_fp32(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is a floating-point tensor narrower than fp32 (bf16, fp16)."""
+    return any(p.is_floating_point() and p.element_size() < 4 for p in params)
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over fp32 copies of ``params``; after each step the parameters take the copies' values.
+
+    Its ``param_groups`` hold the model's parameters (Lightning clips their gradients, a schedule
+    sets their ``lr``, ``toggle_optimizer`` freezes them); each step copies the groups'
+    hyperparameters and the gradients (in fp32) to an inner ``torch.optim.AdamW`` over the copies."""
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        self.fp32: torch.optim.AdamW | None = None  # the inner AdamW, built with the first group
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        with torch.no_grad():
+            copies = [p.detach().to(torch.float32, copy=True) for p in group["params"]]
+        inner = {"params": copies, **{k: group[k] for k in _HYPERPARAMETERS}}
+        if self.fp32 is None:
+            self.fp32 = torch.optim.AdamW([inner])
+        else:
+            self.fp32.add_param_group(inner)
+
+    def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """``(parameter, its fp32 copy)`` for every parameter, in group order."""
+        return [(p, m) for group, inner in zip(self.param_groups, self.fp32.param_groups)
+                for p, m in zip(group["params"], inner["params"])]  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        loss = None
+        if closure is not None:  # Lightning's automatic optimization runs forward and backward here
+            with torch.enable_grad():
+                loss = closure()
+        for group, inner in zip(self.param_groups, self.fp32.param_groups):
+            inner.update({k: group[k] for k in _HYPERPARAMETERS})  # a schedule changes the outer lr
+        stepped = [(p, m) for p, m in self.master_weights() if p.grad is not None]
+        for p, m in stepped:
+            m.grad = p.grad.to(torch.float32)
+        self.fp32.step()
+        for p, m in stepped:
+            p.copy_(m)
+            m.grad = None
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()  # the groups' hyperparameters; no state of its own
+        state["fp32"] = self.fp32.state_dict()
+        state["master_weights"] = [m.detach() for _, m in self.master_weights()]
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        fp32, copies = state_dict.pop("fp32"), state_dict.pop("master_weights")
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for (_, m), saved in zip(self.master_weights(), copies, strict=True):
+                m.copy_(saved)
+        self.fp32.load_state_dict(fp32)
