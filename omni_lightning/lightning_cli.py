@@ -3,8 +3,11 @@ the command line before this module, torch and Lightning are imported).
 
 What it adds to LightningCLI: ``--out_dir`` / ``--format`` / ``--subtype`` for predict (a
 ``WaveformWriter``; the data module is told the same folder, ``--data.skip_done``, so finished requests
-are never read), the weights guard on the parsed config, configuration mistakes the classes raise while
-being built reported as usage errors, an end-of-run summary, and phase timings when asked.
+are never read), the weights guard on the parsed config, DDP defaults (``use_distributed_sampler``
+off: the data module splits requests across ranks itself; with ``--model.adversarial true`` on
+several processes, a DDP that finds unused parameters, which the GAN's two backward passes need),
+configuration mistakes the classes raise while being built reported as usage errors, an end-of-run
+summary, and phase timings when asked.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ class OmniCLI(LightningCLI):
         parser.add_argument("--format", type=Literal[tuple(FORMATS)], default="wav", help="predict: wav or flac")
         parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16",
                             help="predict: sample format (FLAC: PCM_16 or PCM_24)")  # fmt: skip
+        # CodesDataModule splits requests across DDP ranks itself (by length; a rank may get none)
+        parser.set_defaults({"trainer.use_distributed_sampler": False})
 
     def before_instantiate_classes(self) -> None:
         self._mark("parsed")
@@ -71,6 +76,10 @@ class OmniCLI(LightningCLI):
         if model is None or "random_weights" not in model:
             return  # another model class: its own rules
         check_weights(self.subcommand, model.checkpoint, config.get("ckpt_path"), model.random_weights)
+        gan = self.subcommand == "fit" and model.get("adversarial")
+        if gan and config.trainer.get("strategy") in ("auto", "ddp") and _processes(config.trainer) > 1:
+            # the GAN's two backward passes each leave the other network's parameters without a gradient
+            config.trainer.strategy = "ddp_find_unused_parameters_true"
         if self.subcommand == "predict" and config.get("out_dir") and config.data.get("skip_done") is None:
             config.data.skip_done = config.out_dir  # one reading of the folder decides what is finished
 
@@ -130,6 +139,23 @@ class OmniCLI(LightningCLI):
         if self.trainer.is_global_zero:
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
             print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+
+
+def _processes(trainer: Any) -> int:
+    """How many processes ``--trainer.devices`` and ``--trainer.num_nodes`` ask for (``auto`` and -1: every
+    visible GPU unless the accelerator is the CPU, as Lightning counts them)."""
+    devices = trainer.get("devices", "auto")
+    if isinstance(devices, (list, tuple)):
+        count = len(devices)
+    elif isinstance(devices, str) and "," in devices:
+        count = len([d for d in devices.split(",") if d.strip()])
+    elif str(devices) in ("auto", "-1"):
+        import torch
+
+        count = torch.cuda.device_count() if trainer.get("accelerator") in ("auto", "gpu", "cuda") else 1
+    else:
+        count = int(devices)
+    return max(count, 1) * int(trainer.get("num_nodes") or 1)
 
 
 def run_lightning_cli(

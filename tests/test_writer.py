@@ -254,9 +254,10 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
     manifest = write_codes(tmp_path / "data", [3 + (i * 5) % 17 for i in range(13)])
     out = tmp_path / "out"
-    proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
-               "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out),
-               "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")  # fmt: skip
+    args = ("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
+            "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out),
+            "--trainer.accelerator", "cpu", "--trainer.devices", "2", "--trainer.strategy", "ddp")  # fmt: skip
+    proc = cli(*args)
     log = proc.communicate(timeout=600)[0]
     assert proc.returncode == 0, log
     assert "predict: 13 requests written" in log  # the summary counts every rank's requests
@@ -264,6 +265,13 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     assert sorted(r["id"] for r in rows) == [f"r{i:03d}" for i in range(13)]
     assert not list(out.glob("manifest.rank*.jsonl"))
     assert len(list(out.glob("*.wav"))) == 13
+
+    # one request left for two ranks: rank 1 is dealt none, yet joins the job's end (the merge, the counts)
+    (out / "r004.wav").unlink()
+    proc = cli(*args)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "predict: 1 requests written" in log and "12 already done" in log, log
+    assert sorted(r["id"] for r in manifest_rows(out)) == [f"r{i:03d}" for i in range(13)]
 
 
 def test_ctrl_c_writes_what_was_decoded_then_exits_130(tmp_path):

@@ -78,6 +78,8 @@ class CodesDataModule(pl.LightningDataModule):
         self.skip_done = skip_done
         self.datasets: dict[str, Any] = {}
         self.predict_plan: PredictPlan | None = None
+        # under DDP a rank may be dealt no request (fewer than ranks): it still joins the job's start and end
+        self.allow_zero_length_dataloader_with_multiple_devices = True
 
     def _config(self) -> Code2WavConfig | str:
         if self.config is not None:
@@ -100,6 +102,25 @@ class CodesDataModule(pl.LightningDataModule):
             self.datasets["validate"] = self._dataset(self.sources["validate"])
         if stage == "test" and self.sources["test"] is not None:
             self.datasets["test"] = self._dataset(self.sources["test"])
+        self._check_ranks(stage)
+
+    def _check_ranks(self, stage: str) -> None:
+        """Under DDP, fewer requests than ranks: Lightning's evaluation loop skips a rank with no batch
+        (whose metrics then never meet the others'), and Lightning's own predict sampler refuses one."""
+        world = self.trainer.world_size if self.trainer is not None else 1
+        stage = str(getattr(stage, "value", stage))  # Lightning passes its TrainerFn
+        if world == 1 or stage not in ("fit", "validate", "test", "predict"):
+            return
+        if stage == "predict":
+            fix = ("pass Trainer(use_distributed_sampler=False): this data module splits the requests across "
+                   "ranks itself (the command line does so)")  # fmt: skip
+            datasets = self.datasets.get("predict", []) if _injects_sampler(self.trainer) else []
+        else:
+            fix, name = "use fewer devices", "test" if stage == "test" else "validate"
+            datasets = [self.datasets[name]] if name in self.datasets else []
+        for ds in datasets:
+            if 0 < len(ds) < world:
+                raise UsageError(f"{len(ds)} {stage} request(s) for {world} ranks, so a rank would have none: {fix}")
 
     def _setup_predict(self, sources: Any) -> None:
         many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
@@ -126,8 +147,12 @@ class CodesDataModule(pl.LightningDataModule):
 
     def _loader(self, dataset: CodesDataset, shuffle: bool = False) -> DataLoader:
         sampler = RandomSampler(dataset) if shuffle else SequentialSampler(dataset)
-        batches = LengthBucketBatchSampler(sampler, self.batch_size, lengths=dataset.lengths,
-                                           max_frames=self.max_frames, shuffle=shuffle, seed=self.seed)  # fmt: skip
+        world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
+        # training steps in lockstep under DDP (even batches); inference takes each request once
+        batches = LengthBucketBatchSampler(
+            sampler, self.batch_size, lengths=dataset.lengths, max_frames=self.max_frames, shuffle=shuffle,
+            seed=self.seed, even_batches=shuffle, num_replicas=world, rank=rank,
+        )  # fmt: skip
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
                           pin_memory=pin)  # fmt: skip
@@ -148,3 +173,9 @@ class CodesDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self._require("test"))
+
+
+def _injects_sampler(trainer: Any) -> bool:
+    """Whether Lightning wraps loaders in its DistributedSampler (``Trainer(use_distributed_sampler=...)``,
+    which Lightning keeps on a private attribute only; tests/test_contract.py checks it is there)."""
+    return bool(getattr(getattr(trainer, "_accelerator_connector", None), "use_distributed_sampler", True))

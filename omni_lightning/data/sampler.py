@@ -1,11 +1,13 @@
-"""``LengthBucketBatchSampler``: batches of similar length, so little of each batch is padding."""
+"""``LengthBucketBatchSampler``: batches of similar length, so little of each batch is padding; under
+DDP, the split of the requests across ranks, by length."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
-from torch.utils.data import BatchSampler, Sampler
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from omni_lightning.errors import UsageError
 
@@ -15,9 +17,27 @@ class LengthBucketBatchSampler(BatchSampler):
 
     A batch closes at ``batch_size`` requests or when its padded size (requests x longest) would
     pass ``max_frames``. Deterministic: the same indices give the same batches; ``shuffle`` permutes
-    the order of batches with ``seed + epoch`` (call ``set_epoch``). Under DDP Lightning hands each
-    rank a disjoint ``sampler`` (for predict, one that never repeats an index), so every request
-    goes to exactly one rank. ``lengths`` defaults to ``sampler``'s dataset's ``lengths``.
+    the order of batches with ``seed + epoch`` (call ``set_epoch``). ``lengths`` defaults to
+    ``sampler``'s dataset's ``lengths``.
+
+    **Several ranks.** ``num_replicas`` and ``rank`` (``CodesDataModule`` gives the trainer's) make
+    this sampler split every index ``sampler`` yields across ranks itself. Without them it takes them
+    from a ``DistributedSampler`` given as ``sampler`` (what Lightning injects under DDP unless
+    ``use_distributed_sampler=False``), and splits the whole dataset; a ``DistributedSampler``'s own
+    order and its padding (repeated indices) are never used. Every rank computes the same split from
+    the same lengths, so nothing is exchanged.
+
+    - ``even_batches=False`` (predict, validate, test): each request goes to exactly one rank, none
+      is repeated. Requests are dealt longest first in a serpentine (ranks 0..N-1, then N-1..0, ...),
+      so ranks get as many requests as each other (one more at most) and frame totals that differ
+      by at most the longest request: they finish together. Each rank batches its share as above.
+      A rank may get no request (fewer requests than ranks).
+    - ``even_batches=True`` (fit): every rank yields the same number of batches, as DDP's lockstep
+      steps need. The global batches are those of one process with ``batch_size x world`` requests
+      per batch, closed early when a rank's share would pass ``max_frames``; each is dealt to ranks
+      strided by length (rank ``r`` takes items ``r, r + N, ...``), and a rank that the batch leaves
+      without an item takes one of its items again (the only repeats). So at the same global batch
+      the ranks see one process's batches, split (``shuffle`` orders them alike on every rank).
     """
 
     def __init__(
@@ -29,6 +49,9 @@ class LengthBucketBatchSampler(BatchSampler):
         max_frames: int | None = None,
         shuffle: bool = False,
         seed: int = 0,
+        even_batches: bool = False,
+        num_replicas: int | None = None,
+        rank: int | None = None,
     ) -> None:
         if batch_size < 1:
             raise UsageError(f"batch_size must be >= 1, got {batch_size}")
@@ -46,31 +69,64 @@ class LengthBucketBatchSampler(BatchSampler):
         self.max_frames = max_frames
         self.shuffle = shuffle
         self.seed = seed
+        self.even_batches = even_batches
         self.epoch = 0
+        injected = isinstance(sampler, DistributedSampler) and num_replicas is None
+        self.num_replicas = sampler.num_replicas if injected else (num_replicas or 1)
+        self.rank = sampler.rank if injected else (rank or 0)
+        if not 0 <= self.rank < self.num_replicas:
+            raise ValueError(f"rank must be in [0, {self.num_replicas}), got {self.rank}")
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
-    def _batches(self) -> list[list[int]]:
-        indices = sorted(self.sampler, key=lambda i: (self.lengths[i], i))
+    def _indices(self) -> list[int]:
+        """Every index to split: a distributed sampler's whole dataset, else what ``sampler`` yields."""
+        if isinstance(self.sampler, DistributedSampler):  # its iteration is one rank's share: not ours
+            return list(range(len(self.sampler.dataset)))
+        return list(self.sampler)
+
+    def _cut(self, indices: list[int], rows: int, fits: Callable[[int, int], bool]) -> list[list[int]]:
+        """``indices`` sorted by length, cut at ``rows`` requests or where ``fits(requests, longest)`` fails."""
         batches: list[list[int]] = []
         batch: list[int] = []
-        for i in indices:
+        for i in sorted(indices, key=lambda i: (self.lengths[i], i)):
             longest = max(self.lengths[i], 1)  # lengths are sorted: i is the longest so far
-            if batch and (
-                len(batch) == self.batch_size
-                or (self.max_frames is not None and (len(batch) + 1) * longest > self.max_frames)
-            ):
+            if batch and (len(batch) == rows or not fits(len(batch) + 1, longest)):
                 batches.append(batch)
                 batch = []
             batch.append(i)
-        if batch and not (self.drop_last and len(batch) < self.batch_size):
+        if batch and not (self.drop_last and len(batch) < rows):
             batches.append(batch)
+        return batches
+
+    def _fits(self, world: int) -> Callable[[int, int], bool]:
+        if self.max_frames is None:
+            return lambda requests, longest: True
+        return lambda requests, longest: math.ceil(requests / world) * longest <= self.max_frames
+
+    def share(self) -> list[int]:
+        """``even_batches=False``: the indices of this rank (all of them on one rank), in dealing order."""
+        world = self.num_replicas
+        order = sorted(self._indices(), key=lambda i: (-self.lengths[i], i))
+        if world == 1:
+            return order
+        return [i for p, i in enumerate(order) if (p % world if (p // world) % 2 == 0 else world - 1 - p % world)
+                == self.rank]  # fmt: skip
+
+    def _batches(self) -> list[list[int]]:
+        world = self.num_replicas
+        if self.even_batches:
+            batches = self._cut(self._indices(), self.batch_size * world, self._fits(world))
+        else:
+            batches = self._cut(self.share(), self.batch_size, self._fits(1))
         if self.shuffle:
             order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + self.epoch))
             batches = [batches[j] for j in order.tolist()]
+        if self.even_batches and world > 1:
+            batches = [batch[self.rank :: world] or [batch[self.rank % len(batch)]] for batch in batches]
         return batches
 
     def __iter__(self) -> Iterator[list[int]]:

@@ -27,6 +27,7 @@ request's chunks depend on each other); graphs are per process and device.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections import deque
@@ -189,16 +190,19 @@ class DecodeEngine:
 
     def _advance(self, work: list[_Work], until_one_done: bool) -> None:
         """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees)."""
-        while any(w.left for w in work):
-            pending = [w for w in work if w.left]
-            try:
-                self._forward_planned(pending)
-            except torch.OutOfMemoryError:
-                if self.planner.frames == 1:
-                    raise
-                self._shrink()
-            if until_one_done and any(w.left == 0 for w in work):
-                return
+        # graph streams and pools, Triton launches and synchronize() act on the current device: make it
+        # the engine's (a DDP rank's GPU is current already; a module moved to cuda:1 by hand may not be)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            while any(w.left for w in work):
+                pending = [w for w in work if w.left]
+                try:
+                    self._forward_planned(pending)
+                except torch.OutOfMemoryError:
+                    if self.planner.frames == 1:
+                        raise
+                    self._shrink()
+                if until_one_done and any(w.left == 0 for w in work):
+                    return
 
     def _shrink(self) -> None:
         """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need)."""

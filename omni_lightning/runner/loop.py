@@ -12,6 +12,10 @@ finalized (per-request owned CPU payloads; an async host copy waited for) once t
 or at epoch end, or at teardown after an error. Before the first batch it caps the process's GPU share
 (``gpu_memory_utilization``, when given) and calls the module's ``profile_run()`` if it has one.
 
+Under DDP (any number of processes and nodes) a rank that has no batch runs predict's hooks all the
+same (start, epoch start and end, end), with no step: stock skips them, and a callback whose end
+hook meets the other ranks (``WaveformWriter``'s merge) would wait forever.
+
 What it does not do, and why:
 - no logits and no sampling: the model's outputs are the product (``sampled_token_ids`` empty);
 - no memory profiling: a Code2Wav stage has no KV cache to size, so ``profile_run`` runs no dummy
@@ -67,6 +71,12 @@ class OmniPredictionLoop(_PredictionLoop):
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self._in_flight: list[OmniModelRunnerOutput] = []  # runner outputs not finalized yet, in order
+
+    @property
+    def skip(self) -> bool:
+        # under DDP a rank with no batch (its data split gave it none) still runs predict's start and end
+        # hooks, so collectives there (a writer's merge and counts) meet every rank's; stock skips them all
+        return super().skip and self.trainer.world_size == 1
 
     def on_run_start(self) -> None:
         self._prepare_device()
