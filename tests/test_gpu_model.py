@@ -12,13 +12,6 @@ from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_t
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture
-def no_tf32(monkeypatch):
-    # fp32 means fp32 here: cuDNN and cuBLAS would otherwise round inputs to TF32
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-
-
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_snake_beta_kernel_matches_the_reference_on_any_strides(dtype):

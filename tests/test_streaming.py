@@ -216,9 +216,7 @@ def test_module_stream_yields_decode_in_pieces(tiny):
 
 
 @cuda
-def test_cuda_graphs_match_eager_and_decode(monkeypatch):
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+def test_cuda_graphs_match_eager_and_decode(no_tf32):
     model = random_model("tiny", seed=4).cuda()
     codes = random_codes(3, 23, model.config, seed=8).cuda()
     with torch.no_grad():

@@ -25,7 +25,8 @@ class TrainingKernels:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        device = self.trainer.strategy.root_device
+        trainer = self._trainer  # None when a user calls setup by hand: the weights' device then
+        device = trainer.strategy.root_device if trainer is not None else next(self.parameters()).device
         self.training_kernels = self.configure_training_kernels(device) if self.fast_training else Kernels()
 
     def configure_training_kernels(self, device: torch.device) -> Kernels:
