@@ -45,6 +45,7 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
     at most ``frames_per_forward`` frames (default: derived from the trainer's
     ``gpu_memory_utilization``, or the engine's default budget with no cap). ``fast_path``: on CUDA,
     Triton kernels and CUDA graphs per shape bucket (False: eager torch, the same exact chunking).
+    ``graph_frames``: the longest forward (rows x frames) run as a CUDA graph (longer ones run eagerly).
     After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
 
     Fine-tuning: the Lightning hooks here, composing ``training/``: the reconstruction loss
@@ -67,6 +68,7 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
         random_weights: bool = False,
         frames_per_forward: int | None = None,
         fast_path: bool = True,
+        graph_frames: int = 512,
         # fine-tuning
         fast_training: bool = True,
         learning_rate: float = 1e-4,
@@ -93,6 +95,8 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
             model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
         if frames_per_forward is not None and frames_per_forward < 1:
             raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
+        if graph_frames < 0:
+            raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
@@ -165,6 +169,7 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
             loop = self._trainer.predict_loop if self._trainer is not None else None
             self.engine = DecodeEngine(
                 self.model, frames_per_forward=self.frames_per_forward, cuda_graphs=self.fast_path,
+                graph_frames=self.hparams.graph_frames,
                 gpu_memory_utilization=getattr(loop, "gpu_memory_utilization", None),
                 kernels=None if self.fast_path else Kernels(inplace=True),
             )  # fmt: skip

@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=2, help="warm runs")
+    parser.add_argument("--graph-frames", type=int, default=512, help="longest forward run as a CUDA graph (0: none)")
+    parser.add_argument("--frames", type=int, default=None, help="frames per forward (default: the memory budget's)")
     parser.add_argument("--check", type=int, default=16, help="requests compared with their whole decode")
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--out", default="bench_job.json")
@@ -110,7 +112,8 @@ def main() -> None:
     base = random_model(args.preset)
     reqs = mixed_job(base.config, args.requests, args.min_s, args.max_s, args.seed)
     audio = audio_seconds(base.config, [c.shape[-1] for c in reqs.values()])
-    module = Code2WavModule(model=random_model(args.preset))  # fp32 on the CPU: the Trainer moves and casts it
+    module = Code2WavModule(model=random_model(args.preset), graph_frames=args.graph_frames,
+                            frames_per_forward=args.frames)  # fp32 on the CPU: the Trainer moves and casts it
     cold = predict(module, reqs, args)
     stats = module.engine_stats  # under a cap the engine is released at predict end (module.py)
     res = {"requests": len(reqs), "audio_s": audio, "share": args.share, "precision": args.precision,
@@ -135,7 +138,8 @@ def main() -> None:
         res["ratio_to_peer"] = res["x_realtime"] / res["peer"]["x_realtime"]
     save(args.out, res, args)
     mem = res["warm"].get("peak_reserved_gib")
-    line = (f"{args.preset} {args.precision} share={args.share}: {len(reqs)} requests, {audio:,.0f} s audio; "
+    line = (f"{args.preset} {args.precision} share={args.share} graph_frames={args.graph_frames}: "
+            f"{len(reqs)} requests, {audio:,.0f} s audio; "
             f"warm {res['x_realtime']:,.0f}x ({res['batches_x']:,.0f}x batches), cold {res['cold_s']:.2f} s, "
             f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}")  # fmt: skip
     if mem is not None:
