@@ -153,6 +153,31 @@ def test_a_failed_capture_leaves_its_bucket_eager_and_the_run_exact(model):
     assert_exact(model, codes, lengths, again)
 
 
+class NoMemoryForGraphs:
+    """Every capture's warm-up forward runs out of memory (the graphs' pool never fits), as a CUDA
+    cap of a few hundred MiB does; eager forwards fit."""
+
+    def __init__(self):
+        self.tried = 0
+
+    def __call__(self, fn):
+        self.tried += 1
+        raise torch.OutOfMemoryError("stand-in allocator: out of memory in a graph's warm-up")
+
+
+def test_no_memory_for_any_graph_ends_eager_and_exact(model):
+    capture = NoMemoryForGraphs()
+    engine = DecodeEngine(model, frames_per_forward=16, max_rows=4, capture=capture, graph_frames=16)
+    codes = random_codes(3, 30, model.config, seed=6)
+    lengths = [30, 11, 2]
+    with torch.inference_mode():
+        wavs = engine.decode(codes, lengths)
+    # halved down to one frame per forward, then CUDA graphs dropped: eager from there on
+    assert engine.graph_frames == 0 and engine.frames_per_forward == 1 and capture.tried >= 5
+    assert_exact(model, codes, lengths, wavs)
+    assert len(engine._free) == 4  # every slot back
+
+
 def test_planner_keeps_every_forward_in_budget_and_always_progresses():
     rng = random.Random(1)
     for frames in (1, 7, 64, 1536, 4096):

@@ -198,15 +198,18 @@ class DecodeEngine:
                 try:
                     self._forward_planned(pending)
                 except torch.OutOfMemoryError:
-                    if self.planner.frames == 1:
+                    if self.planner.frames == 1 and not self.graph_frames:
                         raise
                     self._shrink()
                 if until_one_done and any(w.left == 0 for w in work):
                     return
 
     def _shrink(self) -> None:
-        """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need)."""
+        """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need).
+        At one frame per forward, it drops CUDA graphs for good: every forward runs eagerly from then on."""
         frames = self.planner.frames
+        if frames == 1:
+            self.graph_frames = 0
         self.planner = self._planner(max(1, frames // 2))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight reads what is freed next
@@ -214,7 +217,8 @@ class DecodeEngine:
             self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log.warning("decode: out of memory at %d frames per forward; now %d", frames, self.planner.frames)
+        log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames,
+                    "" if self.graph_frames else ", eager (no CUDA graphs)")
 
     def _forward_planned(self, pending: list[_Work]) -> None:
         seen = self.graphs.graphs.keys() if self.graphs is not None else ()
