@@ -146,12 +146,16 @@ def in_process(args: list[str]) -> dict[str, Any]:
     for name in ("cold", "warm"):
         out[name]["decode_audio_s_per_s"] = audio_s / out[name]["decode_s"]
     loader = data.predict_dataloader()[0]
+    out["loader"] = {"workers": loader.num_workers, "pin_memory": loader.pin_memory}
     start = time.perf_counter()
-    requests = sum(len(batch["req_ids"]) + len(batch["errors"]) for batch in loader)
+    try:  # after the runs: its failure (on the H200 machine, 2026-12-03, its workers died) loses no run
+        requests = sum(len(batch["req_ids"]) + len(batch["errors"]) for batch in loader)
+    except RuntimeError as err:
+        out["loader"]["error"] = str(err)
+        return out
     seconds = time.perf_counter() - start
-    out["loader"] = {"requests": requests, "s": seconds, "requests_per_s": requests / seconds,
-                     "audio_s_per_s": audio_s / seconds, "workers": loader.num_workers,
-                     "pin_memory": loader.pin_memory}  # fmt: skip
+    out["loader"].update(requests=requests, s=seconds, requests_per_s=requests / seconds,
+                         audio_s_per_s=audio_s / seconds)  # fmt: skip
     return out
 
 
@@ -193,6 +197,14 @@ def main() -> None:
     noop = run_cli(["predict", *job, "--out_dir", str(out)], None)
     if "nothing left to do" not in noop["stdout"]:
         raise SystemExit(f"the rerun did not find the job done:\n{noop['stdout']}")
+    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
+            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "command": " ".join(["python", "scripts/bench_cli.py", *sys.argv[1:]])}  # fmt: skip
+    result = {"meta": meta, "job": {"files": args.files, "seed": args.seed, "audio_s": audio_s, "args": job},
+              "cli": cli, "cli_timings": cold["timings"], "noop_wall_s": noop["wall_s"]}  # fmt: skip
+    args.out.write_text(json.dumps(result, indent=2))  # the CLI's phases are kept if the in-process run fails
+    print("cli:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in cli.items()}),
+          f"no-op rerun {noop['wall_s']:.2f} s", flush=True)
     child = work / "in_process.json"
     proc = subprocess.run([sys.executable, __file__, "--in-process-child", str(child), *job], cwd=ROOT,
                           capture_output=True, text=True)  # fmt: skip
@@ -218,18 +230,14 @@ def main() -> None:
                             "audio s/s"),
         ("in-process warm", f"decode {inproc['warm']['decode_s']:.2f} s, "
                             f"{inproc['warm']['decode_audio_s_per_s']:.0f} audio s/s"),
-        ("loader alone", f"{inproc['loader']['requests_per_s']:.0f} requests/s, "
+        ("loader alone", f"failed: {inproc['loader']['error']}" if "error" in inproc["loader"] else
+                         f"{inproc['loader']['requests_per_s']:.0f} requests/s, "
                          f"{inproc['loader']['audio_s_per_s']:.0f} audio s/s ({inproc['loader']['workers']} workers, "
                          f"pin_memory={inproc['loader']['pin_memory']})"),
         ("cli decode / in-process", f"{ratios['cold']:.2f} of cold, {ratios['warm']:.2f} of warm"),
     ]  # fmt: skip
     print(table(rows))
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "command": " ".join(["python", "scripts/bench_cli.py", *sys.argv[1:]])}  # fmt: skip
-    result = {"meta": meta, "job": {"files": args.files, "seed": args.seed, "audio_s": audio_s, "args": job},
-              "cli": cli, "cli_timings": cold["timings"], "noop_wall_s": noop["wall_s"], "in_process": inproc,
-              "ratios": ratios}  # fmt: skip
+    result.update(in_process=inproc, ratios=ratios)
     args.out.write_text(json.dumps(result, indent=2))
     print(f"-> {args.out}")
 
