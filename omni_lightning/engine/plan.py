@@ -14,7 +14,8 @@ sampler's batches) advance together in large chunks and finish with one small ex
 long request advances ``frames`` at a time.
 
 ``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
-the whole budget, ``rows * chunk == frames``. Its tensors then have the same sizes at every layer
+the whole budget, ``rows * chunk == frames``, with at least half of its rows real (a forward of
+more padding than requests is left to the CUDA graphs). Its tensors then have the same sizes at every layer
 whatever the split of rows and chunk, so the caching allocator serves every eager forward from the
 same blocks; forwards of many sizes each left their own blocks reserved (15 GiB reserved for a 6 GiB
 peak on an H200, docs/performance.md). Except a forward that finishes every row at once (a streaming
@@ -97,8 +98,12 @@ class Planner:
         exact = self.exact_eager and not (finishes and n_rows <= self.max_rows)
         if exact:  # eager: the whole budget, so every eager forward reuses the same blocks
             rows = self.frames // chunk
-            if rows * chunk == self.frames and rows * chunk > self.graph_frames and rows in self.rows:
-                out.append((rows, min(n_rows, rows, self.max_rows)))
+            n = min(n_rows, rows, self.max_rows)
+            # not when most rows would be padding: a lone request is not run as 32 rows (a CUDA graph
+            # of its own shape does it at a fraction of the cost once captured, which the capture
+            # penalty would otherwise never let happen)
+            if rows * chunk == self.frames and rows * chunk > self.graph_frames and rows in self.rows and 2 * n >= rows:
+                out.append((rows, n))
         elif chunk <= MAX_CHUNK:
             n = min(n_rows, self.frames // chunk, self.max_rows)
             rows = self.row_bucket(n)

@@ -1,0 +1,86 @@
+"""The decode engine's planner on the benchmark jobs, priced by a cost model fitted to an H200 profile:
+a CPU-only look at how many forwards a job takes, how much padding, and what that should cost.
+
+    python scripts/simulate_plan.py                      # the default frame budgets, bf16 qwen3-omni
+    python scripts/simulate_plan.py --frames 2048 --graph-frames 512
+
+Jobs (each as the engine sees it in its own process: run once cold, where new shapes are captured,
+then priced warm): ``job`` (the mixed 2-30 s job of ``bench_job.py`` in the data module's batches of
+32), ``b1x125`` and ``b32x125`` (``bench_forward.py``'s 10 s clips), ``lone7500`` (one 600 s request).
+
+Cost model (ms, from ``profile_engine.py`` on an H200, ``docs/results/profile_engine_h200.json``):
+an eager forward of ``f`` padded frames ``max(14, 5 + 0.0175 f)`` (launch-bound below ~500 frames),
+a CUDA graph replay ``3.5 + 0.0185 f``. It ignores what the profile also showed (graph replays at
+many rows were slower than eager at that commit), the state copies between forwards and the
+Trainer's per-call cost, so it is a guide to the planner, not a measurement: it put the measured
+job (2,926x from the first batch, 2048 frames) at 3,395x, the measured 0.03-cap job (2,441x, 1024
+frames) at 3,203x. What it does not do: time anything, or choose the frame budget (``budget.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from workload import mixed_job
+
+from omni_lightning import CodesDataModule
+from omni_lightning.engine.plan import Planner
+from omni_lightning.models import resolve_config
+
+
+def eager_ms(frames: int) -> float:
+    return max(14.0, 5.0 + 0.0175 * frames)
+
+
+def graph_ms(frames: int) -> float:
+    return 3.5 + 0.0185 * frames
+
+
+def price(planner: Planner, batches: list[list[int]], seen: set) -> dict[str, float]:
+    """Plans every batch to its end, as ``DecodeEngine.decode`` does; shapes within ``graph_frames``
+    join ``seen`` (captured) when first run."""
+    forwards, ms, padded, real = 0, 0.0, 0, 0
+    for lengths in batches:
+        remaining = list(lengths)
+        while any(remaining):
+            live = [i for i, n in enumerate(remaining) if n]
+            plan = planner.next([remaining[i] for i in live], seen)
+            frames = plan.rows * plan.chunk
+            graph = frames <= planner.graph_frames
+            if graph:
+                seen.add(plan.shape)
+            ms += graph_ms(frames) if graph else eager_ms(frames)
+            forwards, padded, real = forwards + 1, padded + frames, real + sum(plan.take)
+            for j, take in zip(plan.requests, plan.take):
+                remaining[live[j]] -= take
+    return {"forwards": forwards, "ms": ms, "padding": padded / real - 1}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--frames", type=int, nargs="+", default=[1024, 2048, 4096])
+    parser.add_argument("--graph-frames", type=int, default=None, help="default: 512, 256 at 1024 frames or less")
+    args = parser.parse_args()
+    config = resolve_config("qwen3-omni")
+    data = CodesDataModule(predict=mixed_job(config, 384, 2.0, 30.0, 0), batch_size=32)
+    data.setup("predict")
+    loader = data.predict_dataloader()
+    loader = loader[0] if isinstance(loader, list) else loader
+    jobs = {"job": [b["lengths"].tolist() for b in loader], "b1x125": [[125]], "b32x125": [[125] * 32],
+            "lone7500": [[7500]]}  # fmt: skip
+    print("| frames | graph frames | job | forwards, padding | x real time (model) |")
+    print("|---|---|---|---|---|")
+    for frames in args.frames:
+        graph_frames = args.graph_frames or (512 if frames > 1024 else 256)
+        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True)
+        for name, batches in jobs.items():
+            seen: set = set()
+            price(planner, batches, seen)  # cold: captures
+            warm = price(planner, batches, seen)
+            audio = sum(config.output_length(n) for b in batches for n in b) / config.sample_rate
+            print(f"| {frames} | {graph_frames} | {name} | {warm['forwards']}, {100 * warm['padding']:.0f} % | "
+                  f"{audio / warm['ms'] * 1e3:,.0f}x |")
+
+
+if __name__ == "__main__":
+    main()
