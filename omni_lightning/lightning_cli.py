@@ -4,8 +4,8 @@ the command line before this module, torch and Lightning are imported).
 What it adds to LightningCLI: ``--out_dir`` / ``--format`` / ``--subtype`` for predict (a
 ``WaveformWriter``; the data module is told the same folder, ``--data.skip_done``, so finished requests
 are never read), the weights guard on the parsed config, DDP defaults (``use_distributed_sampler``
-off: the data module splits requests across ranks itself; with ``--model.adversarial true`` on
-several processes, a DDP that finds unused parameters, which the GAN's two backward passes need),
+off: the data module splits requests across ranks itself; the module itself asks DDP to find the
+GAN's unused parameters, ``training/adversarial.py``),
 configuration mistakes the classes raise while being built reported as usage errors, an end-of-run
 summary, and phase timings when asked.
 """
@@ -72,14 +72,11 @@ class OmniCLI(LightningCLI):
         if self.subcommand is None:
             return  # run=False (benchmarks): the caller decides what runs
         config = self.config[self.subcommand]
+        _drop_progress_bars_if_disabled(config.get("trainer"))
         model = config.get("model")
         if model is None or "random_weights" not in model:
             return  # another model class: its own rules
         check_weights(self.subcommand, model.checkpoint, config.get("ckpt_path"), model.random_weights)
-        gan = self.subcommand == "fit" and model.get("adversarial")
-        if gan and config.trainer.get("strategy") in ("auto", "ddp") and _processes(config.trainer) > 1:
-            # the GAN's two backward passes each leave the other network's parameters without a gradient
-            config.trainer.strategy = "ddp_find_unused_parameters_true"
         if self.subcommand == "predict" and config.get("out_dir") and config.data.get("skip_done") is None:
             config.data.skip_done = config.out_dir  # one reading of the folder decides what is finished
 
@@ -141,21 +138,24 @@ class OmniCLI(LightningCLI):
             print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
 
-def _processes(trainer: Any) -> int:
-    """How many processes ``--trainer.devices`` and ``--trainer.num_nodes`` ask for (``auto`` and -1: every
-    visible GPU unless the accelerator is the CPU, as Lightning counts them)."""
-    devices = trainer.get("devices", "auto")
-    if isinstance(devices, (list, tuple)):
-        count = len(devices)
-    elif isinstance(devices, str) and "," in devices:
-        count = len([d for d in devices.split(",") if d.strip()])
-    elif str(devices) in ("auto", "-1"):
-        import torch
+def _drop_progress_bars_if_disabled(trainer: Any) -> None:
+    """``--trainer.enable_progress_bar false`` wins over a progress bar in the config's callbacks
+    (``configs/predict.yaml`` lists ``AudioProgressBar``): Lightning refuses the pair."""
+    if trainer is None or trainer.get("enable_progress_bar") is not False or not trainer.get("callbacks"):
+        return
+    import importlib
 
-        count = torch.cuda.device_count() if trainer.get("accelerator") in ("auto", "gpu", "cuda") else 1
-    else:
-        count = int(devices)
-    return max(count, 1) * int(trainer.get("num_nodes") or 1)
+    from lightning.pytorch.callbacks import ProgressBar
+
+    def is_bar(callback: Any) -> bool:
+        path = callback.get("class_path") if hasattr(callback, "get") else None
+        if not isinstance(path, str) or "." not in path:
+            return isinstance(callback, ProgressBar)
+        module, name = path.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name, None)
+        return isinstance(cls, type) and issubclass(cls, ProgressBar)
+
+    trainer.callbacks = [c for c in trainer.callbacks if not is_bar(c)]
 
 
 def run_lightning_cli(

@@ -15,9 +15,10 @@ from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.runner.engine_hooks import EngineOnPredict
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
-from omni_lightning.training.adversarial import AdversarialStep
+from omni_lightning.training.adversarial import AdversarialStep, find_unused_parameters_under_ddp
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
@@ -32,7 +33,7 @@ warnings.filterwarnings(
 )
 
 
-class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
+class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.LightningModule):
     """Code2Wav in Lightning: predict (vLLM-Omni runner semantics), fine-tune, evaluate.
 
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
@@ -115,6 +116,11 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
         self.eval_metrics = Unregistered(AudioMetrics(model.config.sample_rate))
 
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage == "fit" and self.adversarial_step is not None and self._trainer is not None:
+            find_unused_parameters_under_ddp(self._trainer)
+
     @property
     def config(self) -> Code2WavConfig:
         return self.model.config
@@ -159,36 +165,6 @@ class Code2WavModule(HostWeightsOnPredict, TrainingKernels, pl.LightningModule):
         """
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-
-    def decode_engine(self) -> DecodeEngine:
-        """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
-        so graphs survive across predict calls), else built for the model's device and dtype."""
-        if self.engine is None or self.engine.model is not self.model or not self.engine.refresh():
-            if self.engine is not None:
-                self.engine.close()
-            loop = self._trainer.predict_loop if self._trainer is not None else None
-            self.engine = DecodeEngine(
-                self.model, frames_per_forward=self.frames_per_forward, cuda_graphs=self.fast_path,
-                graph_frames=self.hparams.graph_frames,
-                gpu_memory_utilization=getattr(loop, "gpu_memory_utilization", None),
-                kernels=None if self.fast_path else Kernels(inplace=True),
-            )  # fmt: skip
-        return self.engine
-
-    def on_predict_start(self) -> None:
-        self.decode_engine()
-
-    def on_predict_end(self) -> None:
-        if self.engine is not None:
-            self.engine_stats = self.engine.stats()
-        if self.engine is not None and self.engine.device.type == "cuda":
-            pl.utilities.rank_zero_info(self.engine.report())
-            if getattr(self._trainer.predict_loop, "gpu_memory_utilization", None) is not None:
-                # a capped process: the next predict moves the weights here again, and the engine's
-                # copy, graphs and state must not hold the budget meanwhile
-                self.engine.close()
-                self.engine = None
-                torch.cuda.empty_cache()
 
     def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
         """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""

@@ -73,7 +73,7 @@ def fit(args: argparse.Namespace) -> None:
     if args.save:  # at the epoch's end, inside fit: the EMA weights and the raw ones (ema.py)
         save = Path(args.save)
         callbacks.append(pl.callbacks.ModelCheckpoint(save.parent, save.stem, enable_version_counter=False))
-    strategy = ("ddp_find_unused_parameters_true" if args.gan else "ddp") if args.devices > 1 else "auto"
+    strategy = "ddp" if args.devices > 1 else "auto"  # the GAN: the module asks DDP to find unused parameters
     trainer = Trainer(**QUIET, devices=args.devices, strategy=strategy, max_steps=args.steps, callbacks=callbacks,
                       num_sanity_val_steps=0, limit_val_batches=0, enable_checkpointing=bool(args.save))  # fmt: skip
     datamodule = CodesDataModule(train=str(data / "train.jsonl"), batch_size=args.batch_size, num_workers=0)

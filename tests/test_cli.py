@@ -95,7 +95,7 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
         "--model.frames_per_forward": ("0", "the configuration could not be built: frames_per_forward"),
         "--data.batch_size": ("0", "batch_size and max_frames must be >= 1, got 0"),
-        "--trainer.enable_progress_bar": ("false", "Trainer was configured with `enable_progress_bar=False`"),
+        "--trainer.devices": ("0", "`Trainer(devices='0')` value is not a valid input"),
     }
     for flag, (value, message) in mistakes.items():
         assert main([*job, flag, value]) == 2
@@ -109,3 +109,18 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     assert main(job) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "ValueError: an internal check failed" in err and "\nerror: " not in err
+
+
+def test_predict_with_the_progress_bar_turned_off_drops_the_configs_bar(tmp_path):
+    """configs/predict.yaml lists AudioProgressBar; `--trainer.enable_progress_bar false` must win (Lightning
+    refuses a progress bar callback with the flag off)."""
+    codes = tmp_path / "codes"
+    codes.mkdir()
+    np.save(codes / "one request.npy", random_codes(1, 9, seed=2)[0].numpy().astype(np.uint16))
+    out = tmp_path / "wavs"
+    log = run("predict", "--config", "configs/predict.yaml", "--data.predict", str(codes), "--out_dir", str(out),
+              "--model.random_weights", "true", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar",
+              "false")  # fmt: skip
+    assert "Predicting" not in log and "1 requests written" in log, log
+    (line,) = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
+    assert line["id"] == "one request" and sf.info(str(out / line["path"])).frames == line["n_samples"] > 0

@@ -95,3 +95,16 @@ class AdversarialStep:
         if self.grad_clip:
             torch.nn.utils.clip_grads_with_norm_(params, self.grad_clip, total)
         self._norms[self._stepping] = total
+
+
+def find_unused_parameters_under_ddp(trainer: pl.Trainer) -> None:
+    """The GAN's two backward passes each leave the other network's parameters without a gradient, so
+    DDP must look for unused parameters or its first step fails. Called from the module's ``setup``
+    (before the strategy wraps the module): on Lightning's ``DDPStrategy`` it sets the keyword that
+    ``strategy="ddp_find_unused_parameters_true"`` would have (``_ddp_kwargs``: the strategy keeps its
+    DDP constructor keywords there and reads them when it wraps). Other strategies are left alone."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy) and not strategy._ddp_kwargs.get("find_unused_parameters"):
+        strategy._ddp_kwargs["find_unused_parameters"] = True
