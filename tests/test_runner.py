@@ -1,6 +1,7 @@
 """trainer.predict through OmniPredictionLoop: vLLM-Omni runner semantics inside Lightning."""
 
 import json
+import re
 
 import lightning.pytorch as pl
 import numpy as np
@@ -228,8 +229,9 @@ def test_trainer_adds_the_async_copy_callback_once():
 
 
 def test_bad_loop_configuration():
-    with pytest.raises(ValueError, match="gpu_memory_utilization"):
-        Trainer(**trainer_kwargs(), gpu_memory_utilization=1.5)
+    for bad in (1.5, 0, -0.1, "0.5", True, float("nan")):  # each named in the error
+        with pytest.raises(ValueError, match=rf"gpu_memory_utilization .*got {re.escape(repr(bad))}"):
+            Trainer(**trainer_kwargs(), gpu_memory_utilization=bad)
 
 
 def test_only_multimodal_outputs_get_runner_semantics(model):

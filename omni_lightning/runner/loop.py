@@ -67,8 +67,10 @@ class OmniPredictionLoop(_PredictionLoop):
         if inference_mode is None:
             inference_mode = getattr(getattr(trainer, "predict_loop", None), "inference_mode", True)
         super().__init__(trainer, inference_mode=inference_mode)
-        if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        fraction = gpu_memory_utilization
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0.0 < fraction <= 1.0):  # fmt: skip
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1] or None, got {fraction!r}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self._in_flight: list[OmniModelRunnerOutput] = []  # runner outputs not finalized yet, in order
 
