@@ -16,7 +16,11 @@ habit: lengths and sizes from the layers, not constants beside them), counting t
 once at each stage. The budget is ``gpu_memory_utilization`` x the device's memory minus what the
 process holds already (weights, state, other tenants of the process) when a cap is set; with no cap,
 :data:`DEFAULT_BUDGET`. What is estimated, not measured, is the per-frame cost and the pool's factor;
-the engine's out-of-memory fallback (half the frames, then half again) covers the error.
+the engine's out-of-memory fallback (half the frames, then half again) covers the error. Measured on
+an H200 (bf16, ``docs/performance.md``): the count is ~3.2 GiB for 2048 frames and their graphs, the
+process peaked at 9.0 GiB reserved with no cap (the allocator keeps what it freed) and at 4.19 GiB
+under a 4.2 GiB cap after one halving. Not done: fitting the count to those figures (one GPU session
+was not enough to check a fit across caps).
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import torch
 from omni_lightning.engine.plan import MAX_CHUNK
 from omni_lightning.models.code2wav import Code2Wav
 
-DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap: about 8 GiB reserved in all
+DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap; measured (H200, bf16, the mixed
+# 2-30 s job): 2048 frames per forward, 9.0 GiB peak reserved in all (the estimate below undercounts)
 MIN_FRAMES, MAX_FRAMES = 16, 8192
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
 
