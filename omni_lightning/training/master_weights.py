@@ -81,11 +81,14 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for group, inner in zip(self.param_groups, self.fp32.param_groups):
             inner.update({k: group[k] for k in _HYPERPARAMETERS})  # a schedule changes the outer lr
         stepped = [(p, m) for p, m in self.master_weights() if p.grad is not None]
+        if not stepped:
+            return loss
+        params, copies = [p for p, _ in stepped], [m for _, m in stepped]
         for p, m in stepped:
-            m.grad = p.grad.to(torch.float32)
+            m.grad = p.grad.to(torch.float32)  # freed after the step: an fp32 gradient lives only here
         self.fp32.step()
-        for p, m in stepped:
-            p.copy_(m)
+        torch._foreach_copy_(params, copies)  # rounded back in one launch per dtype, not one per parameter
+        for m in copies:
             m.grad = None
         return loss
 
