@@ -39,7 +39,8 @@ class Clock(pl.Callback):
     def on_predict_end(self, trainer, pl_module):
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
-        self.seconds = time.perf_counter() - self.start
+        self.end = time.perf_counter()
+        self.seconds = self.end - self.start
 
 
 def predict(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dict:
@@ -49,9 +50,10 @@ def predict(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dic
                       callbacks=[clock], gpu_memory_utilization=args.share)  # fmt: skip
     start = time.perf_counter()
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=args.batch))
-    seconds = time.perf_counter() - start
+    end = time.perf_counter()
     wavs = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
-    return {"seconds": seconds, "batches_s": clock.seconds, "wavs": wavs}
+    return {"seconds": end - start, "batches_s": clock.seconds, "wavs": wavs,
+            "before_batches_s": clock.start - start, "after_batches_s": end - clock.end}  # fmt: skip
 
 
 def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -70,6 +72,22 @@ def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, devi
             errors.append(rel_l2(got, alone))
     return {"checked": len(diffs), "max_abs_diff": max(diffs), "max_rel_l2": max(errors),
             "median_rel_l2": statistics.median(errors)}  # fmt: skip
+
+
+def profiled(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dict:
+    """One warm predict under torch.profiler: wall seconds against the seconds the GPU ran kernels
+    (their self time summed; overlapping streams counted twice), and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run = predict(module, reqs, args)
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60), file=sys.stderr)
+    waits = [e for e in events if e.key.startswith("cuda") and "Launch" not in e.key]  # the host's waits on the device
+    print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
+    return {"wall_s": run["seconds"], "batches_s": run["batches_s"], "gpu_kernel_s": busy,
+            "host_cuda_calls": {e.key: {"count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in waits}}
 
 
 def peer_loop(base: Code2Wav, reqs: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -106,6 +124,7 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=None, help="frames per forward (default: the memory budget's)")
     parser.add_argument("--check", type=int, default=16, help="requests compared with their whole decode")
     parser.add_argument("--peer", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="one more warm run under torch.profiler: GPU busy time")
     parser.add_argument("--out", default="bench_job.json")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -122,10 +141,14 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats(device)  # the warm runs' own peak
     runs = [predict(module, reqs, args) for _ in range(args.repeats)]
     warm = statistics.median(r["seconds"] for r in runs)
+    res["warm_phases_s"] = {k: statistics.median(r[k] for r in runs) for k in ("before_batches_s", "batches_s",
+                                                                             "after_batches_s")}  # fmt: skip
     res.update(warm_s=warm, x_realtime=audio / warm, batches_x=audio / statistics.median(r["batches_s"] for r in runs),
                cold_x=audio / cold["seconds"], warm=memory(device), warm_engine=module.engine_stats,
                frames_per_forward=module.engine_stats["frames_per_forward"],
                captures=stats.get("captures", 0), capture_s=stats.get("capture_s", 0.0))  # fmt: skip
+    if args.profile and device.type == "cuda":
+        res["profile"] = profiled(module, reqs, args)
     res["report"] = f"cold: {stats}; warm: {module.engine_stats}"
     print(f"  {res['report']}", file=sys.stderr, flush=True)
     if module.engine is not None:
@@ -144,6 +167,7 @@ def main() -> None:
             f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}")  # fmt: skip
     if mem is not None:
         line += f", peak reserved {mem:.2f} GiB"
+    line += " (warm phases: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in res["warm_phases_s"].items()) + ")"
     if "check" in res:
         c = res["check"]
         line += f"; {c['checked']} checked: max abs {c['max_abs_diff']:.1e}, max rel L2 {c['max_rel_l2']:.1e}"

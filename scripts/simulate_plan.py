@@ -8,18 +8,19 @@ Jobs (each as the engine sees it in its own process: run once cold, where new sh
 then priced warm): ``job`` (the mixed 2-30 s job of ``bench_job.py`` in the data module's batches of
 32), ``b1x125`` and ``b32x125`` (``bench_forward.py``'s 10 s clips), ``lone7500`` (one 600 s request).
 
-Cost model (ms, from ``profile_engine.py`` on an H200, ``docs/results/profile_engine_h200.json``):
-an eager forward of ``f`` padded frames ``max(14, 5 + 0.0175 f)`` (launch-bound below ~500 frames),
-a CUDA graph replay ``3.5 + 0.0185 f``. It ignores what the profile also showed (graph replays at
-many rows were slower than eager at that commit), the state copies between forwards and the
-Trainer's per-call cost, so it is a guide to the planner, not a measurement: it put the measured
-job (2,926x from the first batch, 2048 frames) at 3,395x, the measured 0.03-cap job (2,441x, 1024
-frames) at 3,203x. What it does not do: time anything, or choose the frame budget (``budget.py``).
+Cost model (ms, from ``profile_engine.py`` on an H200 on 2026-12-04, ``docs/results/profile_engine_h200.json``):
+an eager forward of ``f`` padded frames ``max(11.5, 1.0 + 0.0186 f)`` (the host's launches bound it
+below ~600 frames), a CUDA graph replay through the engine ``2.4 + 0.0186 f``. It leaves out the
+device idling while the host catches up after a synchronization, the state copies between forwards
+and the Trainer's per-call cost, so it is a guide to the planner, not a measurement (at 2048 frames
+and a step cost of 48 it put the job at 3,395x, where the H200 measured 2,794x from the first batch).
+What it does not do: time anything, or choose the frame budget (``budget.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from workload import mixed_job
 
@@ -29,11 +30,11 @@ from omni_lightning.models import resolve_config
 
 
 def eager_ms(frames: int) -> float:
-    return max(14.0, 5.0 + 0.0175 * frames)
+    return max(11.5, 1.0 + 0.0186 * frames)
 
 
 def graph_ms(frames: int) -> float:
-    return 3.5 + 0.0185 * frames
+    return 2.4 + 0.0186 * frames
 
 
 def price(planner: Planner, batches: list[list[int]], seen: set) -> dict[str, float]:
@@ -60,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--graph-frames", type=int, default=None, help="default: 512, 256 at 1024 frames or less")
+    parser.add_argument("--step-cost", type=int, nargs="+", default=[Planner.step_cost],
+                        help="the planner's fixed cost of a forward, in frames")
     args = parser.parse_args()
     config = resolve_config("qwen3-omni")
     data = CodesDataModule(predict=mixed_job(config, 384, 2.0, 30.0, 0), batch_size=32)
@@ -68,18 +71,18 @@ def main() -> None:
     loader = loader[0] if isinstance(loader, list) else loader
     jobs = {"job": [b["lengths"].tolist() for b in loader], "b1x125": [[125]], "b32x125": [[125] * 32],
             "lone7500": [[7500]]}  # fmt: skip
-    print("| frames | graph frames | job | forwards, padding | x real time (model) |")
-    print("|---|---|---|---|---|")
-    for frames in args.frames:
+    print("| frames | graph frames | step cost | job | forwards, padding | x real time (model) |")
+    print("|---|---|---|---|---|---|")
+    for frames, step_cost in itertools.product(args.frames, args.step_cost):
         graph_frames = args.graph_frames or (512 if frames > 1024 else 256)
-        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True)
+        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True, step_cost=step_cost)
         for name, batches in jobs.items():
             seen: set = set()
             price(planner, batches, seen)  # cold: captures
             warm = price(planner, batches, seen)
             audio = sum(config.output_length(n) for b in batches for n in b) / config.sample_rate
-            print(f"| {frames} | {graph_frames} | {name} | {warm['forwards']}, {100 * warm['padding']:.0f} % | "
-                  f"{audio / warm['ms'] * 1e3:,.0f}x |")
+            print(f"| {frames} | {graph_frames} | {step_cost} | {name} | {warm['forwards']}, "
+                  f"{100 * warm['padding']:.0f} % | {audio / warm['ms'] * 1e3:,.0f}x |")
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture,
 from omni_lightning.engine.plan import Planner
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
-from omni_lightning.models.state import DecodeState
+from omni_lightning.models.state import DecodeState, host_to_device
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,7 @@ class DecodeEngine:
             frames_per_forward = budgets.frames_for_budget(budget, per_frame)
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
+        self.work = {"forwards": 0, "frames": 0, "computed": 0}  # real frames, padded rows x chunk
 
     def _planner(self, frames: int) -> Planner:
         # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
@@ -225,14 +226,14 @@ class DecodeEngine:
         plan = self.planner.next([w.left for w in pending], seen)
         rows, chunk = plan.shape
         picked = [pending[i] for i in plan.requests]
+        self.work["forwards"] += 1
+        self.work["frames"] += sum(plan.take)
+        self.work["computed"] += rows * chunk
         codes = torch.zeros((rows, picked[0].codes.shape[0], chunk), dtype=torch.long, device=self.device)
         for r, (w, take) in enumerate(zip(picked, plan.take)):
             codes[r, :, :take] = w.codes[:, w.done : w.done + take]
-        meta = torch.tensor([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
-                            + list(plan.take) + [0] * (rows - len(picked)), dtype=torch.long)  # fmt: skip
-        if self.device.type == "cuda":
-            meta = meta.pin_memory()
-        meta = meta.to(self.device, non_blocking=True)
+        meta = host_to_device([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
+                              + list(plan.take) + [0] * (rows - len(picked)), self.device)  # fmt: skip
         slots, valid = meta[:rows], meta[rows:]
         out = self._run(codes, slots, valid)
         for r, (w, take) in enumerate(zip(picked, plan.take)):
@@ -266,9 +267,10 @@ class DecodeEngine:
         return self.model(codes, self.state.select(slots, valid), self.kernels)
 
     def stats(self) -> dict[str, float]:
-        """The frame budget; graphs captured, their capture seconds, replays, eager forwards and failed
-        captures; peak reserved GiB on CUDA."""
-        out: dict[str, float] = {"frames_per_forward": self.planner.frames}
+        """The frame budget; forwards, real and computed (padded) frames since the engine was built;
+        graphs captured, their capture seconds, replays, eager forwards and failed captures; peak
+        reserved GiB on CUDA."""
+        out: dict[str, float] = {"frames_per_forward": self.planner.frames, **self.work}
         if self.graphs is not None:
             s = self.graphs.stats
             out.update(captures=s.captures, capture_s=s.capture_s, replays=s.replays, eager=s.eager,
@@ -281,6 +283,8 @@ class DecodeEngine:
         """:meth:`stats` in one line."""
         s = self.stats()
         line = f"decode engine: {s['frames_per_forward']} frames per forward"
+        if s["computed"]:
+            line += f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding)"
         if "captures" in s:
             line += (f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
                      f"{s['eager']} eager forwards")  # fmt: skip

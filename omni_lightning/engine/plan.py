@@ -7,9 +7,12 @@ graph captures; ``rows * chunk <= frames`` (the frame budget, from the memory bu
 
 The planner is greedy, one forward at a time: for each chunk size it takes the rows with the most
 frames left (as many as the budget allows), and scores the forward by its real frames over its cost,
-``rows * chunk`` padded frames plus ``step_cost`` (a forward's fixed cost: hundreds of kernel launches)
+``rows * chunk`` padded frames plus ``step_cost`` (a forward's fixed cost, in frames: hundreds of kernel
+launches; on an H200 a replay cost 2.4 ms + 18.6 us a frame through the engine, so ~128 frames)
 plus ``new_shape_cost`` if that shape would be captured as a CUDA graph now (``graph_frames``: shapes
-of at most that many frames are; ``seen``: those captured already). Requests of similar lengths (the
+of at most that many frames are; ``seen``: those captured already), plus another ``step_cost`` when a
+forward of every row leaves some unfinished (a one-step look-ahead: it costs one more forward, so a
+lone request's last 1,356 frames go as one forward of 1536, not as 1024 then 384). Requests of similar lengths (the
 sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
 long request advances ``frames`` at a time.
 
@@ -32,8 +35,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # dense where streaming chunks live (every size up to 8 frames: a stream's chunk is never padded
 # much), then x1.5 steps; past MAX_CHUNK (attention scores grow with the chunk) only as one row
 # taking a whole budget (a lone long request)
-CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 2048, 4096,
-          8192)  # fmt: skip
+CHUNKS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048,
+          3072, 4096, 6144, 8192)  # fmt: skip
 MAX_CHUNK = 1024
 
 
@@ -59,7 +62,7 @@ class Planner:
     max_rows: int = 64
     chunks: tuple[int, ...] = CHUNKS
     rows: tuple[int, ...] = ROWS
-    step_cost: int = 48
+    step_cost: int = 128
     new_shape_cost: int = 4096
     graph_frames: int = 0  # shapes of at most this many frames run as CUDA graphs (0: none)
     exact_eager: bool = False  # eager (longer) forwards use exactly `frames` (see the module docstring)
@@ -104,7 +107,7 @@ class Planner:
             # penalty would otherwise never let happen)
             if rows * chunk == self.frames and rows * chunk > self.graph_frames and rows in self.rows and 2 * n >= rows:
                 out.append((rows, n))
-        elif chunk <= MAX_CHUNK:
+        elif chunk <= MAX_CHUNK or n_rows == 1:  # a lone request's last forward: any chunk in the budget
             n = min(n_rows, self.frames // chunk, self.max_rows)
             rows = self.row_bucket(n)
             while rows * chunk > self.frames:  # n fits the budget; its bucket may not
@@ -130,6 +133,8 @@ class Planner:
                 take = tuple(min(chunk, remaining[i]) for i in picked)
                 capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
                 cost = rows * chunk + self.step_cost + (self.new_shape_cost if capture else 0)
+                if n == len(order) and chunk < longest:  # every row still left: one more forward at least
+                    cost += self.step_cost
                 score = sum(take) / cost
                 if best is None or score > best[0] + 1e-12:
                     best = (score, Plan(rows, chunk, tuple(picked), take))

@@ -64,7 +64,7 @@ class DecodeState:
     def reset(self, slots: Sequence[int] | None = None) -> None:
         """Makes ``slots`` (default: all) fresh."""
         with torch.no_grad(), torch.inference_mode(False):
-            index = None if slots is None else torch.tensor(list(slots), dtype=torch.long).to(self.pos.device)
+            index = None if slots is None else host_to_device(list(slots), self.pos.device)
             for t in (*self.tensors.values(), self.pos):
                 if index is None:
                     t.zero_()
@@ -74,6 +74,17 @@ class DecodeState:
     @property
     def bytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self.tensors.values()) + self.pos.element_size()
+
+
+def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device`` without waiting for it: on CUDA through pinned memory
+    and a non-blocking copy (a plain ``.to(device)`` from pageable memory synchronizes the stream, so
+    the host stops launching until the device has run everything queued, and the device then idles
+    while the host catches up)."""
+    index = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return index.to(device)
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 class Step:
