@@ -48,19 +48,19 @@ def price(planner: Planner, batches: list[list[int]], seen: set) -> dict[str, fl
             plan = planner.next([remaining[i] for i in live], seen)
             frames = plan.rows * plan.chunk
             graph = frames <= planner.graph_frames
-            if graph:
-                seen.add(plan.shape)
+            seen.add(plan.shape)
             ms += graph_ms(frames) if graph else eager_ms(frames)
             forwards, padded, real = forwards + 1, padded + frames, real + sum(plan.take)
             for j, take in zip(plan.requests, plan.take):
                 remaining[live[j]] -= take
-    return {"forwards": forwards, "ms": ms, "padding": padded / real - 1}
+    return {"forwards": forwards, "ms": ms, "padding": padded / real - 1, "shapes": len(seen)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--frames", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--graph-frames", type=int, default=None, help="default: 512, 256 at 1024 frames or less")
+    parser.add_argument("--new-shape-cost", type=int, nargs="+", default=[Planner.new_shape_cost])
     parser.add_argument("--step-cost", type=int, nargs="+", default=[Planner.step_cost],
                         help="the planner's fixed cost of a forward, in frames")
     args = parser.parse_args()
@@ -71,18 +71,19 @@ def main() -> None:
     loader = loader[0] if isinstance(loader, list) else loader
     jobs = {"job": [b["lengths"].tolist() for b in loader], "b1x125": [[125]], "b32x125": [[125] * 32],
             "lone7500": [[7500]]}  # fmt: skip
-    print("| frames | graph frames | step cost | job | forwards, padding | x real time (model) |")
-    print("|---|---|---|---|---|---|")
-    for frames, step_cost in itertools.product(args.frames, args.step_cost):
+    print("| frames | graph frames | step cost | new shape cost | job | forwards, padding, shapes | x real time (model) |")
+    print("|---|---|---|---|---|---|---|")
+    for frames, step_cost, new_cost in itertools.product(args.frames, args.step_cost, args.new_shape_cost):
         graph_frames = args.graph_frames or (512 if frames > 1024 else 256)
-        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True, step_cost=step_cost)
+        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True, step_cost=step_cost,
+                          new_shape_cost=new_cost)  # fmt: skip
         for name, batches in jobs.items():
             seen: set = set()
             price(planner, batches, seen)  # cold: captures
             warm = price(planner, batches, seen)
             audio = sum(config.output_length(n) for b in batches for n in b) / config.sample_rate
-            print(f"| {frames} | {graph_frames} | {step_cost} | {name} | {warm['forwards']}, "
-                  f"{100 * warm['padding']:.0f} % | {audio / warm['ms'] * 1e3:,.0f}x |")
+            print(f"| {frames} | {graph_frames} | {step_cost} | {new_cost} | {name} | {warm['forwards']}, "
+                  f"{100 * warm['padding']:.0f} %, {warm['shapes']} shapes | {audio / warm['ms'] * 1e3:,.0f}x |")
 
 
 if __name__ == "__main__":

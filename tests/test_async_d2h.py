@@ -31,6 +31,8 @@ def run(model, accelerator, callbacks=(), dataloaders=None, module=None, **predi
 def test_identical_outputs_with_and_without_the_callback(model, accelerator):
     plain = waveforms(run(model, accelerator))
     d2h = AsyncD2HCallback()
+    d2h.close()  # a pool of its own for this test (the process's shared pool may hold earlier tests' buffers)
+    d2h = AsyncD2HCallback()
     with_cb = waveforms(run(model, accelerator, [d2h]))
     assert plain.keys() == with_cb.keys()
     assert all(torch.equal(plain[k], with_cb[k]) for k in plain)
@@ -41,8 +43,15 @@ def test_identical_outputs_with_and_without_the_callback(model, accelerator):
     again = waveforms(run(model, accelerator, [d2h]))
     assert all(torch.equal(plain[k], again[k]) for k in plain)
     assert d2h.pool.allocations == allocations
+    # a new callback (a Trainer made per call) uses the same buffers: no pinned allocation either
+    other = AsyncD2HCallback()
+    assert other.pool is d2h.pool
+    again = waveforms(run(model, accelerator, [other]))
+    assert all(torch.equal(plain[k], again[k]) for k in plain)
+    assert other.pool.allocations == allocations
     d2h.close()
     assert d2h.pool.pinned_bytes == 0
+    assert AsyncD2HCallback().pool is not d2h.pool and AsyncD2HCallback().pool.open  # closed: a new one
 
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)

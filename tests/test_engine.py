@@ -7,6 +7,7 @@ forward pre-hook on the real model that raises ``torch.OutOfMemoryError`` above 
 capture that fails; the engine's fallbacks then run as they would on a GPU.
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -140,6 +141,8 @@ def test_out_of_memory_in_a_forward_shrinks_the_budget_and_changes_no_state(mode
 def test_a_failed_capture_leaves_its_bucket_eager_and_the_run_exact(model):
     capture = FailingCapture(limit=8)
     engine = DecodeEngine(model, frames_per_forward=32, max_rows=4, capture=capture)
+    # costs scaled to this 32-frame budget (at 128 frames a forward, every forward would reuse the first shape)
+    engine.planner = dataclasses.replace(engine.planner, step_cost=2, new_shape_cost=0)
     codes = random_codes(4, 45, model.config, seed=4)
     lengths = [45, 30, 8, 2]
     with torch.inference_mode():

@@ -120,6 +120,25 @@ class PinnedPool:
         return sum(b.numel() for b in self._free)
 
 
+_SHARED: dict[int, PinnedPool] = {}
+
+
+def shared_pool(min_bytes: int = 1 << 20) -> PinnedPool:
+    """The process's pool of pinned buffers of at least ``min_bytes``, shared by every
+    :class:`AsyncD2HCallback` on the real CUDA copies; a new one once it was closed.
+
+    One per process because a pinned allocation is slow and stops the device (``cudaHostAlloc``:
+    six of them cost 0.15 s of one warm 6,000 s predict on an H200), and a Trainer made per predict
+    call (bench scripts, servers) would otherwise allocate its buffers again while the last Trainer's
+    still wait in a reference cycle for the garbage collector. Not thread-safe: one predict at a time
+    per process uses it (as one loop drives one engine).
+    """
+    pool = _SHARED.get(min_bytes)
+    if pool is None or not pool.open:
+        pool = _SHARED[min_bytes] = PinnedPool(min_bytes)
+    return pool
+
+
 def _device_leaves(value: Any, is_device: Callable[[torch.Tensor], bool], out: list[torch.Tensor]) -> None:
     if isinstance(value, torch.Tensor):
         if is_device(value):
@@ -187,10 +206,11 @@ class PinnedHostTransfer:
 class AsyncD2HCallback(Callback):
     """Overlaps each predict step's device-to-host copies with the next step (CUDA only).
 
-    The pinned pool lives as long as the callback, so repeated ``predict`` calls allocate no pinned
-    memory after the first; it holds a few buffers (two steps' outputs, rounded up to powers of
-    two, at least ``min_bytes``). ``close()`` frees them; an exception during predict frees them
-    too. ``copies`` replaces the CUDA primitives (:class:`CudaCopies`) and then acts on any device;
+    The pinned pool outlives the callback (:func:`shared_pool`: one per process), so repeated
+    ``predict`` calls allocate no pinned memory after the first, whatever Trainer runs them; it holds
+    a few buffers (two steps' outputs, rounded up to powers of two, at least ``min_bytes``).
+    ``close()`` frees them (the next callback starts a new pool); an exception during predict frees
+    them too. ``copies`` replaces the CUDA primitives (:class:`CudaCopies`) and then acts on any device;
     the tests pass host stand-ins through it.
     """
 
@@ -203,7 +223,9 @@ class AsyncD2HCallback(Callback):
         self.transfers = 0  # copies started (tests and benchmarks read it)
 
     def _new_pool(self) -> PinnedPool:
-        return PinnedPool(self.min_bytes, allocate=self.copies.allocate if self.copies is not None else None)
+        if self.copies is None:
+            return shared_pool(self.min_bytes)
+        return PinnedPool(self.min_bytes, allocate=self.copies.allocate)
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device

@@ -110,6 +110,7 @@ class DecodeEngine:
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
         self.work = {"forwards": 0, "frames": 0, "computed": 0}  # real frames, padded rows x chunk
+        self.shapes: set[tuple[int, int]] = set()  # run at the current budget (the planner prefers them)
 
     def _planner(self, frames: int) -> Planner:
         # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
@@ -212,6 +213,7 @@ class DecodeEngine:
         if frames == 1:
             self.graph_frames = 0
         self.planner = self._planner(max(1, frames // 2))
+        self.shapes.clear()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # nothing in flight reads what is freed next
         if self.graphs is not None:
@@ -222,9 +224,9 @@ class DecodeEngine:
                     "" if self.graph_frames else ", eager (no CUDA graphs)")
 
     def _forward_planned(self, pending: list[_Work]) -> None:
-        seen = self.graphs.graphs.keys() if self.graphs is not None else ()
-        plan = self.planner.next([w.left for w in pending], seen)
+        plan = self.planner.next([w.left for w in pending], self.shapes)
         rows, chunk = plan.shape
+        self.shapes.add(plan.shape)
         picked = [pending[i] for i in plan.requests]
         self.work["forwards"] += 1
         self.work["frames"] += sum(plan.take)

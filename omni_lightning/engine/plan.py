@@ -9,11 +9,13 @@ The planner is greedy, one forward at a time: for each chunk size it takes the r
 frames left (as many as the budget allows), and scores the forward by its real frames over its cost,
 ``rows * chunk`` padded frames plus ``step_cost`` (a forward's fixed cost, in frames: hundreds of kernel
 launches; on an H200 a replay cost 2.4 ms + 18.6 us a frame through the engine, so ~128 frames)
-plus ``new_shape_cost`` if that shape would be captured as a CUDA graph now (``graph_frames``: shapes
-of at most that many frames are; ``seen``: those captured already), plus another ``step_cost`` when a
+plus ``new_shape_cost`` if that shape was never run (``seen``: the shapes run so far; a new shape is
+a CUDA graph capture or new cuDNN plans, ~1 s each on an H200), plus another ``step_cost`` when a
 forward of every row leaves some unfinished (a one-step look-ahead: it costs one more forward, so a
-lone request's last 1,356 frames go as one forward of 1536, not as 1024 then 384). Requests of similar lengths (the
-sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
+lone request's last 1,356 frames go as one forward of 1536, not as 1024 then 384). Shapes run before
+are candidates too, rows padded up (a few rows' last frames replay a captured bucket rather than
+capture one of their own), never chunks padded past the smallest that holds the longest row. The costs are in frames; ``scripts/simulate_plan.py`` prices plans.
+Requests of similar lengths (the sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
 long request advances ``frames`` at a time.
 
 ``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
@@ -63,7 +65,7 @@ class Planner:
     chunks: tuple[int, ...] = CHUNKS
     rows: tuple[int, ...] = ROWS
     step_cost: int = 128
-    new_shape_cost: int = 4096
+    new_shape_cost: int = 256
     graph_frames: int = 0  # shapes of at most this many frames run as CUDA graphs (0: none)
     exact_eager: bool = False  # eager (longer) forwards use exactly `frames` (see the module docstring)
 
@@ -122,22 +124,33 @@ class Planner:
         order = sorted(range(len(remaining)), key=lambda i: (-remaining[i], i))
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")
-        seen = set(seen)
+        seen = {s for s in seen if s[0] * s[1] <= self.frames}
         best: tuple[float, Plan] | None = None
         longest = remaining[order[0]]
+        for chunk, rows, n in self._all_candidates(len(order), longest, seen):
+            picked = order[:n]
+            take = tuple(min(chunk, remaining[i]) for i in picked)
+            cost = rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
+            if n == len(order) and chunk < longest:  # every row still left: one more forward at least
+                cost += self.step_cost
+            score = sum(take) / cost
+            if best is None or score > best[0] + 1e-12:
+                best = (score, Plan(rows, chunk, tuple(picked), take))
+        return best[1]
+
+    def _all_candidates(self, n_rows: int, longest: int, seen: set[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """``(chunk, rows bucket, rows taken)``: each chunk's own shapes up to the first that holds the
+        longest row (larger chunks only add padding), then every shape run before (``seen``) that fits
+        the budget and none of those chunks, rows padded up if need be (a few rows' last frames replay
+        a captured bucket rather than capture one of their own; a stream's step is never padded in time
+        past its own bucket)."""
+        out, top = [], 0
         for chunk in self.chunks:
             if chunk > self.frames:
                 break
-            for rows, n in self._candidates(len(order), chunk, finishes=chunk >= longest):
-                picked = order[:n]
-                take = tuple(min(chunk, remaining[i]) for i in picked)
-                capture = rows * chunk <= self.graph_frames and (rows, chunk) not in seen
-                cost = rows * chunk + self.step_cost + (self.new_shape_cost if capture else 0)
-                if n == len(order) and chunk < longest:  # every row still left: one more forward at least
-                    cost += self.step_cost
-                score = sum(take) / cost
-                if best is None or score > best[0] + 1e-12:
-                    best = (score, Plan(rows, chunk, tuple(picked), take))
-            if chunk >= longest:  # larger chunks only add padding
+            out.extend((chunk, rows, n) for rows, n in self._candidates(n_rows, chunk, finishes=chunk >= longest))
+            top = chunk
+            if chunk >= longest:
                 break
-        return best[1]
+        out.extend((chunk, rows, min(n_rows, rows, self.max_rows)) for rows, chunk in sorted(seen) if chunk <= top)
+        return out
