@@ -71,7 +71,8 @@ def main() -> None:
     loader = loader[0] if isinstance(loader, list) else loader
     jobs = {"job": [b["lengths"].tolist() for b in loader], "b1x125": [[125]], "b32x125": [[125] * 32],
             "lone7500": [[7500]]}  # fmt: skip
-    print("| frames | graph frames | step cost | new shape cost | job | forwards, padding, shapes | x real time (model) |")
+    print("| frames | graph frames | step cost | new shape cost | job | forwards, padding, shapes "
+          "| x real time (model) |")
     print("|---|---|---|---|---|---|---|")
     for frames, step_cost, new_cost in itertools.product(args.frames, args.step_cost, args.new_shape_cost):
         graph_frames = args.graph_frames or (512 if frames > 1024 else 256)

@@ -5,18 +5,18 @@ are padding on a scratch slot) each advancing up to ``chunk`` frames (rows with 
 are padded in time; their state is saved at their true end). A small set of shapes means few CUDA
 graph captures; ``rows * chunk <= frames`` (the frame budget, from the memory budget) bounds memory.
 
-The planner is greedy, one forward at a time: for each chunk size it takes the rows with the most
-frames left (as many as the budget allows), and scores the forward by its real frames over its cost,
-``rows * chunk`` padded frames plus ``step_cost`` (a forward's fixed cost, in frames: hundreds of kernel
-launches; on an H200 a replay cost 2.4 ms + 18.6 us a frame through the engine, so ~128 frames)
-plus ``new_shape_cost`` if that shape was never run (``seen``: the shapes run so far; a new shape is
-a CUDA graph capture or new cuDNN plans, ~1 s each on an H200), plus another ``step_cost`` when a
-forward of every row leaves some unfinished (a one-step look-ahead: it costs one more forward, so a
-lone request's last 1,356 frames go as one forward of 1536, not as 1024 then 384). Shapes run before
-are candidates too, rows padded up (a few rows' last frames replay a captured bucket rather than
-capture one of their own), never chunks padded past the smallest that holds the longest row. The costs are in frames; ``scripts/simulate_plan.py`` prices plans.
-Requests of similar lengths (the sampler's batches) advance together in large chunks and finish with one small exact chunk; a lone
-long request advances ``frames`` at a time.
+The planner is greedy, one forward at a time: for each chunk size it takes the rows with the most frames
+left (as many as the budget allows), and scores the forward by its real frames over its cost, ``rows *
+chunk`` padded frames plus ``step_cost`` (a forward's fixed cost, in frames: hundreds of kernel launches; on
+an H200 a replay cost 2.4 ms + 18.6 us a frame through the engine, so ~128 frames) plus ``new_shape_cost``
+if that shape was never run (``seen``: the shapes run so far; a new shape is a CUDA graph capture or new
+cuDNN plans, ~1 s each on an H200), plus another ``step_cost`` when a forward of every row leaves some
+unfinished (a one-step look-ahead: it costs one more forward, so a lone request's last 1,356 frames go as
+one forward of 1536, not as 1024 then 384). Shapes run before are candidates too, rows padded up (a few
+rows' last frames replay a captured bucket rather than capture one of their own), never chunks padded past
+the smallest that holds the longest row. The costs are in frames; ``scripts/simulate_plan.py`` prices plans.
+Requests of similar lengths (the sampler's batches) advance together in large chunks and finish with one
+small exact chunk; a lone long request advances ``frames`` at a time.
 
 ``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
 the whole budget, ``rows * chunk == frames``, with at least half of its rows real (a forward of
@@ -65,7 +65,7 @@ class Planner:
     chunks: tuple[int, ...] = CHUNKS
     rows: tuple[int, ...] = ROWS
     step_cost: int = 128
-    new_shape_cost: int = 256
+    new_shape_cost: int = 1024
     graph_frames: int = 0  # shapes of at most this many frames run as CUDA graphs (0: none)
     exact_eager: bool = False  # eager (longer) forwards use exactly `frames` (see the module docstring)
 
