@@ -74,10 +74,17 @@ class ProfileOneBatch(pl.Callback):
         self.seen += 1
 
 
+def _annotation(event: Any) -> bool:
+    """A range the profiler draws on the device timeline around other kernels (``Optimizer.step#...``),
+    not a kernel: counting it would count the kernels inside it twice."""
+    return bool(getattr(event, "is_user_annotation", False)) or event.key.startswith(("Optimizer.", "ProfilerStep#"))
+
+
 def kernel_table(prof: profile, device: str, rows: int) -> dict[str, Any]:
     """Self time per kernel (CUDA) or operator (CPU), grouped, and the top ``rows`` of them."""
     on_device = device == "cuda"
-    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if on_device else "CPU")]
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if on_device else "CPU")
+              and not (on_device and _annotation(e))]  # fmt: skip
     timed = [(e.key, (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e3, e.count)
              for e in events]  # fmt: skip
     timed = sorted((t for t in timed if t[1] > 0), key=lambda t: -t[1])

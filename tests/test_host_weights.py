@@ -31,6 +31,40 @@ def test_restore_copies_current_values_into_the_held_tensors():
     assert held.restore() == 0  # released
 
 
+def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once():
+    """On CUDA the held tensors are packed into one pinned buffer (the moves then run at the copy
+    engines' speed); here a plain host buffer stands in for the pinned allocation."""
+    from omni_lightning.runner.host_weights import ALIGN, pack
+
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    values = [p.detach().clone() for p in module.parameters()]
+    buffers = []
+
+    def allocate(nbytes):
+        buffers.append(torch.empty(nbytes, dtype=torch.uint8))
+        return buffers[-1]
+
+    held = HostWeights.hold(module, pin=allocate)
+    assert len(buffers) == 1
+    flat = buffers[0].data_ptr()
+    assert all(p.data.untyped_storage().data_ptr() == flat for p in module.parameters())
+    assert all((p.data_ptr() - flat) % ALIGN == 0 for p in module.parameters())
+    assert all(torch.equal(p.data, v) for p, v in zip(module.parameters(), values))
+    for p in module.parameters():  # a move and a run
+        p.data = p.data * 2 + 1
+    assert held.restore() == len(values)
+    assert all(p.data.untyped_storage().data_ptr() == flat for p in module.parameters())  # back into the buffer
+    assert all(torch.equal(p.data, v * 2 + 1) for p, v in zip(module.parameters(), values))
+    assert pack(list(module.parameters()), allocate) == 0 and len(buffers) == 1  # packed already
+
+    def no_pinned_memory(nbytes):
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+
+    other = Code2WavModule(model=random_model("tiny", seed=1))
+    before = storages(other)
+    assert HostWeights.hold(other, pin=no_pinned_memory) is not None and storages(other) == before  # pageable
+
+
 def test_a_cast_or_a_module_off_the_cpu_is_left_to_the_stock_move():
     module = Code2WavModule(model=random_model("tiny", seed=1))
     held = HostWeights.hold(module)
@@ -76,7 +110,9 @@ def test_real_trainers_predict_as_before_with_the_mixin():
     first = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
     second = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
     assert storages(module) == before and module._host_weights is None
-    assert all(torch.equal(first[r], second[r]) for r in reqs)
+    # the same weights; not bitwise the same floats: the engine's planner prefers the shapes it has run,
+    # so the second call may split the batch differently (every split is exact to fp32 rounding)
+    assert all(torch.allclose(first[r], second[r], rtol=0, atol=1e-5) for r in reqs)
     plain = Plain()
     out = pl.Trainer(**trainer_kwargs()).predict(plain, DataLoader(torch.ones(2, 4), batch_size=2))
     assert plain.setups == ["predict"] and out[0].shape == (2, 3)

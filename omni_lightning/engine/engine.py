@@ -114,8 +114,10 @@ class DecodeEngine:
 
     def _planner(self, frames: int) -> Planner:
         # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
+        # a new shape is slow only on CUDA (a capture, or cuDNN building plans: ~0.5 s each on an H200)
         return Planner(frames, max_rows=self.max_rows, graph_frames=min(self.graph_frames, frames),
-                       exact_eager=self.graph_frames > 0)  # fmt: skip
+                       exact_eager=self.graph_frames > 0, new_shape_cost=0 if self.device.type != "cuda" else
+                       Planner.new_shape_cost)  # fmt: skip
 
     @property
     def frames_per_forward(self) -> int:
