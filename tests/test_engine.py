@@ -252,6 +252,30 @@ def test_planner_ends_a_long_lone_request_in_one_forward_of_its_remainder():
         assert all(p.rows == 1 for p in plans), plans
         assert len(plans) == 4 and sum(p.chunk for p in plans) / 7500 - 1 < 0.04, plans
 
+def test_planner_prefers_a_shape_it_has_run_rows_padded_never_chunks():
+    """A new shape costs a capture or new cuDNN plans on CUDA (~0.5 s on an H200): three rows' last
+    frames replay a 32-row bucket already run rather than start a 4-row one; a bucket of a longer
+    chunk is never taken (a stream's step computes only its own frames)."""
+    planner = Planner(2048, graph_frames=512, exact_eager=True)
+    assert planner.next([5, 3, 2]).shape == (4, 5)  # nothing run yet: the least padding
+    plan = planner.next([5, 3, 2], seen={(32, 5)})
+    assert plan.shape == (32, 5) and plan.take == (5, 3, 2)
+    assert planner.next([5, 3, 2], seen={(32, 8)}).shape == (4, 5)  # 8 > 5: padding in time, not taken
+    assert planner.next([5, 3, 2], seen={(64, 64)}).shape == (4, 5)  # past the budget's shapes: not taken
+    free = dataclasses.replace(planner, new_shape_cost=0)  # the CPU: a new shape costs nothing
+    assert free.next([5, 3, 2], seen={(32, 5)}).shape == (4, 5)
+
+
+def test_engine_counts_forwards_and_padding(model):
+    engine = DecodeEngine(model, frames_per_forward=64, max_rows=4, cuda_graphs=False)
+    lengths = [40, 3, 17, 29, 9]
+    with torch.inference_mode():
+        engine.decode(random_codes(5, 40, model.config, seed=3), lengths)
+    stats = engine.stats()
+    assert stats["frames"] == sum(lengths) and stats["computed"] >= stats["frames"] and stats["forwards"] >= 2
+    assert f"{stats['forwards']} forwards (" in engine.report() and "% padding)" in engine.report()
+
+
 def test_frame_budget_follows_the_memory_budget():
     from omni_lightning import Code2Wav
 
