@@ -22,6 +22,8 @@ H200 host for qwen3-omni's 412 MiB of bf16 weights: to the GPU 82.6 ms from page
 from pinned; back into pinned held tensors 11.7 ms, where the stock move took 268 ms. The cost: the
 weights' host memory is page-locked while the module holds it (rounded up to a power of two by
 PyTorch's pinned allocator), and the first predict of a module pays one copy of them on the host.
+Not packed: weights that a precision plugin is about to cast (``bf16-true`` over fp32 weights: the
+cast replaces them, and the next predict packs the cast ones), weights sharing memory (tied views).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def pack(params: list[nn.Parameter], allocate: Callable[[int], torch.Tensor] = p
     default), values kept: each parameter's data becomes a view of it. Returns the bytes packed (0 when
     they share one buffer already, or none is contiguous and on the CPU)."""
     todo = [p for p in params if p.device.type == "cpu" and p.data.is_contiguous()]
-    if not todo or len({p.data.untyped_storage().data_ptr() for p in todo}) == 1:
+    storages = {p.data.untyped_storage().data_ptr() for p in todo}
+    if not todo or len(storages) == 1 or len(storages) < len(todo):  # packed, or weights sharing memory
         return 0
     offsets, total = [], 0
     for p in todo:
@@ -98,6 +101,9 @@ class HostWeights:
         return moved
 
 
+_CASTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}  # what Lightning casts to
+
+
 class HostWeightsOnPredict:
     """LightningModule mixin (first base): during ``predict`` it holds the parameters' host tensors
     from the ``setup`` hook (before Lightning moves the module) and ``cpu()`` restores into them.
@@ -105,8 +111,12 @@ class HostWeightsOnPredict:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        cuda = self._trainer is not None and self._trainer.strategy.root_device.type == "cuda"
-        self._host_weights = HostWeights.hold(self, pin=pinned_bytes if cuda else None) if stage == "predict" else None
+        trainer = self._trainer
+        cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
+        # a precision plugin about to cast the weights replaces them: pinning those would be wasted
+        cast = _CASTS.get(str(getattr(trainer, "precision", "")))
+        pin = cuda and all(cast is None or p.dtype == cast for p in self.parameters())
+        self._host_weights = HostWeights.hold(self, pin=pinned_bytes if pin else None) if stage == "predict" else None
 
     def cpu(self) -> Any:
         held, self._host_weights = getattr(self, "_host_weights", None), None
