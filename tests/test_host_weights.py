@@ -63,6 +63,9 @@ def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once():
     other = Code2WavModule(model=random_model("tiny", seed=1))
     before = storages(other)
     assert HostWeights.hold(other, pin=no_pinned_memory) is not None and storages(other) == before  # pageable
+    lin = torch.nn.Linear(4, 4)
+    tied = [lin.weight, lin.bias, torch.nn.Parameter(lin.weight.data[0])]  # a view: weights sharing memory
+    assert pack(tied, allocate) == 0 and tied[2].data_ptr() == lin.weight.data_ptr()  # left as they are
 
 
 def test_a_cast_or_a_module_off_the_cpu_is_left_to_the_stock_move():
