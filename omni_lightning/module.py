@@ -143,9 +143,14 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
     # --- predict ---------------------------------------------------------------------------------
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Validates codes on the CPU, before they reach the GPU; records lengths as Python ints."""
+        """Validates codes on the CPU, before they reach the GPU; records lengths as Python ints (the
+        codes' ``n_frames``; a paired batch's shortest audio, ``shortest``, which the GAN step cuts at:
+        read here, it costs the training step no wait for the device)."""
         if isinstance(batch, torch.Tensor):
             batch = {"codes": batch}
+        if isinstance(batch, dict) and isinstance(batch.get("audio_lengths"), torch.Tensor):
+            lengths = batch["audio_lengths"]
+            batch["shortest"] = int(lengths.min()) if lengths.numel() and lengths.device.type == "cpu" else None
         if isinstance(batch, dict) and "codes" in batch:
             codes = batch["codes"]
             if codes.numel() == 0 and codes.shape[0] == 0:  # only bad requests in this batch
@@ -206,8 +211,11 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
         codes, audio, lengths = self._paired(batch, "training")
-        # the GAN's segment length, read before the forward is queued (the step's one host sync)
-        shortest = int(lengths.min()) if self.adversarial_step is not None else 0
+        # the GAN's segment length: read on the CPU before the transfer, else here, before the forward
+        # is queued (a host sync: the device drains the last step before this one is launched)
+        shortest = batch.get("shortest") if self.adversarial_step is not None else 0
+        if shortest is None:
+            shortest = int(lengths.min())
         wav = self.model(codes, kernels=self.training_kernels)
         rec = self.reconstruction(wav, audio, lengths)
         if self.adversarial_step is not None:

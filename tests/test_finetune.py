@@ -280,6 +280,8 @@ def test_paired_data_alignment_resampling_and_crops(tmp_path):
     assert short["audio"].shape == (n,) and short["audio_length"] == 1000 and short["audio"][1000:].abs().sum() == 0
     batch = collate_codes([long, short])
     assert batch["audio"].shape == (2, n) and batch["audio_lengths"].tolist() == [n, 1000]
+    # the GAN's segment length is read on the CPU, before the transfer: the step never waits for it
+    assert Code2WavModule(model=Code2Wav("tiny")).on_before_batch_transfer(batch, 0)["shortest"] == 1000
 
     cropped = CodesDataset(str(tmp_path / "m.jsonl"), "tiny", crop_frames=4, seed=3)
     item = cropped[0]

@@ -3,8 +3,9 @@
 The order is HiFi-GAN's: the discriminators learn from real audio and from the generated audio as
 it is (detached), then the generator takes the reconstruction, adversarial and feature-matching
 losses against the updated discriminators. Both see the same segment, every item cut to the
-shortest item's length, so padding never reaches a discriminator (reading that length is the step's
-one host sync; the module reads it before queueing the forward).
+shortest item's length, so padding never reaches a discriminator (the module reads that length on
+the CPU, before the batch goes to the device, so the step never waits for the device; a batch whose
+lengths are already on the device costs one host sync, read before the forward is queued).
 
 Precisions (``training/discriminators.py`` for the discriminators' dtypes):
 - Gradients are clipped in :meth:`AdversarialStep.clip`, which the module calls from
