@@ -294,3 +294,34 @@ def test_paired_data_alignment_resampling_and_crops(tmp_path):
     (tmp_path / "badaudio.jsonl").write_text('{"id": "x", "codes": "a.npy", "audio": "nope.wav"}\n')
     with pytest.raises(ValueError, match="audio file .*nope.wav does not exist"):
         CodesDataset(str(tmp_path / "badaudio.jsonl"), "tiny")
+
+
+def test_ema_update_is_torchs_average_bit_for_bit_with_the_count_on_the_host():
+    """``EMAWeights`` swaps torch's ``AveragedModel`` update (two reads of a device count per step,
+    a launch per parameter) for one foreach lerp and a host count: the same weights, bit for bit."""
+    from functools import partial
+
+    from torch.optim.swa_utils import AveragedModel
+
+    from omni_lightning.training.ema import _HostCountedAverage, _lerp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    ours, theirs = (AveragedModel(net, use_buffers=False, avg_fn=partial(_lerp, 0.25)).float() for _ in range(2))
+    ours.__class__ = _HostCountedAverage
+    ours.__dict__["_weight"] = 0.25
+    for _ in range(5):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        ours.update_parameters(net)
+        theirs.update_parameters(net)
+        assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    assert int(ours.n_averaged) == int(theirs.n_averaged) == 5
+    resumed = AveragedModel(net, use_buffers=False, avg_fn=partial(_lerp, 0.25)).float()
+    resumed.load_state_dict(theirs.state_dict())  # a resumed fit: the count comes from the checkpoint
+    resumed.__class__ = _HostCountedAverage
+    resumed.__dict__["_weight"] = 0.25
+    resumed.update_parameters(net)
+    theirs.update_parameters(net)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), theirs.parameters()))

@@ -18,6 +18,8 @@ What differs from ``lightning.pytorch.callbacks.EMAWeightAveraging``, and why:
 - the average is float32 whatever the module's dtype: Lightning copies the module as ``setup`` finds
   it, so a module built in bf16 (``Code2Wav.from_pretrained(dtype=torch.bfloat16)``) would get a bf16
   average, which barely moves at decay 0.999;
+- the update never waits for the device (:class:`_HostCountedAverage`: torch's reads its count from
+  the device twice a step);
 - at the end of fit the averaged and raw weights are swapped, not copied, so the raw weights can be
   restored; the averaging state is then released, so a later validate, test or ``save_checkpoint``
   sees the module's (averaged) weights as they are.
@@ -36,11 +38,40 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import WeightAveraging
+from torch.optim.swa_utils import AveragedModel
 
 
 @torch.no_grad()
 def _lerp(weight: float, average: torch.Tensor, current: torch.Tensor, n_averaged: Any) -> torch.Tensor:
     return torch.lerp(average, current.to(average.dtype), weight)
+
+
+class _HostCountedAverage(AveragedModel):
+    """torch's ``AveragedModel``, updated without waiting for the device.
+
+    Its own ``update_parameters`` reads the update count, a tensor on the device, twice per update
+    (``bool(n_averaged == 0)``, ``n_averaged > 0``): two host syncs after every optimizer step, and one
+    ``lerp`` and one ``copy_`` launch per parameter. Here the count is read once per fit (a resumed
+    fit continues its checkpoint's) and then kept on the host, and every parameter is averaged in one
+    ``torch._foreach_lerp_`` (the same ``lerp`` as :func:`_lerp`, bit for bit). The device's count is
+    still advanced, for checkpoints. :class:`EMAWeights` gives the model Lightning builds this class.
+    """
+
+    def update_parameters(self, model: torch.nn.Module) -> None:
+        count = self.__dict__.get("_count")
+        if count is None:
+            count = int(self.n_averaged)
+        averaged = [p.detach() for p in self.parameters()]
+        current = [p.detach() for p in model.parameters()]
+        with torch.no_grad():
+            if count == 0:
+                for a, c in zip(averaged, current):
+                    a.copy_(c)
+            else:
+                current = [c if c.dtype == a.dtype else c.to(a.dtype) for a, c in zip(averaged, current)]
+                torch._foreach_lerp_(averaged, current, self.__dict__["_weight"])
+            self.n_averaged += 1
+        self.__dict__["_count"] = count + 1
 
 
 def _swap(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -68,6 +99,8 @@ class EMAWeights(WeightAveraging):
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             self._average_model.float()
+            self._average_model.__class__ = _HostCountedAverage  # Lightning builds a plain AveragedModel
+            self._average_model.__dict__["_weight"] = 1.0 - self.decay
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _swap(self._average_model.module, pl_module)
