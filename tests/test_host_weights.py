@@ -7,7 +7,7 @@ from conftest import random_model
 from helpers import requests, trainer_kwargs, waveforms
 from torch.utils.data import DataLoader
 
-from omni_lightning import Code2WavModule, CodesDataModule, Trainer
+from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.runner.host_weights import HostWeights, HostWeightsOnPredict
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -31,7 +31,7 @@ def test_restore_copies_current_values_into_the_held_tensors():
     assert held.restore() == 0  # released
 
 
-def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once():
+def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once(tmp_path):
     """On CUDA the held tensors are packed into one pinned buffer (the moves then run at the copy
     engines' speed); here a plain host buffer stands in for the pinned allocation."""
     from omni_lightning.runner.host_weights import ALIGN, pack
@@ -56,6 +56,13 @@ def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once():
     assert all(p.data.untyped_storage().data_ptr() == flat for p in module.parameters())  # back into the buffer
     assert all(torch.equal(p.data, v * 2 + 1) for p, v in zip(module.parameters(), values))
     assert pack(list(module.parameters()), allocate) == 0 and len(buffers) == 1  # packed already
+    # weights that are views of one buffer still save and load as themselves (safetensors, torch.save)
+    folder = module.export_pretrained(str(tmp_path / "packed"))
+    loaded = Code2Wav.from_pretrained(str(folder))
+    assert all(torch.equal(a, b) for a, b in zip(module.model.state_dict().values(), loaded.state_dict().values()))
+    torch.save(module.state_dict(), tmp_path / "sd.pt")
+    again = torch.load(tmp_path / "sd.pt")
+    assert all(torch.equal(v, again[k]) for k, v in module.state_dict().items())
 
     def no_pinned_memory(nbytes):
         raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
