@@ -309,7 +309,7 @@ def test_ema_update_is_torchs_average_bit_for_bit_with_the_count_on_the_host():
     net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
     ours, theirs = (AveragedModel(net, use_buffers=False, avg_fn=partial(_lerp, 0.25)).float() for _ in range(2))
     ours.__class__ = _HostCountedAverage
-    ours.__dict__["_weight"] = 0.25
+    ours.weight = 0.25
     for _ in range(5):
         with torch.no_grad():
             for p in net.parameters():
@@ -321,7 +321,7 @@ def test_ema_update_is_torchs_average_bit_for_bit_with_the_count_on_the_host():
     resumed = AveragedModel(net, use_buffers=False, avg_fn=partial(_lerp, 0.25)).float()
     resumed.load_state_dict(theirs.state_dict())  # a resumed fit: the count comes from the checkpoint
     resumed.__class__ = _HostCountedAverage
-    resumed.__dict__["_weight"] = 0.25
+    resumed.weight = 0.25
     resumed.update_parameters(net)
     theirs.update_parameters(net)
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), theirs.parameters()))

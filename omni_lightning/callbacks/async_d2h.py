@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from omni_lightning.runner.host_weights import pinned_bytes
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 _ALIGN = 256  # bytes: every tensor in a buffer starts aligned for any dtype and for fast DMA
@@ -74,7 +75,7 @@ class CudaCopies:
                 dst.copy_(src, non_blocking=True)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return pinned_bytes(nbytes)
 
 
 class PinnedPool:

@@ -57,10 +57,11 @@ class _HostCountedAverage(AveragedModel):
     still advanced, for checkpoints. :class:`EMAWeights` gives the model Lightning builds this class.
     """
 
+    weight: float = 0.0  # 1 - decay, set by EMAWeights
+    count: int | None = None  # updates so far, on the host; None: read from the device once
+
     def update_parameters(self, model: torch.nn.Module) -> None:
-        count = self.__dict__.get("_count")
-        if count is None:
-            count = int(self.n_averaged)
+        count = int(self.n_averaged) if self.count is None else self.count
         averaged = [p.detach() for p in self.parameters()]
         current = [p.detach() for p in model.parameters()]
         with torch.no_grad():
@@ -69,9 +70,9 @@ class _HostCountedAverage(AveragedModel):
                     a.copy_(c)
             else:
                 current = [c if c.dtype == a.dtype else c.to(a.dtype) for a, c in zip(averaged, current)]
-                torch._foreach_lerp_(averaged, current, self.__dict__["_weight"])
+                torch._foreach_lerp_(averaged, current, self.weight)
             self.n_averaged += 1
-        self.__dict__["_count"] = count + 1
+        self.count = count + 1
 
 
 def _swap(a: torch.nn.Module, b: torch.nn.Module) -> None:
@@ -100,7 +101,7 @@ class EMAWeights(WeightAveraging):
         if stage == "fit":
             self._average_model.float()
             self._average_model.__class__ = _HostCountedAverage  # Lightning builds a plain AveragedModel
-            self._average_model.__dict__["_weight"] = 1.0 - self.decay
+            self._average_model.weight = 1.0 - self.decay
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _swap(self._average_model.module, pl_module)
