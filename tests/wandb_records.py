@@ -9,6 +9,7 @@ import json
 import struct
 from pathlib import Path
 
+from google.protobuf.message import DecodeError
 from wandb.proto import wandb_internal_pb2 as pb
 
 BLOCK = 32768
@@ -24,6 +25,8 @@ def records(path: Path) -> list:
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
+        if pos + length > len(data):  # the writer is still appending this chunk
+            break
         chunk, pos = data[pos : pos + length], pos + length
         if kind == 1:
             out.append(chunk)
@@ -42,13 +45,23 @@ def records(path: Path) -> list:
     return parsed
 
 
+def _has_exit(path: Path) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except DecodeError:  # a record caught half-written (seen in CI): read again
+        return False
+
+
 def wait_for_exit(path: Path, timeout: float = 60.0) -> None:
-    """wandb's service writes the file asynchronously: wait until the run's exit record is in it."""
+    """wandb's service writes the file asynchronously: wait until the run's exit record is in it.
+
+    Until then the file may end inside a record, so a read that fails to parse is retried."""
     import time
 
     deadline = time.time() + timeout
-    while not any(r.WhichOneof("record_type") == "exit" for r in records(path)):
+    while not _has_exit(path):
         if time.time() > deadline:
+            records(path)  # raises the parse error, if that is what kept the exit record unseen
             raise TimeoutError(f"{path} has no exit record after {timeout} s")
         time.sleep(0.2)
 
