@@ -82,6 +82,10 @@ class Collector(BasePredictionWriter):
 
 def cli(*args, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    # a test that ran W&B in this process left its service's address here; a subprocess that
+    # inherits it hands its run to that service, which finishes it on its own time (a user's
+    # command starts its own)
+    env.pop("WANDB_SERVICE", None)
     cmd = [sys.executable, "-m", "omni_lightning.cli", *args]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw)
 
