@@ -24,7 +24,7 @@ from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
 from omni_lightning.training.kernels import TrainingKernels
 from omni_lightning.training.losses import ReconstructionLoss
-from omni_lightning.training.schedule import fine_tuning_optimizers
+from omni_lightning.training.schedule import fine_tuning_optimizers, fused_adamw
 from omni_lightning.training.unregistered import Unregistered
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
@@ -240,6 +240,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
             weight_decay=hp.weight_decay, discriminator_lr=hp.discriminator_lr, warmup_steps=hp.warmup_steps,
             min_lr_ratio=hp.min_lr_ratio, total_steps=hp.total_steps,
             estimated_stepping_batches=self.trainer.estimated_stepping_batches,
+            fused=fused_adamw(self.device, self.trainer.precision_plugin),
         )  # fmt: skip
 
     # --- EMA weights (training/ema.py) ------------------------------------------------------------

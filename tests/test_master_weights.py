@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader
 
 from omni_lightning import Code2WavModule, Trainer, collate_codes
 from omni_lightning.training.master_weights import MasterWeightAdamW
+from omni_lightning.training.schedule import WarmupCosine, adamw_with_schedule, fused_adamw
 
 
 def one_frame_pairs(config, count, seed=0):
@@ -75,6 +76,7 @@ def test_bf16_true_keeps_every_update_in_fp32_copies():
     trainer.fit(module, DataLoader(one_frame_pairs(config, 2 * steps), batch_size=2, collate_fn=collate_codes))
     optimizer = trainer.optimizers[0]
     assert isinstance(optimizer, MasterWeightAdamW)
+    assert optimizer.fp32.defaults["fused"]  # the CPU has torch's fused AdamW, and no GradScaler runs
     assert all(p.dtype == torch.bfloat16 for p in module.model.parameters())
     before, after = weights.copies
     assert all(m.dtype == torch.float32 for m in after.values())
@@ -93,7 +95,41 @@ def test_fp32_parameters_get_plain_adamw():
     module = Code2WavModule(model=random_model(micro_config()), total_steps=10)
     trainer = Trainer(**trainer_kwargs(max_steps=1))
     trainer.fit(module, DataLoader(one_frame_pairs(module.config, 2), batch_size=2, collate_fn=collate_codes))
-    assert type(trainer.optimizers[0]) is torch.optim.AdamW
+    assert type(trainer.optimizers[0]) is torch.optim.AdamW and trainer.optimizers[0].defaults["fused"]
+
+
+def test_fused_adamw_where_torch_has_it_under_plain_precision():
+    from lightning.pytorch.plugins import HalfPrecision, MixedPrecision, Precision
+
+    assert fused_adamw(torch.device("cpu"), Precision()) and fused_adamw(torch.device("cuda", 1), Precision())
+    assert fused_adamw(torch.device("cuda"), HalfPrecision("bf16-true"))
+    assert not fused_adamw(torch.device("meta"), Precision())
+    # bf16-mixed and 16-mixed: a fused AdamW unscales its own gradients, and Lightning refuses to clip those
+    for precision in ("bf16-mixed", "16-mixed"):
+        assert not fused_adamw(torch.device("cuda"), MixedPrecision(precision, "cpu", scaler=None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_fused_step_agrees_with_the_foreach_step(dtype):
+    """Fused (CUDA's default here) and foreach AdamW, with master weights (bf16) and without (fp32)."""
+    layers = [bf16_linear(0).to(dtype) for _ in range(2)]
+    schedule = WarmupCosine(0, 100, 0.1)
+    optimizers = [adamw_with_schedule(layer.parameters(), schedule, fused, lr=1e-3, weight_decay=0.1)[0]
+                  for layer, fused in zip(layers, (False, True))]  # fmt: skip
+    for seed in range(4):
+        for optimizer, layer in zip(optimizers, layers):
+            step(optimizer, layer, seed)
+    if dtype == torch.bfloat16:
+        assert all(isinstance(o, MasterWeightAdamW) for o in optimizers) and optimizers[1].fp32.defaults["fused"]
+        pairs = zip(*(o.master_weights() for o in optimizers))
+        for (_, a), (_, b) in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    else:
+        assert optimizers[1].defaults["fused"] and not optimizers[0].defaults["fused"]
+    start = bf16_linear(0).to(dtype)
+    for a, b, s in zip(*(layer.parameters() for layer in (*layers, start))):
+        assert not torch.equal(a, s)  # the steps moved the weights
+        torch.testing.assert_close(a, b, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-7)
 
 
 def bf16_linear(seed):

@@ -1,7 +1,11 @@
 """The optimizers and learning-rate schedules of fine-tuning: AdamW, linear warm-up, then cosine
 decay to a floor, stepped once per batch; with adversarial training a second AdamW for the
 discriminators, on the same schedule. Parameters below fp32 (bf16-true) get AdamW with fp32 master
-weights (``master_weights.py``): plain AdamW on bf16 weights rounds most updates away."""
+weights (``master_weights.py``): plain AdamW on bf16 weights rounds most updates away.
+
+AdamW runs torch's fused kernel where :func:`fused_adamw` allows it: on CUDA a foreach AdamW step
+launches about a hundred kernels for qwen3-omni's 230 parameter tensors (clipping included; the
+profile in ``docs/performance.md``), and the generator's step is bound by the host's launches."""
 
 from __future__ import annotations
 
@@ -29,13 +33,30 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def fused_adamw(device: torch.device, precision_plugin: Any) -> bool:
+    """Whether fine-tuning's AdamW uses torch's fused kernel for parameters on ``device``: on a device
+    torch has fused AdamW for (CUDA, the CPU, ...), under Lightning's plain precision plugins only
+    (32-true, bf16-true, 16-true, 64-true). Not under its ``MixedPrecision`` (bf16-mixed, 16-mixed):
+    a fused optimizer unscales its own gradients, so that plugin refuses to clip them, scaler or not;
+    nor under plugins this does not know (FSDP's, DeepSpeed's, a user's). The fused step agrees with
+    the foreach one to rounding (``tests/test_master_weights.py``)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    plain = type(precision_plugin) in (Precision, HalfPrecision, DoublePrecision)
+    return plain and device.type in _get_fused_kernels_supported_devices()
+
+
 def adamw_with_schedule(
-    params: Iterable[torch.nn.Parameter], schedule: WarmupCosine, **adamw: Any
+    params: Iterable[torch.nn.Parameter], schedule: WarmupCosine, fused: bool = False, **adamw: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, Any]]:
-    """An AdamW optimizer (with fp32 master weights for parameters below fp32) and its Lightning
-    ``lr_scheduler`` entry, stepped every batch."""
+    """An AdamW optimizer (with fp32 master weights for parameters below fp32), torch's fused kernel
+    when ``fused``, and its Lightning ``lr_scheduler`` entry, stepped every batch."""
     params = list(params)
-    opt = (MasterWeightAdamW if below_fp32(params) else torch.optim.AdamW)(params, **adamw)
+    if below_fp32(params):
+        opt = MasterWeightAdamW(params, fused=fused, **adamw)
+    else:
+        opt = torch.optim.AdamW(params, fused=fused or None, **adamw)
     return opt, {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}
 
 
@@ -51,17 +72,21 @@ def fine_tuning_optimizers(
     min_lr_ratio: float,
     total_steps: int | None,
     estimated_stepping_batches: float,
+    fused: bool = False,
 ) -> Any:
     """What ``configure_optimizers`` returns: the trainable generator parameters' AdamW and schedule,
     and with ``discriminators`` theirs too (no weight decay). The schedule spans ``total_steps``
-    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators)."""
+    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators).
+    ``fused``: torch's fused AdamW kernel (:func:`fused_adamw` decides)."""
     params = [p for p in generator if p.requires_grad]
     if not params:
         raise ValueError("every model parameter is frozen: nothing to fine-tune")
     total = total_steps or int(estimated_stepping_batches) // (1 if discriminators is None else 2)
     schedule = WarmupCosine(warmup_steps, max(total, 1), min_lr_ratio)
-    opt, sched = adamw_with_schedule(params, schedule, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay)
+    opt, sched = adamw_with_schedule(params, schedule, fused, lr=learning_rate, betas=tuple(betas),
+                                     weight_decay=weight_decay)
     if discriminators is None:
         return {"optimizer": opt, "lr_scheduler": sched}
-    opt_d, sched_d = adamw_with_schedule(discriminators.parameters(), schedule, lr=discriminator_lr, betas=tuple(betas))
+    opt_d, sched_d = adamw_with_schedule(discriminators.parameters(), schedule, fused, lr=discriminator_lr,
+                                         betas=tuple(betas), weight_decay=0.0)  # AdamW's default is 1e-2
     return [opt, opt_d], [sched, sched_d]
