@@ -10,7 +10,9 @@ start hook to its end hook with the device synchronized at both: forward, losses
 clipping and optimizer step(s). On CUDA the table is kernels by self device time; on the CPU (a
 smoke run) it is operators by self CPU time. Groups come from kernel names (:data:`GROUPS`, first
 match wins); ``step_ms`` is wall time, so ``kernel_ms`` well below it means the device waited on the
-host. Prints markdown; writes JSON (``--out``) and markdown (``--markdown``) for docs/performance.md.
+host. The batch before the profiled one has its operators counted (``operators``: what the host
+launches, on the CPU as on a GPU where the same kernels are chosen). Prints markdown; writes JSON
+(``--out``) and markdown (``--markdown``) for docs/performance.md.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import lightning.pytorch as pl
 import torch
 from bench_train import fit_trainer, fresh_module, machine, paired_loader, synchronize, write_json
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omni_lightning import Code2Wav, randomize_weights
 
@@ -51,15 +54,44 @@ def group_of(name: str) -> str:
     return next((group for group, fragments in GROUPS if any(f in lower for f in fragments)), "other")
 
 
+# operators that take memory or make a view without running a kernel
+_NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "lift_fresh",
+              "_local_scalar_dense", "is_same_size", "set_", "resize_", "alias", "_record_function_enter_new",
+              "_record_function_exit", "promote_types"}  # fmt: skip
+
+
+class CountOperators(TorchDispatchMode):
+    """Counts the operators that run a kernel, after autograd (backward's included): on CUDA about one
+    launch each (a cuDNN or fused call may launch a few), the same count on any device except where
+    the kernels chosen differ (the CPU runs SnakeBeta as torch operators, CUDA as one Triton kernel
+    each way). The count is read on the CPU: on CUDA autograd runs the backward in its own device
+    thread, which may not see the mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if not func.is_view and name not in _NO_KERNEL:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 class ProfileOneBatch(pl.Callback):
-    """Profiles the batch after ``warmup`` batches, synchronizing the device before and after it."""
+    """Profiles the batch after ``warmup`` batches, synchronizing the device before and after it;
+    counts the operators of the batch before it (:class:`CountOperators`)."""
 
     def __init__(self, warmup: int, activities: list[ProfilerActivity]) -> None:
         self.warmup, self.activities, self.seen = warmup, activities, 0
         self.profiler: profile | None = None
+        self.counter: CountOperators | None = None
         self.step_s = 0.0
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.seen == self.warmup - 1:
+            self.counter = CountOperators()
+            self.counter.__enter__()
         if self.seen == self.warmup:
             synchronize(pl_module)
             self.profiler = profile(activities=self.activities)
@@ -67,6 +99,8 @@ class ProfileOneBatch(pl.Callback):
             self.step_s = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.seen == self.warmup - 1:
+            self.counter.__exit__(None, None, None)
         if self.seen == self.warmup:
             synchronize(pl_module)
             self.step_s = time.perf_counter() - self.step_s
@@ -112,6 +146,9 @@ def profile_one(base: Code2Wav, args: argparse.Namespace, adversarial: bool) -> 
     trainer = fit_trainer(args.device, args.precision, args.warmup + 1, adversarial, [callback])
     trainer.fit(module, train_dataloaders=paired_loader(config, args.batch, frames, args.warmup + 1))
     table = kernel_table(callback.profiler, args.device, args.rows)
+    counts = callback.counter.counts if callback.counter is not None else {}
+    table["operators"] = sum(counts.values())
+    table["top_operators"] = dict(sorted(counts.items(), key=lambda kv: -kv[1])[: args.rows])
     return {"mode": "generator + GAN" if adversarial else "generator", "preset": args.preset,
             "precision": args.precision, "batch": args.batch, "crop_s": args.crop_seconds,
             "step_ms": 1000 * callback.step_s, **table}  # fmt: skip
@@ -119,7 +156,8 @@ def profile_one(base: Code2Wav, args: argparse.Namespace, adversarial: bool) -> 
 
 def markdown(run: dict[str, Any], unit: str) -> str:
     lines = [f"**{run['mode']}**, {run['preset']} {run['precision']}, batch {run['batch']} x {run['crop_s']:g} s: "
-             f"step {run['step_ms']:.1f} ms wall, {run['kernel_ms']:.1f} ms of {unit} ({run['kernels']} calls)", "",
+             f"step {run['step_ms']:.1f} ms wall, {run['kernel_ms']:.1f} ms of {unit} ({run['kernels']} calls); "
+             f"{run['operators']} operators dispatched in the batch before", "",
              "| group | ms | share | calls |", "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {g['group']} | {g['ms']:.2f} | {g['share']:.1%} | {g['calls']} |" for g in run["groups"]]
     lines += ["", f"| top {unit} | group | ms | calls |", "|---|---|---|---|"]
@@ -134,7 +172,7 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--crop-seconds", type=float, default=2.0)
-    parser.add_argument("--warmup", type=int, default=3, help="batches before the profiled one")
+    parser.add_argument("--warmup", type=int, default=3, help="batches before the profiled one (>= 2: the last one's operators are counted)")
     parser.add_argument("--rows", type=int, default=15, help="top kernels listed")
     parser.add_argument("--modes", nargs="+", choices=["generator", "gan"], default=["generator", "gan"])
     parser.add_argument("--out", default="profile_train.json")
