@@ -26,7 +26,10 @@ def check_codes_layout(codes: Any, config: Code2WavConfig, req_ids: Sequence[str
     if codes.shape[0] == 0:
         raise ValueError("codes hold no request (batch size 0)")
     if codes.shape[1] != config.num_quantizers:
-        raise ValueError(f"codes have {codes.shape[1]} codebooks, this model expects {config.num_quantizers}")
+        who = _name(req_ids, 0) if codes.shape[0] == 1 else "codes"
+        hint = " (frames first? codes are [codebooks, frames])" if codes.shape[2] == config.num_quantizers else ""
+        raise ValueError(f"{who}: shape {tuple(codes.shape[1:])} has {codes.shape[1]} codebooks, this model "
+                         f"expects {config.num_quantizers}{hint}")  # fmt: skip
     if codes.shape[2] == 0:
         raise ValueError(f"{_name(req_ids, 0)} is empty (0 frames)")
 
