@@ -172,7 +172,8 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--crop-seconds", type=float, default=2.0)
-    parser.add_argument("--warmup", type=int, default=3, help="batches before the profiled one (>= 2: the last one's operators are counted)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="batches before the profiled one (>= 2: the last one's operators are counted)")
     parser.add_argument("--rows", type=int, default=15, help="top kernels listed")
     parser.add_argument("--modes", nargs="+", choices=["generator", "gan"], default=["generator", "gan"])
     parser.add_argument("--out", default="profile_train.json")

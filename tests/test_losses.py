@@ -83,3 +83,34 @@ def test_discriminators_run_in_bf16_and_score_real_and_fake_in_one_pass():
     with torch.no_grad():
         loss = disc.to(torch.bfloat16).discriminator_loss(real.to(torch.bfloat16), fake.to(torch.bfloat16))
     assert loss.dtype == torch.bfloat16 and torch.isfinite(loss)
+
+
+def test_discriminators_run_channels_last_and_score_as_channels_first():
+    """cuDNN's half-precision convolutions are NHWC: channels-first tensors got transposed around each.
+    The weights are channels-last from construction through dtype casts; every feature map comes out
+    channels-last; logits, features and the input's gradient equal a channels-first copy's."""
+    gen = torch.Generator().manual_seed(0)
+    x = 0.1 * torch.randn(2, 1, 3000, generator=gen)
+    disc = Discriminators()
+    first = Discriminators().to(memory_format=torch.contiguous_format)
+    first.load_state_dict(disc.state_dict())
+    four_d = [p for p in disc.parameters() if p.dim() == 4]
+    assert four_d and all(p.is_contiguous(memory_format=torch.channels_last) for p in four_d)
+    assert not all(p.is_contiguous() for p in four_d)  # (a [out, 1, k, 1] weight is both)
+    assert all(p.is_contiguous() for p in first.parameters())
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in Discriminators().bfloat16().parameters()
+               if p.dim() == 4)  # fmt: skip
+    grads = []
+    for d in (disc, first):
+        inp = x.clone().requires_grad_()
+        outs = d(inp)
+        loss = sum(o.pow(2).mean() + sum(f.abs().mean() for f in fs) for o, fs in outs)
+        loss.backward()
+        grads.append((outs, inp.grad))
+    (cl, cl_grad), (cf, cf_grad) = grads
+    assert all(f.is_contiguous(memory_format=torch.channels_last) for _, fs in cl for f in fs if f.dim() == 4)
+    for (a, fa), (b, fb) in zip(cl, cf):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        for u, v in zip(fa, fb):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cl_grad, cf_grad, rtol=1e-5, atol=1e-7)

@@ -5,6 +5,10 @@ Every precision: the discriminators' weights take the module's dtype (Lightning'
 converts them; the mixed precisions keep them fp32 and autocast the convolutions). The STFT
 discriminator takes its FFT in fp32 (no bf16 FFT on the CPU; a half-precision one would round the
 spectrum) and hands its convolutions the dtype of their own weights, as autocast would.
+The 2-D convolutions run channels-last (NHWC): weights converted once at construction (Lightning's
+dtype casts keep the layout), spectrograms built in that layout. cuDNN's bf16 and fp16
+convolutions are NHWC kernels: with channels-first tensors it transposed every input, weight and
+gradient around them (a quarter of the GAN step's kernel time on the H200, ``docs/performance.md``).
 Real and generated audio go through the discriminators in one batch where both need the same
 gradients (the discriminators' step); no layer mixes items, so that is exact. The losses loop over
 discriminators and layers (their shapes differ), never over items.
@@ -46,7 +50,9 @@ class PeriodDiscriminator(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         b, _, t = x.shape
         x = F.pad(x, (0, (-t) % self.period), mode="reflect" if t > self.period else "constant")
-        return _conv_stack(self.convs, self.out, x.view(b, 1, -1, self.period))
+        # [B, 1, T / period, period] with channels-last strides (a view): one channel fits either
+        # layout, and with contiguous strides the convolutions would pick channels-first
+        return _conv_stack(self.convs, self.out, x.view(b, -1, self.period, 1).permute(0, 3, 1, 2))
 
 
 class STFTDiscriminator(nn.Module):
@@ -67,8 +73,10 @@ class STFTDiscriminator(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             window = self.window.float()  # a buffer: bf16-true rounds it with the weights
             spec = torch.stft(x[:, 0].float(), self.n_fft, self.n_fft // 4, window=window, return_complex=True)
-        # back to the weights' dtype: under bf16-true nothing else would cast an fp32 spectrogram for them
-        spec = torch.stack([spec.real, spec.imag], dim=1).transpose(2, 3).to(self.out.bias.dtype)
+        # [B, 2, frames, bins], channels-last (one copy), in the weights' dtype: under bf16-true
+        # nothing else would cast an fp32 spectrogram for them
+        spec = spec.transpose(1, 2)
+        spec = torch.stack([spec.real, spec.imag], dim=-1).permute(0, 3, 1, 2).to(self.out.bias.dtype)
         return _conv_stack(self.convs, self.out, spec)
 
 
@@ -80,6 +88,7 @@ class Discriminators(nn.Module):
         self.discriminators = nn.ModuleList(
             [PeriodDiscriminator(p) for p in periods] + [STFTDiscriminator(n) for n in n_ffts]
         )
+        self.to(memory_format=torch.channels_last)  # the 4-D weights (weight norm's direction and scale)
 
     def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         return [d(x) for d in self.discriminators]
