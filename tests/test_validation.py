@@ -23,7 +23,11 @@ def test_out_of_range_codes_name_request_codebook_and_frame():
         match=r"request 'b': code 2048 at codebook 4, frame 7 is outside \[0, 2048\)",
     )
     codes[1, 4, 7] = -3
-    bad(codes, match=r"request 1: code -3 at codebook 4, frame 7")
+    codes[2, 0, 0] = 9999
+    bad(codes, match=r"request 1: code -3 at codebook 4, frame 7 .*\(2 bad values in the batch\)")
+    one = random_codes(1, 4)
+    one[0, :2, :] = -1
+    bad(one, req_ids=["x"], match=r"request 'x': code -1 .*\(8 bad values in the request\)$")
 
 
 def test_pad_region_is_not_checked_but_the_request_is():

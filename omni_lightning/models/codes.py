@@ -75,6 +75,6 @@ def validate_codes(
         b, q, t = (int(i) for i in bad.nonzero()[0])
         raise ValueError(
             f"{name(b)}: code {int(wide[b, q, t])} at codebook {q}, frame {t} is outside "
-            f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the batch)"
+            f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the {'batch' if batch > 1 else 'request'})"
         )
     return lengths
