@@ -325,3 +325,21 @@ def test_ema_update_is_torchs_average_bit_for_bit_with_the_count_on_the_host():
     resumed.update_parameters(net)
     theirs.update_parameters(net)
     assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), theirs.parameters()))
+
+
+def test_a_fused_run_resumes_under_a_mixed_precision(short_pairs, tmp_path):
+    """32-true fits with fused AdamW; resumed under 16-mixed (a GradScaler, clipping), where Lightning
+    refuses fused optimizers, it steps a foreach AdamW that loaded the fused run's state."""
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=1)
+    data = CodesDataModule(train=str(short_pairs), batch_size=2)
+    first = student()
+    trainer = Trainer(**fit_kwargs(1, callbacks=[ckpt], enable_checkpointing=True))
+    trainer.fit(first, datamodule=data)
+    assert trainer.optimizers[0].defaults["fused"]
+    resumed = student()
+    trainer = Trainer(**fit_kwargs(3), **precision_kwargs("16-mixed"))
+    trainer.fit(resumed, datamodule=data, ckpt_path=str(tmp_path / "last.ckpt"))
+    optimizer = trainer.optimizers[0]
+    assert trainer.global_step == 3 and not optimizer.defaults["fused"]
+    assert int(optimizer.state[next(iter(resumed.model.parameters()))]["step"]) == 3
+    assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
