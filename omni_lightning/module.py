@@ -153,7 +153,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
             batch["shortest"] = int(lengths.min()) if lengths.numel() and lengths.device.type == "cpu" else None
         if isinstance(batch, dict) and "codes" in batch:
             codes = batch["codes"]
-            if codes.numel() == 0 and codes.shape[0] == 0:  # only bad requests in this batch
+            if isinstance(codes, torch.Tensor) and codes.numel() == 0 and codes.shape[0] == 0:  # only bad requests
                 batch["n_frames"] = []
             else:
                 lengths = validate_codes(codes, self.config, batch.get("lengths"), batch.get("req_ids"))

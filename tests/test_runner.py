@@ -279,6 +279,18 @@ def test_plain_tensor_batches_get_generated_ids(model):
     assert preds[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
 
 
+@pytest.mark.parametrize(
+    "batch, match",
+    [
+        ({"codes": [[1] * 16], "req_ids": ["a"]}, "codes must be a torch.Tensor"),
+        ({"codes": random_codes(2, 6), "req_ids": ["a"]}, "1 request ids for a batch of 2 requests"),
+    ],
+)
+def test_a_bad_hand_made_batch_is_named_before_any_decode(model, batch, match):
+    with pytest.raises(ValueError, match=match):
+        Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), DataLoader([batch], batch_size=None))
+
+
 def test_loader_workers_only_for_data_read_from_files(tmp_path):
     from lightning.fabric.utilities.data import suggested_max_num_workers
 

@@ -74,3 +74,9 @@ def test_decode_validates_before_lookup(tiny_model):
         tiny_model.decode(codes)
     with pytest.raises(ValueError, match="codebook 15, frame 3"):
         tiny_model.chunked_decode(codes, chunk_size=2)
+
+
+@pytest.mark.parametrize("ids", [["a"], ["a", "b", "c"]])
+def test_request_ids_must_match_the_batch(ids):
+    """Two requests with one or three ids: outputs would be attached to the wrong requests."""
+    bad(random_codes(2, 5), req_ids=ids, match=rf"{len(ids)} request ids for a batch of 2 requests")

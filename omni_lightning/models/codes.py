@@ -50,6 +50,9 @@ def validate_codes(
     """
     check_codes_layout(codes, config, req_ids)
     batch, n_q, n_frames = codes.shape
+    if req_ids is not None and len(req_ids) != batch:  # else outputs would go to the wrong requests
+        raise ValueError(f"{len(req_ids)} request ids for a batch of {batch} requests: "
+                         f"req_ids {list(req_ids)[:8]!r}{' ...' if len(req_ids) > 8 else ''}")  # fmt: skip
 
     def name(i: int) -> str:
         return _name(req_ids, i)
