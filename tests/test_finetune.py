@@ -12,6 +12,7 @@ from helpers import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
+from omni_lightning.errors import UsageError
 from omni_lightning.training.losses import MultiResolutionMelLoss
 
 
@@ -343,3 +344,13 @@ def test_a_fused_run_resumes_under_a_mixed_precision(short_pairs, tmp_path):
     assert trainer.global_step == 3 and not optimizer.defaults["fused"]
     assert int(optimizer.state[next(iter(resumed.model.parameters()))]["step"]) == 3
     assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
+
+
+def test_fit_with_training_data_only_runs_no_validation_and_validate_asks_for_it(short_pairs):
+    data = CodesDataModule(train=str(short_pairs), batch_size=2)
+    module = student()
+    trainer = Trainer(**trainer_kwargs(max_steps=2))  # Lightning's defaults: validation on, sanity check on
+    trainer.fit(module, datamodule=data)
+    assert trainer.global_step == 2 and not any(k.startswith("val/") for k in trainer.callback_metrics)
+    with pytest.raises(UsageError, match="CodesDataModule has no 'validate' data"):
+        trainer.validate(module, datamodule=data)

@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader
 from omni_lightning import (
     Code2WavModule,
     CodesDataModule,
+    CodesDataset,
     LengthBucketBatchSampler,
     MultimodalOutputs,
     OmniModelRunnerOutput,
@@ -93,6 +94,17 @@ def test_multiple_dataloaders(model):
     assert sorted(r for out in preds[0] for r in out.req_ids) == sorted(a)
     assert sorted(r for out in preds[1] for r in out.req_ids) == sorted(b)
     assert module.forwards == 3
+
+
+@pytest.mark.parametrize("kind", ["mappings", "datasets"])
+def test_a_list_of_in_memory_sources_is_one_dataloader_each(model, kind):
+    """As a list of paths is: each source its own dataloader (a list of tensors stays one source)."""
+    a, b = requests([3, 8], seed=1), requests([5], seed=2)
+    sources = [a, b] if kind == "mappings" else [CodesDataset(a, model.config), CodesDataset(b, model.config)]
+    data = CodesDataModule(predict=sources, batch_size=4)
+    preds = Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), datamodule=data)
+    assert [sorted(r for out in p for r in out.req_ids) for p in preds] == [sorted(a), sorted(b)]
+    assert all(not out.errors for p in preds for out in p)
 
 
 @pytest.mark.parametrize("interval", ["batch", "epoch"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,9 @@ Source = str | Path | list
 
 class CodesDataModule(pl.LightningDataModule):
     """Sources per stage (manifest, folder, tensors; ``predict`` may be a list of sources, one
-    dataloader each). The codebook geometry comes from ``config`` or from the trainer's module.
+    dataloader each: paths, mappings of id to tensor, or ``CodesDataset``s; a list of tensors is one
+    source). The codebook geometry comes from ``config`` or from the trainer's module. A fit with
+    no ``val`` runs no validation; ``validate`` and ``test`` without their data are usage errors.
 
     ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
     ``"raise"`` stops before any compute. ``duplicate_ids``: ``"error"`` (default) refuses a source
@@ -123,7 +125,10 @@ class CodesDataModule(pl.LightningDataModule):
                 raise UsageError(f"{len(ds)} {stage} request(s) for {world} ranks, so a rank would have none: {fix}")
 
     def _setup_predict(self, sources: Any) -> None:
-        many = isinstance(sources, (list, tuple)) and all(isinstance(s, (str, Path)) for s in sources)
+        # a list of paths, mappings or datasets is several sources; a list of tensors is one source
+        many = isinstance(sources, (list, tuple)) and len(sources) > 0 and all(
+            isinstance(s, (str, Path, Mapping, CodesDataset)) for s in sources
+        )
         finished = self.skip_done
         if isinstance(finished, (str, Path)):
             finished = Finished.read(finished)
@@ -168,7 +173,10 @@ class CodesDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader(self._require("fit"), shuffle=True)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list:
+        fitting = self.trainer is not None and str(getattr(self.trainer.state.fn, "value", "")) == "fit"
+        if fitting and "validate" not in self.datasets:
+            return []  # a fit with training data only: Lightning runs no validation
         return self._loader(self._require("validate"))
 
     def test_dataloader(self) -> DataLoader:
