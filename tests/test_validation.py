@@ -80,3 +80,9 @@ def test_decode_validates_before_lookup(tiny_model):
 def test_request_ids_must_match_the_batch(ids):
     """Two requests with one or three ids: outputs would be attached to the wrong requests."""
     bad(random_codes(2, 5), req_ids=ids, match=rf"{len(ids)} request ids for a batch of 2 requests")
+
+
+def test_a_uint64_code_past_int64_is_reported_as_given():
+    codes = torch.zeros(1, 16, 3, dtype=torch.uint64)
+    codes[0, 2, 1] = 2**63 + 5
+    bad(codes, match=r"request 0: code 9223372036854775813 at codebook 2, frame 1 is outside")

@@ -76,8 +76,10 @@ def validate_codes(
     bad = ((wide < 0) | (wide >= config.codebook_size)) & in_request
     if bool(bad.any()):
         b, q, t = (int(i) for i in bad.nonzero()[0])
+        # a uint64 value past int64's range wrapped negative in `wide`: report it as given
+        value = int(codes[b, q, t].cpu().numpy()) if codes.dtype == torch.uint64 else int(wide[b, q, t])
         raise ValueError(
-            f"{name(b)}: code {int(wide[b, q, t])} at codebook {q}, frame {t} is outside "
+            f"{name(b)}: code {value} at codebook {q}, frame {t} is outside "
             f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the {'batch' if batch > 1 else 'request'})"
         )
     return lengths
