@@ -96,6 +96,11 @@ class CodesDataModule(pl.LightningDataModule):
                             crop_frames=self.crop_frames if train else None, seed=self.seed, skip=skip)  # fmt: skip
 
     def setup(self, stage: str) -> None:
+        # refused here rather than in the dataloader hook: Lightning 2.6 leaves DataLoader.__init__
+        # patched when that hook raises, which breaks every DataLoader made later in the process
+        name = str(getattr(stage, "value", stage))
+        if self.sources.get(name, "") is None and name not in self.datasets:
+            raise UsageError(f"CodesDataModule has no {name!r} data: pass {_ARGUMENT[name]}=... to its constructor")
         if stage == "predict" and self.sources["predict"] is not None:
             self._setup_predict(self.sources["predict"])
         if stage == "fit" and self.sources["fit"] is not None:
@@ -163,8 +168,8 @@ class CodesDataModule(pl.LightningDataModule):
                           pin_memory=pin)  # fmt: skip
 
     def _require(self, stage: str) -> Any:
-        if stage not in self.datasets:
-            raise UsageError(f"CodesDataModule has no {stage!r} data: pass it to the constructor")
+        if stage not in self.datasets:  # setup refuses a stage without data; this is a hook called without it
+            raise UsageError(f"CodesDataModule has no {stage!r} data: pass {_ARGUMENT[stage]}=... to its constructor")
         return self.datasets[stage]
 
     def predict_dataloader(self) -> list[DataLoader]:
@@ -181,6 +186,9 @@ class CodesDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self._require("test"))
+
+
+_ARGUMENT = {"predict": "predict", "fit": "train", "validate": "val", "test": "test"}  # stage -> constructor argument
 
 
 def _injects_sampler(trainer: Any) -> bool:
