@@ -72,7 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
     compact_warnings()
     interrupted, restore_handler = _catch_interrupt()
+    timings_ok = False  # --timings names a file that can be written
     try:
+        if timings_path:
+            from omni_lightning.preflight import check_timings
+
+            check_timings(timings_path)
+            timings_ok = True
         if argv and argv[0] == "demo":
             from omni_lightning.demo import main as demo_main
 
@@ -105,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         restore_handler()
-        if timings_path:
+        if timings_ok:
             timings["end"] = time.time()
-            _write_timings(timings_path, timings)
+            try:
+                _write_timings(timings_path, timings)
+            except OSError as err:  # checked at the start; the job's own exit status stands
+                print(f"warning: --timings {timings_path} was not written: {err}", file=sys.stderr)
         if program:
             # the process exits next: its final garbage collection would walk every object torch and
             # Lightning made (1.5 s of a 2 s exit on a 2-core machine); nothing left needs collecting

@@ -167,12 +167,14 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
             check_preset(preset)
     ckpt_path = values.get("ckpt_path")
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
-    if local and ckpt_path not in CKPT_KEYWORDS and not Path(ckpt_path).is_file():
-        raise UsageError(f"--ckpt_path {ckpt_path} does not exist: give a Lightning .ckpt file (fit saves them)")
+    if local:
+        check_ckpt_path(sub, ckpt_path)
     if sub == "predict":
         out_dir = values.get("out_dir")
         if isinstance(out_dir, str):
             check_out_dir(out_dir)
+            if data is not None:
+                check_not_output_manifest(data.get("predict"), out_dir)
         check_format(str(values.get("format") or "wav"), str(values.get("subtype") or "PCM_16"))
     if model is not None:
         check_weights(sub, model.get("checkpoint"), ckpt_path, model.get("random_weights"))
@@ -255,6 +257,51 @@ def check_source(flag: str, value: str) -> None:
         row = None
     if not isinstance(row, dict):
         raise UsageError(f"{flag} {value} is not a JSONL manifest (its first line is not a JSON object): {fix}")
+
+
+def check_ckpt_path(sub: str, value: str) -> None:
+    """A local ``--ckpt_path``: a file torch saved. Lightning's keywords only where a fit can have
+    made that checkpoint (a resumed fit); elsewhere they would load nothing and run on random weights."""
+    fix = "give a Lightning .ckpt file (fit saves them)"
+    if value in CKPT_KEYWORDS:
+        if sub != "fit":
+            raise UsageError(f"--ckpt_path {value} names a checkpoint of a fit in this process, and {sub} runs "
+                             f"no fit: {fix}")  # fmt: skip
+        return
+    path = Path(value)
+    if not path.exists():
+        raise UsageError(f"--ckpt_path {value} does not exist: {fix}")
+    if path.is_dir() or path.suffix == ".safetensors":
+        what = "a folder" if path.is_dir() else "a safetensors file"
+        raise UsageError(f"--ckpt_path {value} is {what}: {fix}; a Code2Wav or Qwen3-Omni checkpoint folder "
+                         "goes to --model.checkpoint")  # fmt: skip
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError as err:
+        raise UsageError(f"--ckpt_path {value} cannot be read ({type(err).__name__}): {fix}") from err
+    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or its legacy pickle
+        raise UsageError(f"--ckpt_path {value} is not a checkpoint torch saved: {fix}")
+
+
+def check_timings(value: str) -> None:
+    """``--timings FILE``: a file that can be written when the job ends (its folder exists)."""
+    path = Path(value)
+    if path.is_dir():
+        raise UsageError(f"--timings {value} is a folder: give a file path for the JSON")
+    if not path.parent.is_dir():
+        raise UsageError(f"--timings {value}: its folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"--timings {value} cannot be written (no permission)")
+
+
+def check_not_output_manifest(sources: Any, out_dir: str) -> None:
+    """The predict source must not be the manifest this job writes (it would be replaced)."""
+    written = (Path(out_dir) / "manifest.jsonl").resolve()
+    for source in sources if isinstance(sources, list) else [sources]:
+        if isinstance(source, str) and Path(source).resolve() == written:
+            raise UsageError(f"--data.predict {source} is the manifest this job writes in --out_dir {out_dir}: "
+                             "give another --out_dir, or move the input manifest")  # fmt: skip
 
 
 def check_checkpoint(value: str) -> None:

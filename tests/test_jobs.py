@@ -229,7 +229,11 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
         "--model.checkpoint": [(str(tmp_path / "nockpt"), "does not exist"),
                                (str(tmp_path / "empty"), "no config.json")],
         "--out_dir": [(str(tmp_path / "afile"), "is a file: give a folder")],
-        "--ckpt_path": [(str(tmp_path / "x.ckpt"), "does not exist")],
+        "--ckpt_path": [(str(tmp_path / "x.ckpt"), "does not exist"), ("last", "and predict runs no fit"),
+                        (str(ckpt), "is a folder: give a Lightning .ckpt file"),
+                        (str(ckpt / "model.safetensors"), "is a safetensors file"),
+                        (str(tmp_path / "afile"), "is not a checkpoint torch saved")],
+        "--timings": [(str(tmp_path / "nodir" / "t.json"), "does not exist"), (str(tmp_path), "is a folder")],
         "--config": [("configs/nope.yaml", "config file configs/nope.yaml does not exist")],
     }  # fmt: skip
     runs, wanted = [], []
@@ -242,6 +246,11 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     wanted.append(("'tinyy'", "is not a preset: use one of qwen3-omni, tiny"))
     runs.append(["predict", "--config", "configs/predict.yaml", "--out_dir", str(tmp_path / "out")])
     wanted.append(("--data.predict", "is not set"))
+    own = tmp_path / "job"  # an input manifest where the job writes its own: it would be replaced
+    own.mkdir()
+    (own / "manifest.jsonl").write_text(json.dumps({"id": "a", "codes": str(tmp_path / "one.npy")}) + "\n")
+    runs.append([*good[:-1], str(own / "manifest.jsonl"), "--out_dir", str(own)])
+    wanted.append((str(own / "manifest.jsonl"), "is the manifest this job writes in --out_dir"))
     for fmt, subtype, value, fix in (("flac", "FLOAT", "'FLOAT'", "cannot be written as flac: use one of PCM_16"),
                                      ("mp3", "PCM_16", "'mp3'", "is not an output format: use one of wav, flac")):
         runs.append([*good, "--format", fmt, "--subtype", subtype])
@@ -282,6 +291,7 @@ def test_a_rerun_with_nothing_left_to_do_ends_before_torch_is_imported(tmp_path)
              {"id": "x/b", "path": file_name("x/b"), "status": "ok"}]  # fmt: skip
     (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"id": "torn')
     (out / ".a.wav.tmp").write_bytes(b"left by a killed run")
+    (out / ".draft.tmp").write_text("a file of the user's own")
     config = tmp_path / "random.yaml"  # the weights guard's switch, set in a config file
     config.write_text("model:\n  random_weights: true\n")
     argv = ["predict", "--config", "configs/predict.yaml", "--config", str(config), "--data.predict", str(src),
@@ -293,6 +303,7 @@ def test_a_rerun_with_nothing_left_to_do_ends_before_torch_is_imported(tmp_path)
     assert "0 requests written" in report["out"] and "2 already done, 0 failed" in report["out"]
     assert "nothing left to do" in report["out"] and "1 input files not read" in report["out"]
     assert not (out / ".a.wav.tmp").exists()  # the folder tidied as a run's start tidies it
+    assert (out / ".draft.tmp").is_file()  # only the writer's own temp files go
     assert [json.loads(x)["id"] for x in (out / "manifest.jsonl").read_text().splitlines()] == ["a", "x/b"]
     timings = json.loads((tmp_path / "timings.json").read_text())
     assert timings["process_start"] <= timings["main"] <= timings["checked"] <= timings["end"]

@@ -186,8 +186,10 @@ def merge_manifests(out_dir: Path) -> dict[str, dict[str, Any]]:
 
 
 def remove_temp_files(out_dir: Path) -> int:
-    """Removes the temp files a killed writer left (``.<name>.tmp``); returns how many."""
-    temps = list(out_dir.glob(".*.tmp"))
+    """Removes the temp files a killed writer left (``.<name>.wav.tmp``, ``.<name>.flac.tmp``, the
+    manifest's, the case probe's); returns how many. A user's other ``.tmp`` files are kept."""
+    patterns = (".*.wav.tmp", ".*.flac.tmp", f".{MANIFEST}.tmp", ".Case-Probe-*.tmp")
+    temps = sorted({t for pattern in patterns for t in out_dir.glob(pattern)})
     for tmp in temps:
         tmp.unlink(missing_ok=True)
     return len(temps)
