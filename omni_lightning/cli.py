@@ -148,7 +148,7 @@ def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) 
     finally:
         sys.argv = saved
     writer = getattr(cli, "writer", None)
-    if cli.subcommand == "predict" and writer is not None and not writer.all_written:
+    if cli.subcommand == "predict" and writer is not None and writer.any_failed:
         return EXIT_FAILED_REQUESTS
     return EXIT_OK
 

@@ -101,6 +101,18 @@ def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(t
             WaveformWriter(tmp_path, **bad)
 
 
+@pytest.mark.parametrize("limit", [{"limit_predict_batches": 1}, {"fast_dev_run": True}])
+def test_requests_a_trainer_limit_leaves_out_are_not_run_not_failed(tmp_path, limit):
+    manifest = write_codes(tmp_path / "data", [4, 5, 6, 7])
+    writer = WaveformWriter(tmp_path / "out")
+    data = CodesDataModule(predict=str(manifest), batch_size=2, skip_done=tmp_path / "out")
+    Trainer(**trainer_kwargs(callbacks=[writer], **limit)).predict(
+        Code2WavModule(model=random_model("tiny", seed=2)), datamodule=data, return_predictions=False
+    )
+    assert writer.stats["ok"] == 2 and writer.stats["missing"] == 2 and not writer.all_written
+    assert not writer.any_failed and "2 requests not run (the trainer limits predict batches" in writer.summary()
+
+
 def test_a_file_that_cannot_be_written_fails_only_its_request_and_a_rerun_writes_it(tmp_path):
     model = random_model("tiny", seed=2)
     manifest = write_codes(tmp_path / "data", [4, 5, 6])

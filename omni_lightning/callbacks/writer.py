@@ -29,7 +29,8 @@ the predict loop's thread, resumable, nothing lost.
   The counts (``stats``) are summed over ranks, so every rank's ``summary()`` and ``all_written``
   describe the whole job.
 - At the end every request of the job is either written (now or by an earlier run) or recorded as
-  failed; one that is neither is counted in ``stats["missing"]`` (a bug, never silent).
+  failed; one that is neither is counted in ``stats["missing"]`` (a bug, never silent, unless the
+  trainer limits predict batches: ``stats["limited"]``, and the summary says they were not run).
 """
 
 from __future__ import annotations
@@ -102,6 +103,12 @@ class WaveformWriter(BasePredictionWriter):
     def all_written(self) -> bool:
         """True when every request of the job has its file (written now or by an earlier run)."""
         return self.stats["error"] == 0 and self.stats["missing"] == 0
+
+    @property
+    def any_failed(self) -> bool:
+        """A request failed, or one was neither written nor failed without the trainer limiting the
+        batches (``limit_predict_batches``, ``fast_dev_run``: those requests were not run, on purpose)."""
+        return self.stats["error"] > 0 or (self.stats["missing"] > 0 and not self.stats.get("limited"))
 
     # --- run start: what is finished, clean up, start the background thread ---------------------------
 
@@ -256,6 +263,8 @@ class WaveformWriter(BasePredictionWriter):
         self._flush()
         self._close(drain=True)
         self.stats["seconds"] = time.perf_counter() - self._start
+        limit = trainer.limit_predict_batches
+        self.stats["limited"] = bool(trainer.fast_dev_run) or isinstance(limit, int) or (limit or 1.0) < 1.0
         if trainer.world_size == 1:
             recorded = self._finished.ids | self._ok_now | set(self.failed)
             self.stats["missing"] = len(self._expected - recorded)

@@ -225,7 +225,9 @@ def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None
         f"{s.get('ok', 0)} requests written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
         f"{s.get('skipped', 0)} already done, {s.get('error', 0)} failed -> {out_dir.resolve()}"
     )
-    if s.get("missing"):
+    if s.get("missing") and s.get("limited"):
+        text += f"; {s['missing']} requests not run (the trainer limits predict batches: limit_predict_batches)"
+    elif s.get("missing"):
         text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
