@@ -138,13 +138,24 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
             "after": metrics}  # fmt: skip
 
 
+def _positive(text: str) -> int:
+    """An integer >= 1 (argparse reports anything else as a usage error naming the value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="omni-lightning demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--work-dir", default="omni_lightning_demo")
-    parser.add_argument("--requests", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=40, help="fine-tuning steps")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1)")
+    parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1)")
+    parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1)")
     args = parser.parse_args(argv)
     result = run_demo(args.work_dir, args.requests, args.steps, args.threads)
     print(f"demo done in {result['seconds']:.1f} s; WAV files in {Path(result['wavs']).resolve()}")

@@ -385,6 +385,15 @@ def test_demo_reruns_only_in_its_own_folder(tmp_path):
     assert (mine / "thesis.tex").read_text() == "keep me"
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--threads", "0"), ("--requests", "0"), ("--steps", "-1")])
+def test_demo_refuses_counts_below_one_before_any_work(tmp_path, flag, value):
+    from omni_lightning.demo import main as demo_main
+
+    with pytest.raises(SystemExit) as stop:  # argparse: exit 2 with the flag and value named
+        demo_main(["--work-dir", str(tmp_path / "demo"), flag, value])
+    assert stop.value.code == 2 and not (tmp_path / "demo").exists()
+
+
 def test_progress_bar_counts_audio_seconds_on_length_sorted_batches(model):
     lengths = [2, 30, 3, 25, 4]
     job = {f"r{i}": random_codes(1, n, seed=i)[0] for i, n in enumerate(lengths)}
