@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
@@ -61,6 +62,7 @@ from omni_lightning.data.output_folder import (
     remove_temp_files,
     summary_line,
 )
+from omni_lightning.errors import UsageError
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 
@@ -122,7 +124,11 @@ class WaveformWriter(BasePredictionWriter):
             plan = None  # no data module told of this folder: the writer reads it itself
         finished = plan.finished if plan is not None else None
         if rank == 0:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as err:  # a read-only or special file system: the folder is the user's choice
+                raise UsageError(f"output folder {self.out_dir} cannot be created ({type(err).__name__}: "
+                                 f"{err.strerror or err}): pick another folder") from err  # fmt: skip
             remove_temp_files(self.out_dir)
             finished = finished or Finished.read(self.out_dir)
             finished.compact()
@@ -222,6 +228,8 @@ class WaveformWriter(BasePredictionWriter):
         tmp = self.out_dir / f".{name}.tmp"
         try:
             data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else wav.reshape(-1)
+            if self.subtype == "PCM_16":  # libsndfile truncates toward -inf (a -0.5 LSB bias): round here
+                data = np.clip(np.rint(data * np.float32(32768)), -32768, 32767).astype(np.int16)
             with open(tmp, "wb") as f:
                 sf.write(f, data, sr, subtype=self.subtype, format=self.audio_format.upper())
                 f.flush()
