@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     timings_ok = False  # --timings names a file that can be written
     try:
         if timings_path:
-            from omni_lightning.preflight import check_timings
+            from omni_lightning.path_checks import check_timings
 
             check_timings(timings_path)
             timings_ok = True

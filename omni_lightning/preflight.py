@@ -19,7 +19,6 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,12 +27,12 @@ from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
 from omni_lightning.data.sources import list_source
 from omni_lightning.errors import UsageError
+from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 OWN_CLASSES = {"model": "Code2WavModule", "data": "CodesDataModule"}
-CKPT_KEYWORDS = ("last", "best", "hpc")
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
@@ -259,64 +258,6 @@ def check_source(flag: str, value: str) -> None:
         raise UsageError(f"{flag} {value} is not a JSONL manifest (its first line is not a JSON object): {fix}")
 
 
-def check_ckpt_path(sub: str, value: str) -> None:
-    """A local ``--ckpt_path``: a file torch saved. Lightning's keywords only where a fit can have
-    made that checkpoint (a resumed fit); elsewhere they would load nothing and run on random weights."""
-    fix = "give a Lightning .ckpt file (fit saves them)"
-    if value in CKPT_KEYWORDS:
-        if sub != "fit":
-            raise UsageError(f"--ckpt_path {value} names a checkpoint of a fit in this process, and {sub} runs "
-                             f"no fit: {fix}")  # fmt: skip
-        return
-    path = Path(value)
-    if not path.exists():
-        raise UsageError(f"--ckpt_path {value} does not exist: {fix}")
-    if path.is_dir() or path.suffix == ".safetensors":
-        what = "a folder" if path.is_dir() else "a safetensors file"
-        raise UsageError(f"--ckpt_path {value} is {what}: {fix}; a Code2Wav or Qwen3-Omni checkpoint folder "
-                         "goes to --model.checkpoint")  # fmt: skip
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as err:
-        raise UsageError(f"--ckpt_path {value} cannot be read ({type(err).__name__}): {fix}") from err
-    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or its legacy pickle
-        raise UsageError(f"--ckpt_path {value} is not a checkpoint torch saved: {fix}")
-
-
-def check_timings(value: str) -> None:
-    """``--timings FILE``: a file that can be written when the job ends (its folder exists)."""
-    path = Path(value)
-    if path.is_dir():
-        raise UsageError(f"--timings {value} is a folder: give a file path for the JSON")
-    if not path.parent.is_dir():
-        raise UsageError(f"--timings {value}: its folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"--timings {value} cannot be written (no permission)")
-
-
-def check_not_output_manifest(sources: Any, out_dir: str) -> None:
-    """The predict source must not be the manifest this job writes (it would be replaced)."""
-    written = (Path(out_dir) / "manifest.jsonl").resolve()
-    for source in sources if isinstance(sources, list) else [sources]:
-        if isinstance(source, str) and Path(source).resolve() == written:
-            raise UsageError(f"--data.predict {source} is the manifest this job writes in --out_dir {out_dir}: "
-                             "give another --out_dir, or move the input manifest")  # fmt: skip
-
-
-def check_checkpoint(value: str) -> None:
-    path = Path(value)
-    what = "give a Code2Wav or Qwen3-Omni checkpoint folder (config.json and model.safetensors or its index)"
-    if not path.exists():
-        raise UsageError(f"--model.checkpoint {value} does not exist: {what}")
-    if not path.is_dir():
-        raise UsageError(f"--model.checkpoint {value} is a file, not a folder: {what}")
-    if not (path / "config.json").is_file():
-        raise UsageError(f"--model.checkpoint {value} has no config.json: {what}")
-    if not ((path / "model.safetensors").is_file() or (path / "model.safetensors.index.json").is_file()):
-        raise UsageError(f"--model.checkpoint {value} has no model.safetensors or model.safetensors.index.json: {what}")
-
-
 def check_preset(value: str) -> None:
     from omni_lightning.models.config import PRESETS
 
@@ -327,14 +268,3 @@ def check_preset(value: str) -> None:
         )
 
 
-def check_out_dir(value: str) -> None:
-    path = Path(value)
-    if path.exists() and not path.is_dir():
-        raise UsageError(f"--out_dir {value} is a file: give a folder (it is created when missing)")
-    parent = path
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--out_dir {value} cannot be created: {parent} is a file")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise UsageError(f"--out_dir {value} cannot be written (no permission on {parent}): pick another folder")

@@ -35,7 +35,6 @@ the predict loop's thread, resumable, nothing lost.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -57,7 +56,9 @@ from omni_lightning.data.output_folder import (
     check_names,
     file_name,
     file_stem,
+    fsync_folder,
     fsync_write,
+    manifest_text,
     merge_manifests,
     remove_temp_files,
     summary_line,
@@ -127,8 +128,7 @@ class WaveformWriter(BasePredictionWriter):
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
             except OSError as err:  # a read-only or special file system: the folder is the user's choice
-                raise UsageError(f"output folder {self.out_dir} cannot be created ({type(err).__name__}: "
-                                 f"{err.strerror or err}): pick another folder") from err  # fmt: skip
+                raise UsageError(f"output folder {self.out_dir} cannot be created ({err}): pick another") from err
             remove_temp_files(self.out_dir)
             finished = finished or Finished.read(self.out_dir)
             finished.compact()
@@ -210,8 +210,8 @@ class WaveformWriter(BasePredictionWriter):
                           "n_samples": n_samples, "duration_s": n_samples / sr, "sr": sr, "status": "ok"})  # fmt: skip
             self.stats["audio_s"] += n_samples / sr
         if committed:
-            _fsync_folder(self.out_dir)  # the renames are durable before any line names their files
-        fsync_write(self._manifest, "".join(_json_line(line) for line in lines))
+            fsync_folder(self.out_dir)  # the renames are durable before any line names their files
+        fsync_write(self._manifest, manifest_text(lines))
         self._ok_now.update(committed)
         self.stats["ok"] += len(committed)
         for line in lines:
@@ -298,14 +298,3 @@ class WaveformWriter(BasePredictionWriter):
 def _error(req_id: str, reason: str) -> dict[str, Any]:
     return {"id": req_id, "status": "error", "reason": reason}
 
-
-def _json_line(row: dict[str, Any]) -> str:
-    return json.dumps(row) + "\n"
-
-
-def _fsync_folder(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

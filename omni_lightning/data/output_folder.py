@@ -162,11 +162,25 @@ class Finished:
         write_manifest(self.out_dir, self.rows.values())
 
 
+def manifest_text(rows: Iterable[dict[str, Any]]) -> str:
+    """Manifest lines: one JSON object per line."""
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Makes the folder's entries (renames into it) durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_manifest(out_dir: Path, rows: Iterable[dict[str, Any]]) -> None:
     """``manifest.jsonl`` replaced by ``rows`` (atomic), then the rank parts removed (in this order:
     see :meth:`Finished.read`)."""
     tmp = out_dir / f".{MANIFEST}.tmp"
-    fsync_write(tmp, "".join(json.dumps(r) + "\n" for r in rows), mode="w")
+    fsync_write(tmp, manifest_text(rows), mode="w")
     os.replace(tmp, out_dir / MANIFEST)
     for part in out_dir.glob(RANK_MANIFESTS):
         part.unlink()
