@@ -319,3 +319,21 @@ def test_loader_workers_only_for_data_read_from_files(tmp_path):
     chosen = CodesDataModule(predict=reqs, config="tiny", num_workers=2)
     chosen.setup("predict")
     assert chosen.predict_dataloader()[0].num_workers == 2
+
+
+def test_unreadable_code_files_fail_with_one_line_reasons(tmp_path, model):
+    """A numpy array pickled by torch.save, a text file named .safetensors, a 0-d array: each request
+    fails alone, its reason one line naming the file and the fix (no pickle essay, no MemoryError)."""
+    torch.save(np.zeros((16, 4), np.int64), tmp_path / "pickled.pt")
+    (tmp_path / "text.safetensors").write_text("hello")
+    np.save(tmp_path / "scalar.npy", np.int64(3))
+    np.save(tmp_path / "good.npy", random_codes(1, 4)[0].numpy())
+    data = CodesDataModule(predict=str(tmp_path), on_bad_input="skip", batch_size=4)
+    preds = Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), datamodule=data)
+    assert [r for out in preds for r in out.req_ids] == ["good"]
+    reasons = {k: v for out in preds for k, v in out.errors.items()}
+    assert set(reasons) == {"pickled", "text", "scalar"}
+    assert all("\n" not in r and len(r) <= 300 for r in reasons.values()), reasons
+    assert "a numpy array saved with torch.save?" in reasons["pickled"]
+    assert "header length" in reasons["text"] and "runs past the file's 5 bytes" in reasons["text"]
+    assert "got ()" in reasons["scalar"]

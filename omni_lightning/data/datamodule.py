@@ -64,6 +64,8 @@ class CodesDataModule(pl.LightningDataModule):
         # leaves DataLoader.__init__ patched when a hook raises
         if batch_size < 1 or (max_frames is not None and max_frames < 1):
             raise UsageError(f"batch_size and max_frames must be >= 1, got {batch_size} and {max_frames}")
+        if num_workers is not None and num_workers < 0:
+            raise UsageError(f"num_workers must be >= 0 (or None: chosen for this machine), got {num_workers}")
         if on_bad_input not in BAD_INPUT_MODES:
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if duplicate_ids not in DUPLICATE_ID_MODES:

@@ -36,6 +36,7 @@ audio is zero-padded and ``audio_length`` marks the real samples, so the pad nev
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -212,9 +213,13 @@ class CodesDataset(Dataset):
         return item
 
 
-def _reason(err: Exception) -> str:
-    """A failure's reason: our own ValueErrors say it all; anything else also names its type."""
-    return str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+def _reason(err: Exception, limit: int = 300) -> str:
+    """A failure's reason, one line: our own ValueErrors say it all; anything else also names its
+    type. Only the first line of a library's message is kept (torch's unpickling errors run to
+    paragraphs, with terminal colour codes), cut at ``limit`` characters."""
+    text = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+    line = re.sub(r"\x1b\[[0-9;]*m", "", text).strip().splitlines()[0] if text.strip() else type(err).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
 def _listing(paths: Sequence[Path], folder: Any, limit: int = 10) -> str:

@@ -34,6 +34,9 @@ def load_codes_file(path: Path) -> torch.Tensor:
 
             value = load_file(str(path))
     except Exception as err:  # corrupt files raise anything from pickle, zip, numpy or safetensors
+        if type(err).__name__ == "UnpicklingError" and "Weights only load failed" in str(err):
+            raise ValueError(f"codes file {path} holds objects other than tensors (a numpy array saved with "
+                             "torch.save?): save a torch tensor, or the array as .npy") from err  # fmt: skip
         raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
     if path.suffix == ".npy":
         value = _numpy_to_tensor(path, value)
@@ -110,7 +113,10 @@ def _npy_header(path: Path) -> tuple[tuple[int, ...], Any]:
 
 def _safetensors_header(path: Path) -> dict[str, Any]:
     with open(path, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        size = int.from_bytes(f.read(8), "little")
+        if size + 8 > path.stat().st_size:  # not a safetensors file (a huge read, or a MemoryError)
+            raise ValueError(f"its header length {size} runs past the file's {path.stat().st_size} bytes")
+        header = json.loads(f.read(size))
     for name, info in header.items():  # the shape of every entry is checked here, inside the caller's try
         if name != "__metadata__" and not (isinstance(info["shape"], list) and isinstance(info["dtype"], str)):
             raise ValueError(f"tensor {name!r} has no valid shape and dtype")
