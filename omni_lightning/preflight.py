@@ -243,7 +243,7 @@ def check_source(flag: str, value: str) -> None:
     if path.suffix in CODE_SUFFIXES:
         raise UsageError(f"{flag} {value} is a single code file: give its folder, or a JSONL manifest listing it")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             first = next((line for line in f if line.strip()), None)
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({type(err).__name__}): {fix}") from err

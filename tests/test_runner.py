@@ -337,3 +337,11 @@ def test_unreadable_code_files_fail_with_one_line_reasons(tmp_path, model):
     assert "a numpy array saved with torch.save?" in reasons["pickled"]
     assert "header length" in reasons["text"] and "runs past the file's 5 bytes" in reasons["text"]
     assert "got ()" in reasons["scalar"]
+
+
+def test_a_manifest_saved_with_a_byte_order_mark_is_read(tmp_path, model):
+    """Editors on Windows save UTF-8 with a BOM: its first line is still a request."""
+    manifest = write_manifest(tmp_path)
+    manifest.write_bytes(b"\xef\xbb\xbf" + manifest.read_bytes())
+    ds = CodesDataset(str(manifest), "tiny", on_bad_input="skip")
+    assert ds.ids[:2] == ["good1", "good2"]

@@ -54,7 +54,7 @@ def read_manifest_entries(path: Path) -> list[Entry]:
     """One entry per non-blank line; a line that is not a JSON object or names no codes is a bad entry
     (its id ``line-<n>`` or its own), never the end of the job. No ``id``: the codes file's stem."""
     entries = []
-    for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+    for line_no, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
         if not line.strip():
             continue
         where = f"line {line_no}"
