@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from omni_lightning.data.output_folder import MANIFEST
 from omni_lightning.errors import UsageError
 
 CKPT_KEYWORDS = ("last", "best", "hpc")
@@ -54,7 +55,7 @@ def check_timings(value: str) -> None:
 
 def check_not_output_manifest(sources: Any, out_dir: str) -> None:
     """The predict source must not be the manifest this job writes (it would be replaced)."""
-    written = (Path(out_dir) / "manifest.jsonl").resolve()
+    written = (Path(out_dir) / MANIFEST).resolve()
     for source in sources if isinstance(sources, list) else [sources]:
         if isinstance(source, str) and Path(source).resolve() == written:
             raise UsageError(f"--data.predict {source} is the manifest this job writes in --out_dir {out_dir}: "

@@ -181,7 +181,7 @@ class CodesDataModule(pl.LightningDataModule):
         return self._loader(self._require("fit"), shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list:
-        fitting = self.trainer is not None and str(getattr(self.trainer.state.fn, "value", "")) == "fit"
+        fitting = self.trainer is not None and self.trainer.state.fn == "fit"  # TrainerFn is a str enum
         if fitting and "validate" not in self.datasets:
             return []  # a fit with training data only: Lightning runs no validation
         return self._loader(self._require("validate"))

@@ -65,7 +65,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             copies = [p.detach().to(torch.float32, copy=True) for p in group["params"]]
         inner = {"params": copies, **{k: group[k] for k in _HYPERPARAMETERS}}
         if self.fp32 is None:
-            self.fp32 = torch.optim.AdamW([inner], fused=self.fused or None)
+            self.fp32 = torch.optim.AdamW([inner], fused=self.fused or None)  # None: torch's foreach default
         else:
             self.fp32.add_param_group(inner)
 

@@ -56,7 +56,7 @@ def adamw_with_schedule(
     if below_fp32(params):
         opt = MasterWeightAdamW(params, fused=fused, **adamw)
     else:
-        opt = torch.optim.AdamW(params, fused=fused or None, **adamw)
+        opt = torch.optim.AdamW(params, fused=fused or None, **adamw)  # False would also turn foreach off
     return opt, {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}
 
 
