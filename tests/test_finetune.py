@@ -213,11 +213,11 @@ def short_pairs(tmp_path_factory):
     return make_demo_data(folder, 2, 0.08, 0.16, teacher=make_teacher("tiny"), seed=2, name="short.jsonl")
 
 
-def precision_kwargs(precision):
+def precision_kwargs(precision, accelerator="cpu"):
     """Trainer arguments for ``precision``; 16-mixed on the CPU through a CPU GradScaler (Lightning
     itself turns CPU 16-mixed into bf16-mixed), so the scaler's path runs as it does on CUDA."""
-    if precision != "16-mixed":
-        return {"precision": precision}
+    if precision != "16-mixed" or accelerator != "cpu":
+        return {"precision": precision, "accelerator": accelerator}
     from lightning.pytorch.plugins import MixedPrecision
 
     # 4,096: no fp16 overflow in this model's first step, so that step is taken, not skipped
@@ -229,14 +229,24 @@ CASES = [("32-true", False), ("32-true", True), ("bf16-mixed", False), ("bf16-mi
          ("bf16-true", True), ("16-mixed", True)]  # fmt: skip
 
 
-@pytest.mark.parametrize(("precision", "adversarial"), CASES, ids=[f"{p}-{'gan' if a else 'rec'}" for p, a in CASES])
-def test_fine_tunes_in_every_precision_then_predicts_in_place(short_pairs, precision, adversarial):
+GPU_CASES = [(p, a) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed") for a in (False, True)]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+ACCELERATED = [
+    pytest.param(device, p, a, id=f"{device}-{p}-{'gan' if a else 'rec'}", marks=[needs_cuda][: device == "gpu"])
+    for device, cases in (("cpu", CASES), ("gpu", GPU_CASES))
+    for p, a in cases
+]
+
+
+@pytest.mark.parametrize(("accelerator", "precision", "adversarial"), ACCELERATED)
+def test_fine_tunes_in_every_precision_then_predicts_in_place(short_pairs, accelerator, precision, adversarial):
+    """On the CPU, and on CUDA (Triton SnakeBeta, fused AdamW, channels-last discriminators) when present."""
     module = student(adversarial=adversarial)
     model_before = weights(module)
     disc_before = [p.detach().clone() for p in module.discriminators.parameters()] if adversarial else []
     data = CodesDataModule(train=str(short_pairs), val=str(short_pairs), predict=str(short_pairs), batch_size=2)
     steps = 2 if adversarial else 1  # one batch; with two optimizers Lightning counts two steps
-    trainer = Trainer(**fit_kwargs(steps, limit_val_batches=1), **precision_kwargs(precision))
+    trainer = Trainer(**{**fit_kwargs(steps, limit_val_batches=1), **precision_kwargs(precision, accelerator)})
     trainer.fit(module, datamodule=data)  # one step, then validation on that same batch
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
