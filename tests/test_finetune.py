@@ -214,14 +214,17 @@ def short_pairs(tmp_path_factory):
 
 
 def precision_kwargs(precision, accelerator="cpu"):
-    """Trainer arguments for ``precision``; 16-mixed on the CPU through a CPU GradScaler (Lightning
-    itself turns CPU 16-mixed into bf16-mixed), so the scaler's path runs as it does on CUDA."""
-    if precision != "16-mixed" or accelerator != "cpu":
+    """Trainer arguments for ``precision`` on ``accelerator``. 16-mixed through a GradScaler whose first
+    scale (4,096) does not overflow this model's first step, so that step is taken, not skipped (the
+    default, 65,536, skips it on CUDA); on the CPU a CPU GradScaler (Lightning itself turns CPU
+    16-mixed into bf16-mixed), so the scaler's path runs as it does on CUDA."""
+    if precision != "16-mixed":
         return {"precision": precision, "accelerator": accelerator}
     from lightning.pytorch.plugins import MixedPrecision
 
-    # 4,096: no fp16 overflow in this model's first step, so that step is taken, not skipped
-    return {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**12))]}
+    device = "cpu" if accelerator == "cpu" else "cuda"
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+    return {"plugins": [MixedPrecision("16-mixed", device, scaler=scaler)], "accelerator": accelerator}
 
 
 # 16-mixed with the GAN only: without it, the GradScaler's path is Lightning's own automatic optimization
@@ -348,7 +351,7 @@ def test_a_fused_run_resumes_under_a_mixed_precision(short_pairs, tmp_path):
     trainer.fit(first, datamodule=data)
     assert trainer.optimizers[0].defaults["fused"]
     resumed = student()
-    trainer = Trainer(**fit_kwargs(3), **precision_kwargs("16-mixed"))
+    trainer = Trainer(**{**fit_kwargs(3), **precision_kwargs("16-mixed")})
     trainer.fit(resumed, datamodule=data, ckpt_path=str(tmp_path / "last.ckpt"))
     optimizer = trainer.optimizers[0]
     assert trainer.global_step == 3 and not optimizer.defaults["fused"]
