@@ -22,6 +22,7 @@ from omni_lightning.training.adversarial import AdversarialStep, find_unused_par
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
+from omni_lightning.training.graphs import TrainingGraph
 from omni_lightning.training.kernels import TrainingKernels
 from omni_lightning.training.losses import ReconstructionLoss
 from omni_lightning.training.schedule import fine_tuning_optimizers, fused_adamw
@@ -55,7 +56,8 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
     ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after fit the model holds
     the EMA weights, ``use_ema(False)`` the raw ones. Any Lightning precision works: 32-true,
     bf16-mixed, bf16-true, 16-mixed (with the GAN too; bf16 weights step through fp32 master weights).
-    ``fast_training``: Triton SnakeBeta forward and backward on CUDA (``training/kernels.py``).
+    ``fast_training``: on CUDA, Triton SnakeBeta forward and backward (``training/kernels.py``) and the
+    generator's forward and backward replayed as CUDA graphs where the fit allows (``training/graphs.py``).
     Evaluation: metrics are logged here (``evaluation/metrics.py``); the W&B run config and media by
     ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
     The losses and metrics stay fp32 and out of the state dict (``training/unregistered.py``).
@@ -104,6 +106,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         self.hparams["config"] = asdict(model.config)
         self.frames_per_forward, self.fast_path, self.fast_training = frames_per_forward, fast_path, fast_training
         self.training_kernels = Kernels()  # fit's, validate's and test's, chosen in `setup` (training/kernels.py)
+        self.training_graph: TrainingGraph | None = None  # fit's CUDA graphs of the generator, set in `setup`
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
@@ -216,7 +219,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         shortest = batch.get("shortest") if self.adversarial_step is not None else 0
         if shortest is None:
             shortest = int(lengths.min())
-        wav = self.model(codes, kernels=self.training_kernels)
+        wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)
         if self.adversarial_step is not None:
             rec = {**rec, **self.adversarial_step(self, wav, audio, shortest, rec["loss"])}
@@ -273,7 +276,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
         codes, audio, lengths = self._paired(batch, stage)
-        wav = self.model(codes, kernels=self.training_kernels)
+        wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)
         self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
         self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths)

@@ -53,11 +53,19 @@ def fit_trainer(device: str, precision: str, batches: int, adversarial: bool, ca
                    limit_val_batches=0, callbacks=callbacks)  # fmt: skip
 
 
-def fresh_module(base: Code2Wav, adversarial: bool, learning_rate: float) -> Code2WavModule:
+class EagerGenerator(Code2WavModule):
+    """The module with fit's CUDA graphs off (``--graphs off``): the generator runs eagerly."""
+
+    def configure_training_graph(self, trainer):
+        return None
+
+
+def fresh_module(base: Code2Wav, adversarial: bool, learning_rate: float, graphs: bool = True) -> Code2WavModule:
     model = Code2Wav(base.config)
     model.load_state_dict(base.state_dict())
     # a schedule far longer than the run: the measured update is at the nominal rate, not the cosine's tail
-    return Code2WavModule(model=model, adversarial=adversarial, learning_rate=learning_rate, total_steps=10**6)
+    cls = Code2WavModule if graphs else EagerGenerator
+    return cls(model=model, adversarial=adversarial, learning_rate=learning_rate, total_steps=10**6)
 
 
 def synchronize(module: pl.LightningModule) -> None:
@@ -74,6 +82,7 @@ class StepClock(pl.Callback):
         self.seen, self.start, self.seconds, self.timed = 0, 0.0, 0.0, 0
         self.before: dict[str, torch.Tensor] = {}
         self.updated = float("nan")
+        self.graph: dict[str, float] = {}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.seen += 1  # batch_idx restarts every epoch
@@ -87,17 +96,19 @@ class StepClock(pl.Callback):
                            if p.requires_grad and not n.startswith("code_embedding")}  # fmt: skip
 
     def on_train_end(self, trainer, pl_module) -> None:
+        graph = pl_module.training_graph
+        self.graph = {**graph.stats, "failed": graph.failed} if graph is not None else {}
         after = dict(pl_module.model.named_parameters())
         changed = sum(int((after[n].detach().cpu() != p).sum()) for n, p in self.before.items())
         self.updated = changed / max(sum(p.numel() for p in self.before.values()), 1)
 
 
-def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: int) -> dict[str, Any]:
+def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: int, graphs: bool) -> dict[str, Any]:
     config = base.config
     frames = round(args.crop_seconds * config.frame_rate)
     batches = args.warmup + args.steps + 1
     clock = StepClock(args.warmup, batches)
-    module = fresh_module(base, args.adversarial, args.learning_rate)
+    module = fresh_module(base, args.adversarial, args.learning_rate, graphs)
     trainer = fit_trainer(args.device, precision, batches, args.adversarial, [clock])
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -112,7 +123,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
             "crop_s": args.crop_seconds, "adversarial": args.adversarial, "learning_rate": args.learning_rate,
             "steps": clock.timed, "seconds": clock.seconds, "step_s": clock.seconds / max(clock.timed, 1),
             "audio_s_per_s": audio_s / max(clock.seconds, 1e-9), "peak_memory_gib": peak / 2**30,
-            "updated": clock.updated}  # fmt: skip
+            "updated": clock.updated, "graphs": graphs, "graph": clock.graph}  # fmt: skip
 
 
 def machine(device: str) -> str:
@@ -135,6 +146,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed batches")
     parser.add_argument("--warmup", type=int, default=4, help="untimed batches before them")
     parser.add_argument("--adversarial", action="store_true", help="with the discriminators (GAN)")
+    parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
+                        help="fit's CUDA graphs of the generator (training/graphs.py): as by default, off, or both")
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--out", default="bench_train.json")
     args = parser.parse_args()
@@ -145,16 +158,19 @@ def main() -> None:
     rows = []
     for batch in args.batch:
         for precision in args.precision:
-            rows.append(bench_one(base, args, precision, batch))
-            print(f"  done batch {batch} {precision}", file=sys.stderr, flush=True)
+            for graphs in {"on": [True], "off": [False], "both": [False, True]}[args.graphs]:
+                rows.append(bench_one(base, args, precision, batch, graphs))
+                print(f"  done batch {batch} {precision} graphs {graphs}: {rows[-1]['graph']}", file=sys.stderr,
+                      flush=True)  # fmt: skip
             write_json(args.out, args, rows)  # after every row: a later crash keeps the earlier ones
     memory = "peak GPU memory allocated" if args.device == "cuda" else "peak process RSS"
     gan = ", GAN" if args.adversarial else ""
     print(f"\n{args.preset} fine-tuning on {machine(args.device)}, {args.crop_seconds:g} s crops{gan}")
-    print(f"| batch | precision | step (ms) | audio s/s | {memory} (GiB) | updated |")
-    print("|---|---|---|---|---|---|")
+    print(f"| batch | precision | generator graphs | step (ms) | audio s/s | {memory} (GiB) | updated |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['batch']} | {r['precision']} | {1000 * r['step_s']:.0f} | {r['audio_s_per_s']:.1f} "
+        used = "replayed" if r["graph"].get("replays") else ("off" if not r["graphs"] else "not used")
+        print(f"| {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | {r['audio_s_per_s']:.1f} "
               f"| {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |")  # fmt: skip
 
 

@@ -142,7 +142,7 @@ def profile_one(base: Code2Wav, args: argparse.Namespace, adversarial: bool) -> 
     frames = round(args.crop_seconds * config.frame_rate)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     callback = ProfileOneBatch(args.warmup, activities)
-    module = fresh_module(base, adversarial, 1e-4)
+    module = fresh_module(base, adversarial, 1e-4, args.graphs == "on")
     trainer = fit_trainer(args.device, args.precision, args.warmup + 1, adversarial, [callback])
     trainer.fit(module, train_dataloaders=paired_loader(config, args.batch, frames, args.warmup + 1))
     table = kernel_table(callback.profiler, args.device, args.rows)
@@ -174,6 +174,7 @@ def main() -> None:
     parser.add_argument("--crop-seconds", type=float, default=2.0)
     parser.add_argument("--warmup", type=int, default=3,
                         help="batches before the profiled one (>= 2: the last one's operators are counted)")
+    parser.add_argument("--graphs", choices=["on", "off"], default="on", help="fit's CUDA graphs of the generator")
     parser.add_argument("--rows", type=int, default=15, help="top kernels listed")
     parser.add_argument("--modes", nargs="+", choices=["generator", "gan"], default=["generator", "gan"])
     parser.add_argument("--out", default="profile_train.json")

@@ -33,18 +33,25 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def plain_precision(precision_plugin: Any) -> bool:
+    """Whether ``precision_plugin`` is one of Lightning's plain ones (32-true, bf16-true, 16-true,
+    64-true): no autocast, no gradient scaler; not ``MixedPrecision`` nor a plugin this does not know
+    (FSDP's, DeepSpeed's, a user's)."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+
+    return type(precision_plugin) in (Precision, HalfPrecision, DoublePrecision)
+
+
 def fused_adamw(device: torch.device, precision_plugin: Any) -> bool:
     """Whether fine-tuning's AdamW uses torch's fused kernel for parameters on ``device``: on a device
     torch has fused AdamW for (CUDA, the CPU, ...), under Lightning's plain precision plugins only
-    (32-true, bf16-true, 16-true, 64-true). Not under its ``MixedPrecision`` (bf16-mixed, 16-mixed):
-    a fused optimizer unscales its own gradients, so that plugin refuses to clip them, scaler or not;
-    nor under plugins this does not know (FSDP's, DeepSpeed's, a user's). The fused step agrees with
-    the foreach one to rounding (``tests/test_master_weights.py``)."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, Precision
+    (:func:`plain_precision`). Not under its ``MixedPrecision`` (bf16-mixed, 16-mixed): a fused
+    optimizer unscales its own gradients, so that plugin refuses to clip them, scaler or not; nor
+    under plugins this does not know. The fused step agrees with the foreach one to rounding
+    (``tests/test_master_weights.py``)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    plain = type(precision_plugin) in (Precision, HalfPrecision, DoublePrecision)
-    return plain and device.type in _get_fused_kernels_supported_devices()
+    return plain_precision(precision_plugin) and device.type in _get_fused_kernels_supported_devices()
 
 
 def adamw_with_schedule(

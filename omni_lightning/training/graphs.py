@@ -1,0 +1,126 @@
+"""The generator's forward and backward in fine-tuning, replayed as CUDA graphs.
+
+On a GPU a fine-tuning step of this decoder is bound by the host: at batch 32 x 2 s in bf16-true
+(H200) the generator's step ran 48.6 ms of kernels in a 78 ms step, the host launching some 2,000
+kernels through autograd (``docs/performance.md``). :class:`TrainingGraph` captures the model's
+forward and its backward for one batch shape with ``torch.cuda.make_graphed_callables`` (warm-up
+iterations on a side stream, then one graph each way in one memory pool) and replays them for every
+later batch of that shape: a step then launches two graphs, plus the losses and the optimizer.
+
+Policy: one graph, for a batch shape (and trainable set) seen on two steps in a row, so an epoch's
+last, smaller batch is not captured; a new shape seen twice in a row replaces it. Other shapes, and
+every forward without grad (validation), run eagerly. The graphs read the weights
+at the addresses they were captured with; when the module's weights move (predict's round trip to
+the host, a ``.to()``) :class:`~omni_lightning.engine.graphs.BoundWeights` copies them back where
+the graphs read (the decode engine's rule); a change of dtype, shape or trainable set drops the graph
+and a later batch captures anew. A capture that fails (out of memory, an operation that cannot be
+captured) logs one warning and leaves the rest of the run eager; no second capture is tried, since a
+failed capture can leave its pool unusable.
+
+When it is used is decided once per fit (:func:`training_graphs_allowed`): CUDA, Lightning's plain
+precision plugins (autocast's weight cache cannot be captured: bf16-mixed and 16-mixed run eagerly),
+one process (DDP's gradient hooks around a graphed backward were not run on several GPUs: this
+project had no multi-GPU machine), and no gradient accumulation (the graph's gradients are static
+buffers that the parameters' ``.grad`` take over; a second backward before the optimizer step would
+overwrite them). ``capture`` is injectable: the tests pass a stand-in that runs eagerly, or fails,
+to run this logic on a CPU.
+Not done: the losses, the discriminators and the optimizers stay eager (fewer launches each).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from omni_lightning.engine.graphs import BoundWeights
+from omni_lightning.kernels import Kernels
+
+log = logging.getLogger(__name__)
+
+# (forward module, sample args) -> a callable with the module's forward, replayed from graphs
+Capture = Callable[[nn.Module, tuple[torch.Tensor, ...]], Callable[..., torch.Tensor]]
+
+
+class _Forward(nn.Module):
+    """The model's forward with the training kernels bound: what is captured (codes in, waveform out)."""
+
+    def __init__(self, model: nn.Module, kernels: Kernels) -> None:
+        super().__init__()
+        self.model = model
+        self.kernels = kernels
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.model(codes, kernels=self.kernels)
+
+
+def cuda_capture(forward: nn.Module, sample_args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
+    """``torch.cuda.make_graphed_callables``; then the warm-up's cached blocks go back to the device."""
+    graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True)
+    torch.cuda.empty_cache()  # the warm-up ran on a side stream: its freed blocks serve that stream only
+    return graphed
+
+
+def training_graphs_allowed(device: torch.device, precision_plugin: Any, world_size: int, accumulate: int) -> bool:
+    """Whether fit may replay the generator as CUDA graphs (module docstring: why each condition)."""
+    from omni_lightning.training.schedule import plain_precision
+
+    return device.type == "cuda" and plain_precision(precision_plugin) and world_size == 1 and accumulate == 1
+
+
+class TrainingGraph:
+    """Runs ``model(codes, kernels=kernels)``, from a CUDA graph where it can (module docstring)."""
+
+    def __init__(self, capture: Capture = cuda_capture) -> None:
+        self.capture = capture
+        self.stats: dict[str, float] = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": 0}
+        self.failed: str | None = None  # why the run is eager from now on
+        self._graphed: Callable[..., torch.Tensor] | None = None
+        self._key: tuple | None = None
+        self._weights: BoundWeights | None = None
+        self._last: tuple | None = None  # the key of the last step with grad
+
+    def __call__(self, model: nn.Module, codes: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        if self.failed is not None or not torch.is_grad_enabled():  # (train/eval mode: the same forward)
+            return self._eager(model, codes, kernels)
+        key = (tuple(codes.shape), codes.dtype, codes.device, id(model), id(kernels),
+               tuple(p.requires_grad for p in model.parameters()))  # fmt: skip
+        last, self._last = self._last, key
+        if self._graphed is not None and key == self._key:
+            if self._weights.refresh():
+                self.stats["replays"] += 1
+                return self._graphed(codes)
+            self.drop()  # dtype or shapes changed: this graph reads a layout that is gone
+        if key != last:  # captured only for a key seen on two steps in a row
+            return self._eager(model, codes, kernels)
+        self.drop()
+        return self._capture(model, codes, kernels, key)
+
+    def _eager(self, model: nn.Module, codes: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+        self.stats["eager"] += 1
+        return model(codes, kernels=kernels)
+
+    def _capture(self, model: nn.Module, codes: torch.Tensor, kernels: Kernels, key: tuple) -> torch.Tensor:
+        start = time.perf_counter()
+        try:
+            graphed = self.capture(_Forward(model, kernels), (codes,))
+        except Exception as err:  # out of memory, an uncapturable operation, a library's refusal
+            self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            log.warning("fine-tuning: no CUDA graph for batch shape %s (%s); the run continues eagerly",
+                        list(codes.shape), self.failed)  # fmt: skip
+            return self._eager(model, codes, kernels)
+        self._graphed, self._key, self._weights = graphed, key, BoundWeights(model)
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - start
+        log.info("fine-tuning: generator forward and backward captured as CUDA graphs for batch shape %s in %.2f s",
+                 list(codes.shape), time.perf_counter() - start)  # fmt: skip
+        self.stats["replays"] += 1
+        return graphed(codes)
+
+    def drop(self) -> None:
+        """Forgets the graph (its memory is freed with it); a later batch may capture again."""
+        self._graphed = self._key = self._weights = None
