@@ -171,26 +171,46 @@ def test_graphs_are_allowed_on_cuda_with_a_plain_precision_one_process_and_no_ac
     assert fit(Code2WavModule(model=random_model("tiny")), long_pairs, 1) is None  # the CPU: the eager model
 
 
+class Gradients(pl.Callback):
+    """The generator's loss and gradients (one flat fp32 vector) at every optimizer step."""
+
+    def __init__(self):
+        self.losses, self.grads = [], []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if optimizer is trainer.optimizers[0]:
+            self.grads.append(torch.cat([p.grad.detach().flatten().float().cpu()
+                                         for p in pl_module.model.parameters() if p.grad is not None]))  # fmt: skip
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
 @cuda
 @pytest.mark.parametrize("adversarial", [False, True], ids=["rec", "gan"])
 def test_cuda_graphed_fit_equals_the_eager_fit_in_fp32(long_pairs, adversarial, no_tf32):
-    """The real capture: fp32 (TF32 off), the same seed, graphs against no graphs; the GAN too."""
+    """The real capture: fp32 (TF32 off), the same seed, graphs against no graphs, five batches; the GAN
+    too. The mel loss alone: the STFT loss's gradient is chaotic in fp32 (``test_training_fidelity.py``),
+    so any two fp32 runs part after a step whatever their kernels. Batch 1 runs eagerly in both, batch 2
+    is the capture's first replay, 3-5 replays. Tolerances: ``test_training_fidelity.py``'s."""
 
     class NoGraph(Code2WavModule):
         def configure_training_graph(self, trainer):
             return None
 
-    steps = 10 if adversarial else 5
-    kw = {"accelerator": "gpu", "precision": "32-true"}
-    torch.manual_seed(0)  # the discriminators' initial weights
-    graphed = Code2WavModule(model=random_model("tiny", seed=7), learning_rate=3e-3, adversarial=adversarial)
-    torch.manual_seed(0)
-    eager = NoGraph(model=random_model("tiny", seed=7), learning_rate=3e-3, adversarial=adversarial)
-    graph = fit(graphed, long_pairs, steps, **kw)
-    fit(eager, long_pairs, steps, **kw)
+    runs = {}
+    for name, cls in (("graphed", Code2WavModule), ("eager", NoGraph)):
+        torch.manual_seed(0)  # the discriminators' initial weights
+        module = cls(model=random_model("tiny", seed=7), learning_rate=1e-3, adversarial=adversarial, stft_weight=0.0)
+        record = Gradients()
+        graph = fit(module, long_pairs, 10 if adversarial else 5, callbacks=[record], accelerator="gpu",
+                    precision="32-true")  # fmt: skip
+        runs[name] = (graph, record)
+    graph, ours = runs["graphed"]
+    _, eager = runs["eager"]
     assert graph is not None and graph.failed is None, graph and graph.failed
-    assert graph.stats["captures"] == 1 and graph.stats["replays"] == 4
-    expected = weights(eager)
-    worst = max(float((p - expected[n]).abs().max() / expected[n].abs().max().clamp_min(1e-12))
-                for n, p in weights(graphed).items())  # fmt: skip
-    assert worst < 1e-4, worst
+    assert graph.stats["captures"] == 1 and graph.stats["replays"] == 4 and len(ours.grads) == 5
+    for step, (a, b, la, lb) in enumerate(zip(ours.grads, eager.grads, ours.losses, eager.losses), 1):
+        assert abs(la - lb) <= 1e-5 * abs(lb), (step, la, lb)
+        rel = float((a - b).norm() / b.norm())
+        assert rel <= (1e-5 if step <= 2 else 2e-4), (step, rel)
