@@ -159,6 +159,19 @@ def test_shapes_grad_mode_dtype_and_trainable_set_decide_what_replays():
     assert out.dtype == torch.float64 and len(capture.captures) == 3 and graph.stats["replays"] == 4
 
 
+def test_shapes_that_keep_changing_stop_being_captured_after_max_captures(caplog):
+    model = random_model("tiny", seed=1).train()
+    capture = EagerCapture()
+    graph, kernels = TrainingGraph(capture, max_captures=2), Kernels()
+    shapes = [random_codes(b, 9, seed=b) for b in (1, 1, 2, 2, 3, 3, 1, 1)]
+    with caplog.at_level(logging.INFO, logger="omni_lightning.training.graphs"):
+        for codes in shapes:
+            graph(model, codes, kernels)
+    assert capture.captures == [(1, 16, 9), (2, 16, 9)] and graph.capped  # 3 and the return to 1: eager
+    assert sum("keep changing" in r.getMessage() for r in caplog.records) == 1
+    assert graph.stats["eager"] == 6 and graph.stats["replays"] == 2
+
+
 def test_graphs_are_allowed_on_cuda_with_a_plain_precision_one_process_and_no_accumulation(long_pairs):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     for plugin in (Precision(), HalfPrecision("bf16-true"), HalfPrecision("16-true"), DoublePrecision()):

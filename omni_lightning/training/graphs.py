@@ -8,8 +8,10 @@ iterations on a side stream, then one graph each way in one memory pool) and rep
 later batch of that shape: a step then launches two graphs, plus the losses and the optimizer.
 
 Policy: one graph, for a batch shape (and trainable set) seen on two steps in a row, so an epoch's
-last, smaller batch is not captured; a new shape seen twice in a row replaces it. Other shapes, and
-every forward without grad (validation), run eagerly. The graphs read the weights
+last, smaller batch is not captured; a new shape seen twice in a row replaces it, up to
+``max_captures`` captures a fit (batches whose shapes keep changing, from length-bucketed batches
+without crops say, would otherwise pay a capture again and again). Other shapes, and every forward
+without grad (validation), run eagerly. The graphs read the weights
 at the addresses they were captured with; when the module's weights move (predict's round trip to
 the host, a ``.to()``) :class:`~omni_lightning.engine.graphs.BoundWeights` copies them back where
 the graphs read (the decode engine's rule); a change of dtype, shape or trainable set drops the graph
@@ -60,7 +62,9 @@ class _Forward(nn.Module):
 
 def cuda_capture(forward: nn.Module, sample_args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
     """``torch.cuda.make_graphed_callables``; then the warm-up's cached blocks go back to the device."""
-    graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True)
+    # thread_local: a data loader's pin-memory thread makes CUDA calls meanwhile (the decode engine's rule)
+    graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True,
+                                                capture_error_mode="thread_local")  # fmt: skip
     torch.cuda.empty_cache()  # the warm-up ran on a side stream: its freed blocks serve that stream only
     return graphed
 
@@ -75,10 +79,11 @@ def training_graphs_allowed(device: torch.device, precision_plugin: Any, world_s
 class TrainingGraph:
     """Runs ``model(codes, kernels=kernels)``, from a CUDA graph where it can (module docstring)."""
 
-    def __init__(self, capture: Capture = cuda_capture) -> None:
-        self.capture = capture
+    def __init__(self, capture: Capture = cuda_capture, max_captures: int = 4) -> None:
+        self.capture, self.max_captures = capture, max_captures
         self.stats: dict[str, float] = {"captures": 0, "capture_s": 0.0, "replays": 0, "eager": 0}
         self.failed: str | None = None  # why the run is eager from now on
+        self.capped = False  # max_captures reached: no new shapes captured
         self._graphed: Callable[..., torch.Tensor] | None = None
         self._key: tuple | None = None
         self._weights: BoundWeights | None = None
@@ -96,6 +101,12 @@ class TrainingGraph:
                 return self._graphed(codes)
             self.drop()  # dtype or shapes changed: this graph reads a layout that is gone
         if key != last:  # captured only for a key seen on two steps in a row
+            return self._eager(model, codes, kernels)
+        if self.stats["captures"] >= self.max_captures:
+            if not self.capped:
+                self.capped = True
+                log.info("fine-tuning: %d CUDA graph captures in this fit and the batch shapes keep changing; "
+                         "new shapes run eagerly", self.max_captures)  # fmt: skip
             return self._eager(model, codes, kernels)
         self.drop()
         return self._capture(model, codes, kernels, key)
