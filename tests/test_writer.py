@@ -288,7 +288,9 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
 
 def test_ctrl_c_writes_what_was_decoded_then_exits_130(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
-    manifest = write_codes(tmp_path / "data", [20 + (i * 7) % 30 for i in range(12)])
+    # 60 requests, ~4 s of decode here: the first manifest line appears well before the end (with 12,
+    # on a loaded CI machine the job once finished between that line and the signal)
+    manifest = write_codes(tmp_path / "data", [20 + (i * 7) % 30 for i in range(60)])
     out = tmp_path / "out"
     proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
                "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out))  # fmt: skip
@@ -301,5 +303,5 @@ def test_ctrl_c_writes_what_was_decoded_then_exits_130(tmp_path):
     log = proc.communicate(timeout=120)[0]
     assert proc.returncode == 130 and "error: interrupted" in log, log
     rows = manifest_rows(out)
-    assert seen <= len(rows) < 12 and all((out / r["path"]).is_file() for r in rows)
+    assert seen <= len(rows) < 60 and all((out / r["path"]).is_file() for r in rows)
     assert temp_files(out) == []  # the background thread finished its batches: nothing half-written
