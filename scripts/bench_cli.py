@@ -19,7 +19,9 @@ What runs, each in a fresh process:
   noop     the same command again, every request already done: wall time (it ends before torch loads).
   inproc   ``trainer.predict`` of the same job in a fresh Python process, built by the same LightningCLI
            parser from the same arguments (``run=False``), no writer, predictions not kept: cold (first
-           predict in the process, like the CLI) and warm (a second predict); the same phase clock.
+           predict in the process, like the CLI) and warm (a second predict); the same phase clock; then
+           a third, warm, with the command's ``WaveformWriter`` writing to a temporary folder: what the
+           writer costs the decode, apart from start-up and cold kernels.
   loader   the predict dataloader alone (same workers, pinned memory on CUDA), iterated once after the
            warm run: how fast loading could feed the engine.
 Ratios: CLI decode phase speed / in-process (cold and warm). Prints a table; writes JSON (``--out``).
@@ -123,6 +125,7 @@ def in_process(args: list[str]) -> dict[str, Any]:
     started = time.time()
     from omni_lightning import Code2WavModule, CodesDataModule, Trainer
     from omni_lightning.callbacks.timings import PhaseProfiler
+    from omni_lightning.callbacks.writer import WaveformWriter
     from omni_lightning.lightning_cli import OmniCLI
 
     cli = OmniCLI(Code2WavModule, CodesDataModule, trainer_class=Trainer, run=False, args=args,
@@ -130,11 +133,19 @@ def in_process(args: list[str]) -> dict[str, Any]:
     built = time.time()
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     out: dict[str, Any] = {"built_s": built - started}
-    for name in ("cold", "warm"):
+    for name in ("cold", "warm", "warm_writer"):
         trainer.profiler = profiler = PhaseProfiler()
+        writer = None
+        if name == "warm_writer":  # the same warm run writing the files as the command does: the writer's cost
+            folder = Path(tempfile.mkdtemp(prefix="inproc-out-"))
+            writer = WaveformWriter(str(folder))
+            trainer.callbacks.append(writer)
         called = time.time()
         trainer.predict(model, datamodule=data, return_predictions=False)
         returned = time.time()
+        if writer is not None:
+            trainer.callbacks.remove(writer)
+            shutil.rmtree(folder, ignore_errors=True)
         phases = profiler.phases()
         out[name] = {"call_s": returned - called, "to_first_batch_s": phases["first_batch"] - called,
                      "decode_s": phases["last_batch_end"] - phases["first_batch"],
@@ -143,7 +154,7 @@ def in_process(args: list[str]) -> dict[str, Any]:
     datasets = data.datasets["predict"]
     audio_s = sum(config.output_length(n) for ds in datasets for n in ds.lengths) / config.sample_rate
     out["audio_s"] = audio_s
-    for name in ("cold", "warm"):
+    for name in ("cold", "warm", "warm_writer"):
         out[name]["decode_audio_s_per_s"] = audio_s / out[name]["decode_s"]
     loader = data.predict_dataloader()[0]
     out["loader"] = {"workers": loader.num_workers, "pin_memory": loader.pin_memory}
@@ -230,6 +241,9 @@ def main() -> None:
                             "audio s/s"),
         ("in-process warm", f"decode {inproc['warm']['decode_s']:.2f} s, "
                             f"{inproc['warm']['decode_audio_s_per_s']:.0f} audio s/s"),
+        ("in-process warm, writing", f"decode {inproc['warm_writer']['decode_s']:.2f} s, "
+                                     f"{inproc['warm_writer']['decode_audio_s_per_s']:.0f} audio s/s (the writer's "
+                                     "cost: this against the warm row)"),
         ("loader alone", f"failed: {inproc['loader']['error']}" if "error" in inproc["loader"] else
                          f"{inproc['loader']['requests_per_s']:.0f} requests/s, "
                          f"{inproc['loader']['audio_s_per_s']:.0f} audio s/s ({inproc['loader']['workers']} workers, "
