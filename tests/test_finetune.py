@@ -161,6 +161,22 @@ def test_ema_weights_are_used_after_fit_and_raw_weights_restorable(pairs):
     assert validated["val/mel_distance"] != raw_metrics["val/mel_distance"]
 
 
+def test_a_second_fit_averages_its_own_steps_and_its_last_checkpoint_keeps_both_weights(pairs, tmp_path):
+    """The module keeps its EMA callback across fits: the second fit (a new Trainer, steps from 0) must
+    average its own steps (it once kept the first fit's weights), and a ``last.ckpt`` saved as fit ends
+    with no validation after the last step must hold the raw weights and the averaging state too."""
+    module = student(ema_decay=0.5)
+    Trainer(**fit_kwargs(2)).fit(module, datamodule=datamodule(pairs))
+    log, ckpt = WeightLog(), pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    Trainer(**fit_kwargs(3, callbacks=[log, ckpt], enable_checkpointing=True)).fit(module, datamodule=datamodule(pairs))
+    assert len(log.steps) == 3
+    assert_weights(module, ema_of(log.steps, 0.5))
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    assert saved["global_step"] == 3 and "current_model_state" in saved
+    assert all(torch.equal(saved["current_model_state"][f"model.{n}"], t) for n, t in log.steps[-1].items())
+    assert all(torch.equal(saved["state_dict"][f"model.{n}"], t) for n, t in ema_of(log.steps, 0.5).items())
+
+
 def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tmp_path):
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4)
     first = student(ema_decay=0.9)

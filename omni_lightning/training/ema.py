@@ -97,6 +97,11 @@ class EMAWeights(WeightAveraging):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._held, self._average_in = None, False  # a new fit averages from the weights it starts with
+            # and counts its own steps: the module keeps this callback across fits, and Lightning's
+            # "last updated at step" would otherwise hold the last fit's, so a new Trainer (global step
+            # from 0) never updated the average and the end of fit put the previous fit's weights back
+            # (a resumed fit gets its checkpoint's count in load_state_dict, after setup)
+            self._latest_update_step, self._latest_update_epoch = 0, -1
         super().setup(trainer, pl_module, stage)
         if stage == "fit":
             self._average_model.float()
@@ -104,6 +109,14 @@ class EMAWeights(WeightAveraging):
             self._average_model.weight = 1.0 - self.decay
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Nothing here: the swap waits for ``on_fit_end``, after every callback's ``on_train_end``,
+        where ``ModelCheckpoint`` may save ``last.ckpt``: that checkpoint must hold both weights and the
+        averaging state, as every checkpoint written during fit does (Lightning moves checkpoint
+        callbacks after this one)."""
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._average_model is None:
+            return
         _swap(self._average_model.module, pl_module)
         self._held, self._average_model, self._average_in = self._average_model.module, None, True
 
