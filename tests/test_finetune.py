@@ -177,6 +177,29 @@ def test_a_second_fit_averages_its_own_steps_and_its_last_checkpoint_keeps_both_
     assert all(torch.equal(saved["state_dict"][f"model.{n}"], t) for n, t in ema_of(log.steps, 0.5).items())
 
 
+class BatchIds(pl.Callback):
+    def __init__(self):
+        self.epochs = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.epochs.setdefault(trainer.current_epoch, []).append(tuple(batch["req_ids"]))
+
+
+def test_each_epoch_of_fit_takes_its_batches_in_a_new_order(pairs):
+    """Lightning calls ``set_epoch`` on the batch sampler's ``sampler``, not on the batch sampler: the
+    shuffle's epoch reached it through that sampler (it stayed 0: every epoch in one order, and a fit
+    with ``limit_train_batches`` trained on the same requests forever)."""
+    ids = BatchIds()
+    data = CodesDataModule(train=str(pairs[0]), batch_size=1, crop_frames=20)
+    Trainer(**fit_kwargs(24, callbacks=[ids], max_epochs=3)).fit(student(), datamodule=data)
+    orders = [ids.epochs[e] for e in range(3)]
+    assert all(sorted(o) == sorted(orders[0]) and len(o) == 8 for o in orders)  # each request once an epoch
+    assert len(set(map(tuple, orders))) == 3, orders  # seeded (seed + epoch): the same orders every run
+    firsts = Trainer(**fit_kwargs(3, callbacks=[ids := BatchIds()], max_epochs=3, limit_train_batches=1))
+    firsts.fit(student(), datamodule=data)
+    assert len({ids.epochs[e][0] for e in range(3)}) > 1  # one batch an epoch: not the same request each time
+
+
 def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tmp_path):
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=4)
     first = student(ema_decay=0.9)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
@@ -62,7 +63,7 @@ class LengthBucketBatchSampler(BatchSampler):
             lengths = getattr(dataset, "lengths", None)
             if lengths is None:
                 raise ValueError("give lengths, or a sampler over a dataset with a `lengths` attribute")
-        self.sampler = sampler
+        self.sampler = _EpochRelay(sampler, self)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.lengths = list(lengths)
@@ -71,7 +72,7 @@ class LengthBucketBatchSampler(BatchSampler):
         self.seed = seed
         self.even_batches = even_batches
         self.epoch = 0
-        injected = isinstance(sampler, DistributedSampler) and num_replicas is None
+        injected = isinstance(sampler, DistributedSampler) and num_replicas is None  # (the sampler given)
         self.num_replicas = sampler.num_replicas if injected else (num_replicas or 1)
         self.rank = sampler.rank if injected else (rank or 0)
         if not 0 <= self.rank < self.num_replicas:
@@ -79,14 +80,15 @@ class LengthBucketBatchSampler(BatchSampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(epoch)
+        if hasattr(self.sampler.inner, "set_epoch"):
+            self.sampler.inner.set_epoch(epoch)
 
     def _indices(self) -> list[int]:
         """Every index to split: a distributed sampler's whole dataset, else what ``sampler`` yields."""
-        if isinstance(self.sampler, DistributedSampler):  # its iteration is one rank's share: not ours
-            return list(range(len(self.sampler.dataset)))
-        return list(self.sampler)
+        inner = self.sampler.inner
+        if isinstance(inner, DistributedSampler):  # its iteration is one rank's share: not ours
+            return list(range(len(inner.dataset)))
+        return list(inner)
 
     def _cut(self, indices: list[int], rows: int, fits: Callable[[int, int], bool]) -> list[list[int]]:
         """``indices`` sorted by length, cut at ``rows`` requests or where ``fits(requests, longest)`` fails."""
@@ -134,3 +136,27 @@ class LengthBucketBatchSampler(BatchSampler):
 
     def __len__(self) -> int:
         return len(self._batches())
+
+
+class _EpochRelay:
+    """The sampler a :class:`LengthBucketBatchSampler` reads (``inner``), whose ``set_epoch`` reaches the
+    batch sampler: Lightning calls ``set_epoch`` on a dataloader's sampler and on its batch sampler's
+    ``sampler``, never on the batch sampler itself, so without this the shuffle's epoch stayed 0 and
+    every epoch had the same batch order. Iteration, length and other attributes are ``inner``'s."""
+
+    def __init__(self, inner: Sampler[int] | Iterable[int], owner: LengthBucketBatchSampler) -> None:
+        self.inner, self.owner = inner, owner
+
+    def set_epoch(self, epoch: int) -> None:
+        self.owner.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("inner", "owner"):  # not set yet (unpickling): no recursion through __getattr__
+            raise AttributeError(name)
+        return getattr(self.inner, name)
