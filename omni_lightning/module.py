@@ -100,6 +100,15 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
             raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
         if graph_frames < 0:
             raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
+        for name, value in (("learning_rate", learning_rate), ("discriminator_lr", discriminator_lr),
+                            ("weight_decay", weight_decay), ("mel_weight", mel_weight), ("stft_weight", stft_weight),
+                            ("adversarial_weight", adversarial_weight),
+                            ("feature_matching_weight", feature_matching_weight)):  # fmt: skip
+            if not value >= 0:  # NaN too
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1 or (grad_clip is not None and not grad_clip >= 0):
+            raise ValueError(f"warmup_steps must be >= 0, min_lr_ratio in [0, 1] and grad_clip >= 0 or None, got "
+                             f"{warmup_steps}, {min_lr_ratio} and {grad_clip}")  # fmt: skip
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
@@ -110,6 +119,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
+        self._reported_skips: set[tuple[str, str]] = set()  # (stage, id) of bad requests fit/eval warned about
         freeze_parameters(self.model, freeze or [], train_only)
         self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
         self.discriminators = Discriminators() if adversarial else None
@@ -121,6 +131,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        self._reported_skips.clear()  # each run warns about its own skipped requests
         if stage == "fit" and self.adversarial_step is not None and self._trainer is not None:
             find_unused_parameters_under_ddp(self._trainer)
 
@@ -203,6 +214,17 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     # --- fine-tuning -------------------------------------------------------------------------------
 
+    def _report_skipped(self, batch: dict[str, Any], stage: str) -> bool:
+        """Warns once per run about each request ``on_bad_input="skip"`` left out of a fit or evaluation
+        batch (predict writes them to its manifest instead). Returns whether the batch has requests."""
+        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+        for req_id, reason in (batch.get("errors") or {}).items():
+            if (stage, req_id) not in self._reported_skips:
+                self._reported_skips.add((stage, req_id))
+                rank_zero_warn(f"{stage}: request {req_id!r} skipped: {reason}")
+        return bool(batch.get("req_ids", True))
+
     def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "audio" not in batch:
             raise ValueError(f"{stage} needs paired data: a manifest whose lines have an 'audio' path")
@@ -213,6 +235,8 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         return self.reconstruction_loss.on(wav.device)(wav, audio, lengths)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
+        if not self._report_skipped(batch, "training"):
+            return None  # every request of the batch was bad input: no step
         codes, audio, lengths = self._paired(batch, "training")
         # the GAN's segment length: read on the CPU before the transfer, else here, before the forward
         # is queued (a host sync: the device drains the last step before this one is launched)
@@ -274,7 +298,9 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     on_test_epoch_start = on_validation_epoch_start
 
-    def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor]:
+    def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor] | None:
+        if not self._report_skipped(batch, stage):
+            return None
         codes, audio, lengths = self._paired(batch, stage)
         wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)

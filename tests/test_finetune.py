@@ -1,5 +1,6 @@
 """Fine-tuning on (codes, audio) pairs with real Lightning trainers, then predict on the same module."""
 
+import json
 import math
 
 import lightning.pytorch as pl
@@ -198,6 +199,61 @@ def test_each_epoch_of_fit_takes_its_batches_in_a_new_order(pairs):
     firsts = Trainer(**fit_kwargs(3, callbacks=[ids := BatchIds()], max_epochs=3, limit_train_batches=1))
     firsts.fit(student(), datamodule=data)
     assert len({ids.epochs[e][0] for e in range(3)}) > 1  # one batch an epoch: not the same request each time
+
+
+def variant(pairs, tmp_path, extra):
+    """The training manifest's first 3 lines (their files by absolute path) and ``extra``'s lines."""
+    train = pairs[0]
+    rows = [json.loads(line) for line in train.read_text().splitlines()[:3]]
+    for row in rows:
+        row.update({k: str(train.parent / row[k]) for k in ("codes", "audio")})
+    path = tmp_path / "variant.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows + extra))
+    return path, rows
+
+
+def test_bad_paired_requests_are_refused_or_skipped_by_name_never_trained_on(pairs, tmp_path):
+    """A target with NaN samples (it turned every weight into NaN) and a line with no audio (it crashed
+    the fit mid-run with "training needs paired data") are bad input. With ``on_bad_input="raise"`` the
+    line is refused at set-up, naming it (a NaN target raises when it is read); with ``"skip"`` both
+    are left out, each named in one warning, and the fit trains on the rest with finite weights."""
+    wav, _ = sf.read(str(pairs[0].parent / json.loads(pairs[0].read_text().splitlines()[3])["audio"]),
+                     dtype="float32")  # fmt: skip
+    wav[100:200] = np.nan
+    sf.write(tmp_path / "nan.wav", wav, 24000, subtype="FLOAT")
+    _, rows = variant(pairs, tmp_path, [])
+    manifest, _ = variant(pairs, tmp_path, [{**rows[0], "id": "nan target", "audio": str(tmp_path / "nan.wav")},
+                                            {"id": "no audio", "codes": rows[1]["codes"]}])  # fmt: skip
+    with pytest.raises(UsageError, match="no audio: no 'audio' path in its manifest line"):
+        CodesDataModule(train=str(manifest), on_bad_input="raise").setup("fit")  # (the NaN: when read)
+    data = CodesDataModule(train=str(manifest), batch_size=1, crop_frames=20, on_bad_input="skip")
+    module = student()
+    with pytest.warns(UserWarning) as caught:
+        Trainer(**fit_kwargs(5)).fit(module, datamodule=data)
+    said = [str(w.message) for w in caught]
+    assert sum("'nan target' skipped: audio file" in m and "non-finite" in m for m in said) == 1, said
+    assert sum("'no audio' skipped: no 'audio' path" in m for m in said) == 1, said
+    assert all(torch.isfinite(p).all() for p in module.model.parameters())
+
+
+def test_crops_start_inside_the_real_audio(pairs, tmp_path):
+    """Audio shorter than its codes imply: a crop past its end had an all-padding target (length 0)."""
+    train = pairs[0]
+    row = json.loads(train.read_text().splitlines()[0])
+    wav, sr = sf.read(str(train.parent / row["audio"]), dtype="float32")
+    sf.write(tmp_path / "short.wav", wav[: len(wav) // 4], sr, subtype="FLOAT")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "s", "codes": str(train.parent / row["codes"]),
+                                                  "audio": str(tmp_path / "short.wav")}) + "\n")  # fmt: skip
+    ds = CodesDataset(str(tmp_path / "m.jsonl"), "tiny", crop_frames=4, paired=True)
+    assert ds.lengths[0] > 4 * 4  # the codes run far past the audio
+    assert all(ds[0]["audio_length"] > 0 for _ in range(30))
+
+
+def test_out_of_range_optimization_settings_are_refused_by_name():
+    for kw, name in (({"learning_rate": -1.0}, "learning_rate"), ({"mel_weight": -0.5}, "mel_weight"),
+                     ({"discriminator_lr": float("nan")}, "discriminator_lr"), ({"min_lr_ratio": 2.0}, "min_lr_ratio")):
+        with pytest.raises(ValueError, match=name):
+            Code2WavModule(model=random_model("tiny"), **kw)
 
 
 def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tmp_path):

@@ -290,8 +290,11 @@ def test_ctrl_c_writes_what_was_decoded_then_exits_130(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
     manifest = write_codes(tmp_path / "data", [20 + (i * 7) % 30 for i in range(60)])
     out = tmp_path / "out"
+    # Ctrl-C as in a terminal: SIGINT at its default in the command, whatever this test process inherited
+    # (a shell's background job ignores it, and Python keeps an ignored SIGINT ignored: no interrupt)
     proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
-               "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out))  # fmt: skip
+               "--data.predict", str(manifest), "--data.batch_size", "2", "--out_dir", str(out),
+               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     # the signal goes once the progress bar counts 10 of the 60 requests decoded: 50 are left (seconds of
     # decode). Waiting for the first manifest line instead raced twice on a loaded machine: the writer's
     # fsyncs lagged and that line came as the job ended

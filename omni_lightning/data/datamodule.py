@@ -91,11 +91,13 @@ class CodesDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
 
-    def _dataset(self, source: Any, train: bool = False, skip: Collection[str] = ()) -> CodesDataset:
+    def _dataset(self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = False
+                 ) -> CodesDataset:  # fmt: skip
         if isinstance(source, CodesDataset):
             return source
         return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input, duplicate_ids=self.duplicate_ids,
-                            crop_frames=self.crop_frames if train else None, seed=self.seed, skip=skip)  # fmt: skip
+                            crop_frames=self.crop_frames if train else None, seed=self.seed, skip=skip,
+                            paired=paired)  # fmt: skip
 
     def setup(self, stage: str) -> None:
         # refused here rather than in the dataloader hook: Lightning 2.6 leaves DataLoader.__init__
@@ -106,11 +108,11 @@ class CodesDataModule(pl.LightningDataModule):
         if stage == "predict" and self.sources["predict"] is not None:
             self._setup_predict(self.sources["predict"])
         if stage == "fit" and self.sources["fit"] is not None:
-            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True)
+            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True, paired=True)
         if stage in ("fit", "validate") and self.sources["validate"] is not None:
-            self.datasets["validate"] = self._dataset(self.sources["validate"])
+            self.datasets["validate"] = self._dataset(self.sources["validate"], paired=True)
         if stage == "test" and self.sources["test"] is not None:
-            self.datasets["test"] = self._dataset(self.sources["test"])
+            self.datasets["test"] = self._dataset(self.sources["test"], paired=True)
         self._check_ranks(stage)
 
     def _check_ranks(self, stage: str) -> None:

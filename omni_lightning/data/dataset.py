@@ -99,6 +99,7 @@ class CodesDataset(Dataset):
         seed: int = 0,
         duplicate_ids: str = "error",
         skip: Collection[str] = (),
+        paired: bool = False,
     ) -> None:
         if on_bad_input not in BAD_INPUT_MODES:
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
@@ -128,6 +129,13 @@ class CodesDataset(Dataset):
         for entry in self.entries:
             if entry.error is None:
                 self._scan(entry)
+        if paired:  # fit, validate and test compare with the audio: a request without it is bad input
+            if self.entries and all(e.audio is None for e in self.entries):
+                raise UsageError(f"{self.source} has no audio: fit, validate and test need paired data, a "
+                                 "manifest whose lines have an 'audio' path")  # fmt: skip
+            for entry in self.entries:
+                if entry.error is None and entry.audio is None:
+                    entry.error = "no 'audio' path in its manifest line: fit, validate and test compare against it"
         bad = [e for e in self.entries if e.error is not None]
         if bad and on_bad_input == "raise":
             lines = "\n".join(f"  {e.id}: {e.error}" for e in bad)
@@ -201,7 +209,11 @@ class CodesDataset(Dataset):
         item: dict[str, Any] = {"id": entry.id, "codes": codes}
         start = 0
         if self.crop_frames is not None and codes.shape[-1] > self.crop_frames:
-            start = self._crop_rng().randrange(codes.shape[-1] - self.crop_frames + 1)
+            last = codes.shape[-1] - self.crop_frames
+            if audio is not None:  # a crop starts inside the real audio: past its end the target is all padding
+                covered = -(-audio.shape[0] // self.config.total_upsample)  # frames the audio reaches into
+                last = max(0, min(last, covered - self.crop_frames))
+            start = self._crop_rng().randrange(last + 1)
             item["codes"] = codes = codes[:, start : start + self.crop_frames]
         if audio is not None:
             # the rule: request samples [start * up, start * up + output_length(n)) of the audio

@@ -138,7 +138,8 @@ def check_audio(path: Path) -> None:
 
 
 def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
-    """Mono float32 at ``sample_rate``."""
+    """Mono float32 at ``sample_rate``; refused when it holds a non-finite sample."""
+    import numpy as np
     import soundfile as sf
 
     if not path.is_file():
@@ -147,6 +148,9 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as err:
         raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
+    bad = int(data.size - np.isfinite(data).sum())
+    if bad:  # one such target turns every weight of a fit into NaN
+        raise ValueError(f"audio file {path} holds {bad} non-finite sample(s) (NaN or Inf)")
     audio = torch.from_numpy(data).mean(dim=1)
     if sr != sample_rate:
         import torchaudio
