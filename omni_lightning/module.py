@@ -243,6 +243,11 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         shortest = batch.get("shortest") if self.adversarial_step is not None else 0
         if shortest is None:
             shortest = int(lengths.min())
+        if self.discriminators is not None and shortest < self.discriminators.min_samples:
+            short = [r for r, n in zip(batch["req_ids"], lengths.tolist()) if n < self.discriminators.min_samples]
+            raise ValueError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need "
+                             f">= {self.discriminators.min_samples} samples: request(s) {short[:5]} have fewer "
+                             f"(shortest {shortest}); longer crops (crop_frames) or longer audio")  # fmt: skip
         wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)
         if self.adversarial_step is not None:

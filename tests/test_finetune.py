@@ -236,6 +236,19 @@ def test_bad_paired_requests_are_refused_or_skipped_by_name_never_trained_on(pai
     assert all(torch.isfinite(p).all() for p in module.model.parameters())
 
 
+def test_a_gan_batch_too_short_for_the_discriminators_names_its_requests(pairs, tmp_path):
+    """It failed inside torch ("Padding size should be less than the corresponding input dimension")."""
+    train = pairs[0]
+    row = json.loads(train.read_text().splitlines()[0])
+    wav, sr = sf.read(str(train.parent / row["audio"]), dtype="float32")
+    sf.write(tmp_path / "tiny.wav", wav[:500], sr, subtype="FLOAT")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "tiny clip", "codes": str(train.parent / row["codes"]),
+                                                  "audio": str(tmp_path / "tiny.wav")}) + "\n")  # fmt: skip
+    data = CodesDataModule(train=str(tmp_path / "m.jsonl"), batch_size=1)
+    with pytest.raises(ValueError, match=r"need >= 1025 samples: request\(s\) \['tiny clip'\] have fewer"):
+        Trainer(**fit_kwargs(2)).fit(student(adversarial=True), datamodule=data)
+
+
 def test_crops_start_inside_the_real_audio(pairs, tmp_path):
     """Audio shorter than its codes imply: a crop past its end had an all-padding target (length 0)."""
     train = pairs[0]

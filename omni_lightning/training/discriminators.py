@@ -90,6 +90,11 @@ class Discriminators(nn.Module):
         )
         self.to(memory_format=torch.channels_last)  # the 4-D weights (weight norm's direction and scale)
 
+    @property
+    def min_samples(self) -> int:
+        """The shortest input they take: the longest STFT's centre padding must be shorter than it."""
+        return max([d.n_fft // 2 + 1 for d in self.discriminators if isinstance(d, STFTDiscriminator)] + [1])
+
     def forward(self, x: torch.Tensor) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
         return [d(x) for d in self.discriminators]
 
