@@ -95,8 +95,8 @@ def unique_ids(entries: list[Entry], source: Any, duplicate_ids: str = "error") 
         shown = [f"  {req_id!r}: {', '.join(e.where or '?' for e in group)}" for req_id, group in repeated.items()]
         more = [f"  ... ({len(shown) - 20} more)"] if len(shown) > 20 else []
         raise UsageError(
-            f"{len(repeated)} request id(s) occur more than once in {source}; each id names one output "
-            "file, so nothing was decoded. Make the ids unique, or number the repeats with "
+            f"{len(repeated)} request id(s) occur more than once in {source}; each id names one request (in "
+            "predict, its output file), so nothing was read. Make the ids unique, or number the repeats with "
             "duplicate_ids='rename' (CLI: --data.duplicate_ids rename):\n" + "\n".join(shown[:20] + more)
         )
     taken = set(places)
