@@ -25,7 +25,8 @@ from omni_lightning.training.freeze import freeze_parameters
 from omni_lightning.training.graphs import TrainingGraph
 from omni_lightning.training.kernels import TrainingKernels
 from omni_lightning.training.losses import ReconstructionLoss
-from omni_lightning.training.schedule import fine_tuning_optimizers, fused_adamw
+from omni_lightning.training.schedule import check_fine_tuning_settings, fine_tuning_optimizers, fused_adamw
+from omni_lightning.training.skipped import SkippedRequests
 from omni_lightning.training.unregistered import Unregistered
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
@@ -100,17 +101,9 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
             raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
         if graph_frames < 0:
             raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
-        for name, value in (("learning_rate", learning_rate), ("discriminator_lr", discriminator_lr),
-                            ("weight_decay", weight_decay), ("mel_weight", mel_weight), ("stft_weight", stft_weight),
-                            ("adversarial_weight", adversarial_weight),
-                            ("feature_matching_weight", feature_matching_weight)):  # fmt: skip
-            if not value >= 0:  # NaN too
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if warmup_steps < 0 or not 0 <= min_lr_ratio <= 1 or (grad_clip is not None and not grad_clip >= 0):
-            raise ValueError(f"warmup_steps must be >= 0, min_lr_ratio in [0, 1] and grad_clip >= 0 or None, got "
-                             f"{warmup_steps}, {min_lr_ratio} and {grad_clip}")  # fmt: skip
         self.model = model
         self.save_hyperparameters(ignore=["model"])
+        check_fine_tuning_settings(self.hparams)
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
         self.hparams["config"] = asdict(model.config)
         self.frames_per_forward, self.fast_path, self.fast_training = frames_per_forward, fast_path, fast_training
@@ -119,7 +112,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self._stream_decoder: StreamingDecoder | None = None
-        self._reported_skips: set[tuple[str, str]] = set()  # (stage, id) of bad requests fit/eval warned about
+        self.skipped_requests = SkippedRequests()  # bad requests fit and evaluation left out, each warned once
         freeze_parameters(self.model, freeze or [], train_only)
         self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
         self.discriminators = Discriminators() if adversarial else None
@@ -131,7 +124,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        self._reported_skips.clear()  # each run warns about its own skipped requests
+        self.skipped_requests.clear()  # each run warns about its own
         if stage == "fit" and self.adversarial_step is not None and self._trainer is not None:
             find_unused_parameters_under_ddp(self._trainer)
 
@@ -214,17 +207,6 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     # --- fine-tuning -------------------------------------------------------------------------------
 
-    def _report_skipped(self, batch: dict[str, Any], stage: str) -> bool:
-        """Warns once per run about each request ``on_bad_input="skip"`` left out of a fit or evaluation
-        batch (predict writes them to its manifest instead). Returns whether the batch has requests."""
-        from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
-        for req_id, reason in (batch.get("errors") or {}).items():
-            if (stage, req_id) not in self._reported_skips:
-                self._reported_skips.add((stage, req_id))
-                rank_zero_warn(f"{stage}: request {req_id!r} skipped: {reason}")
-        return bool(batch.get("req_ids", True))
-
     def _paired(self, batch: dict[str, Any], stage: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if "audio" not in batch:
             raise ValueError(f"{stage} needs paired data: a manifest whose lines have an 'audio' path")
@@ -235,19 +217,10 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         return self.reconstruction_loss.on(wav.device)(wav, audio, lengths)
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor | None:
-        if not self._report_skipped(batch, "training"):
+        if not self.skipped_requests.report(batch, "training"):
             return None  # every request of the batch was bad input: no step
         codes, audio, lengths = self._paired(batch, "training")
-        # the GAN's segment length: read on the CPU before the transfer, else here, before the forward
-        # is queued (a host sync: the device drains the last step before this one is launched)
-        shortest = batch.get("shortest") if self.adversarial_step is not None else 0
-        if shortest is None:
-            shortest = int(lengths.min())
-        if self.discriminators is not None and shortest < self.discriminators.min_samples:
-            short = [r for r, n in zip(batch["req_ids"], lengths.tolist()) if n < self.discriminators.min_samples]
-            raise ValueError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need "
-                             f">= {self.discriminators.min_samples} samples: request(s) {short[:5]} have fewer "
-                             f"(shortest {shortest}); longer crops (crop_frames) or longer audio")  # fmt: skip
+        shortest = self.adversarial_step.segment(batch, lengths) if self.adversarial_step is not None else 0
         wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)
         if self.adversarial_step is not None:
@@ -304,7 +277,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
     on_test_epoch_start = on_validation_epoch_start
 
     def _evaluate(self, batch: dict[str, Any], stage: str) -> dict[str, torch.Tensor] | None:
-        if not self._report_skipped(batch, stage):
+        if not self.skipped_requests.report(batch, stage):
             return None
         codes, audio, lengths = self._paired(batch, stage)
         wav = self.generate(codes)

@@ -79,6 +79,22 @@ class AdversarialStep:
         return {"loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss, "grad_norm": g_norm,
                 "disc_grad_norm": d_norm}  # fmt: skip
 
+    def segment(self, batch: dict[str, Any], lengths: torch.Tensor) -> int:
+        """The samples every item is cut to: the batch's shortest real audio, read on the CPU before the
+        transfer (``batch["shortest"]``), else here, before the forward is queued (a host sync: the
+        device drains the last step first). A batch shorter than the discriminators take is refused,
+        naming its short requests (torch's padding error named none)."""
+        shortest = batch.get("shortest")
+        if shortest is None:
+            shortest = int(lengths.min())
+        need = self.discriminators.min_samples
+        if shortest < need:
+            short = [r for r, n in zip(batch["req_ids"], lengths.tolist()) if n < need]
+            raise ValueError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need >= "
+                             f"{need} samples: request(s) {short[:5]} have fewer (shortest {shortest}); longer "
+                             "crops (crop_frames) or longer audio")  # fmt: skip
+        return shortest
+
     def _step(self, module: pl.LightningModule, optimizer: Any, loss: torch.Tensor, norm: str) -> torch.Tensor:
         optimizer.zero_grad()
         module.manual_backward(loss)

@@ -10,7 +10,7 @@ profile in ``docs/performance.md``), and the generator's step is bound by the ho
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,23 @@ class WarmupCosine:
             return (step + 1) / self.warmup_steps
         progress = min((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+NON_NEGATIVE = ("learning_rate", "discriminator_lr", "weight_decay", "mel_weight", "stft_weight",
+                "adversarial_weight", "feature_matching_weight", "warmup_steps")
+
+
+def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
+    """Refuses, by name, a negative or NaN learning rate, weight decay, loss weight or warm-up
+    (:data:`NON_NEGATIVE`), ``min_lr_ratio`` outside [0, 1], a negative ``grad_clip``: checked when the
+    module is built, not at the first optimizer step (where torch raised, after set-up)."""
+    for name in NON_NEGATIVE:
+        if not hparams[name] >= 0:  # NaN too
+            raise ValueError(f"{name} must be >= 0, got {hparams[name]}")
+    if not 0 <= hparams["min_lr_ratio"] <= 1:
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {hparams['min_lr_ratio']}")
+    if hparams["grad_clip"] is not None and not hparams["grad_clip"] >= 0:
+        raise ValueError(f"grad_clip must be >= 0 or None, got {hparams['grad_clip']}")
 
 
 def plain_precision(precision_plugin: Any) -> bool:
