@@ -129,8 +129,8 @@ class OmniCLI(LightningCLI):
 
     def after_fit(self) -> None:
         ckpt = self.trainer.checkpoint_callback
-        if self.trainer.is_global_zero and ckpt is not None and ckpt.best_model_path:
-            print(f"fit: best checkpoint {ckpt.best_model_path}; last {ckpt.last_model_path or '-'}")
+        if self.trainer.is_global_zero and ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
+            print(f"fit: best checkpoint {ckpt.best_model_path or '-'}; last {ckpt.last_model_path or '-'}")
 
     def _print_metrics(self, stage: str) -> None:
         if self.trainer.is_global_zero:
