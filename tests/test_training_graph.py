@@ -197,8 +197,8 @@ def test_cuda_replays_give_the_eager_gradients_at_the_moving_weights(no_tf32):
     """The real capture, fp32 (TF32 off): at every step the replayed forward and backward give the
     gradients an eager pass gives at the same weights, while Adam moves the weights in place between
     steps (by ~1e-3 each: a graph reading stale weights would miss by far more). Step 1 runs eagerly, step 2 captures,
-    3-5 replay. A whole fit is not compared: two eager CUDA fits already part after a few AdamW steps
-    (atomics in the backward, amplified where a gradient is near zero)."""
+    3-5 replay. A whole fit is not compared: a graphed and an eager CUDA fit parted by
+    step 2-4 (AdamW amplifies the backward's run-to-run rounding where a gradient is near zero)."""
     dev = torch.device("cuda")
     model = random_model("tiny", seed=7).to(dev)
     kernels, graph = Kernels.for_training(dev), TrainingGraph()
