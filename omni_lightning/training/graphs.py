@@ -41,6 +41,7 @@ from torch import nn
 
 from omni_lightning.engine.graphs import BoundWeights
 from omni_lightning.kernels import Kernels
+from omni_lightning.training.schedule import plain_precision
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +72,6 @@ def cuda_capture(forward: nn.Module, sample_args: tuple[torch.Tensor, ...]) -> C
 
 def training_graphs_allowed(device: torch.device, precision_plugin: Any, world_size: int, accumulate: int) -> bool:
     """Whether fit may replay the generator as CUDA graphs (module docstring: why each condition)."""
-    from omni_lightning.training.schedule import plain_precision
-
     return device.type == "cuda" and plain_precision(precision_plugin) and world_size == 1 and accumulate == 1
 
 
@@ -125,10 +124,11 @@ class TrainingGraph:
                         list(codes.shape), self.failed)  # fmt: skip
             return self._eager(model, codes, kernels)
         self._graphed, self._key, self._weights = graphed, key, BoundWeights(model)
+        seconds = time.perf_counter() - start
         self.stats["captures"] += 1
-        self.stats["capture_s"] += time.perf_counter() - start
+        self.stats["capture_s"] += seconds
         log.info("fine-tuning: generator forward and backward captured as CUDA graphs for batch shape %s in %.2f s",
-                 list(codes.shape), time.perf_counter() - start)  # fmt: skip
+                 list(codes.shape), seconds)  # fmt: skip
         self.stats["replays"] += 1
         return graphed(codes)
 
