@@ -294,6 +294,24 @@ def test_frame_budget_follows_the_memory_budget():
     assert frames_for_budget(0, per_frame) == 16  # never below one small forward
 
 
+def test_a_streaming_decoders_graphs_take_most_of_the_default_budget():
+    """64 streams x 10 frames (640) replay a CUDA graph with no cap: the streaming decoder asks for
+    forwards of up to 64 x 16 frames as graphs, with three quarters of the budget for their pool, and
+    the eager forwards keep the rest; batch decode keeps a quarter (its long forwards need the room)."""
+    from omni_lightning import Code2Wav
+    from omni_lightning.engine.budget import DEFAULT_BUDGET
+    from omni_lightning.engine.streaming import STEP_FRAMES
+
+    with torch.device("meta"):
+        big = Code2Wav("qwen3-omni").to(torch.bfloat16)
+    per_frame = activation_bytes_per_frame(big)
+    streaming = graph_frames_for_budget(DEFAULT_BUDGET, per_frame, 64 * STEP_FRAMES, share=0.75)
+    assert streaming >= 64 * 10 and graph_pool_bytes(streaming, per_frame) <= 0.75 * DEFAULT_BUDGET
+    eager = frames_for_budget(DEFAULT_BUDGET - graph_pool_bytes(streaming, per_frame), per_frame)
+    assert eager >= streaming and eager * per_frame * 1.15 + graph_pool_bytes(streaming, per_frame) <= DEFAULT_BUDGET
+    assert graph_frames_for_budget(DEFAULT_BUDGET, per_frame, 1024) == 256  # batch decode: as before
+
+
 def test_trainer_predict_through_the_engine_keeps_graphs_across_calls():
     model = random_model(micro_config(), seed=9)  # its own: this test changes a weight
     rng = random.Random(3)

@@ -6,7 +6,8 @@ are held already when the budget is taken. The budget pays, in this order:
 
 - the CUDA graphs of short forwards (``graph_frames`` frames at most): their shared pool, measured at
   about three of their largest forward's peak on an H200 (:data:`POOL_FACTOR`); ``graph_frames`` is
-  halved until the pool takes at most a quarter of the budget;
+  halved until the pool takes at most its share of the budget (a quarter for batch decode, three
+  quarters for a streaming decoder);
 - the long forwards, which run eagerly in the caching allocator's regular pool, all at the same size
   (``plan.py``): ``frames = rest / (activation bytes per frame * 1.15)``, rounded down to a power of
   two; 15 % covers the allocator's block rounding.
@@ -74,11 +75,12 @@ def graph_pool_bytes(graph_frames: int, per_frame: int) -> int:
     return POOL_FACTOR * graph_frames * per_frame
 
 
-def graph_frames_for_budget(budget: int, per_frame: int, largest: int) -> int:
-    """The longest forward captured as a CUDA graph: ``largest``, halved until its pool takes at most a
-    quarter of the budget (a small budget keeps its room for the long, eager forwards)."""
+def graph_frames_for_budget(budget: int, per_frame: int, largest: int, share: float = 0.25) -> int:
+    """The longest forward captured as a CUDA graph: ``largest``, halved until its pool takes at most
+    ``share`` of the budget (batch decode: a quarter, so a small budget keeps its room for the long,
+    eager forwards; a streaming decoder, whose steps are all short, gives its graphs more)."""
     frames = largest
-    while frames > 16 and graph_pool_bytes(frames, per_frame) > budget // 4:
+    while frames > 16 and graph_pool_bytes(frames, per_frame) > budget * share:
         frames //= 2
     return frames
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -68,7 +69,9 @@ class DecodeEngine:
     ``frames_per_forward``: the frame budget (rows x chunk) of a forward; default from ``budget``
     (bytes; default :func:`~omni_lightning.engine.budget.budget_bytes` of ``gpu_memory_utilization``).
     ``max_rows``: slots, so requests (or open streams) at once. ``cuda_graphs``: capture buckets on
-    CUDA. ``capture`` replaces ``torch.cuda.graph`` (tests). ``kernels``: default for the device.
+    CUDA, forwards of up to ``graph_frames`` padded frames, whose pool takes at most ``graph_share`` of
+    the budget (``budget.py``; ``graph_frames`` is halved until it does). ``capture`` replaces
+    ``torch.cuda.graph`` (tests). ``kernels``: default for the device.
     Call :meth:`refresh` when the model's weights may have changed place (each predict start).
     """
 
@@ -84,6 +87,7 @@ class DecodeEngine:
         kernels: Kernels | None = None,
         out_dtype: torch.dtype = torch.float32,
         graph_frames: int = 512,
+        graph_share: float = 0.25,
     ) -> None:
         self.model = model
         ref = next(model.parameters())
@@ -104,13 +108,15 @@ class DecodeEngine:
                 budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
             per_frame = budgets.activation_bytes_per_frame(model)
             if use_graphs:  # the graphs' pool comes out of the budget first (budget.py)
-                self.graph_frames = budgets.graph_frames_for_budget(budget, per_frame, graph_frames)
+                self.graph_frames = budgets.graph_frames_for_budget(budget, per_frame, graph_frames, graph_share)
                 budget -= budgets.graph_pool_bytes(self.graph_frames, per_frame)
             frames_per_forward = budgets.frames_for_budget(budget, per_frame)
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
-        self.work = {"forwards": 0, "frames": 0, "computed": 0}  # real frames, padded rows x chunk
+        # real frames, padded rows x chunk; shapes first run, and the host time their first forward took
+        self.work = {"forwards": 0, "frames": 0, "computed": 0, "new_shapes": 0, "new_shape_s": 0.0}
         self.shapes: set[tuple[int, int]] = set()  # run at the current budget (the planner prefers them)
+        self.ever: set[tuple[int, int]] = set()  # run since the engine was built
 
     def _planner(self, frames: int) -> Planner:
         # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
@@ -228,7 +234,9 @@ class DecodeEngine:
     def _forward_planned(self, pending: list[_Work]) -> None:
         plan = self.planner.next([w.left for w in pending], self.shapes)
         rows, chunk = plan.shape
+        new = plan.shape not in self.ever
         self.shapes.add(plan.shape)
+        self.ever.add(plan.shape)
         picked = [pending[i] for i in plan.requests]
         self.work["forwards"] += 1
         self.work["frames"] += sum(plan.take)
@@ -239,7 +247,11 @@ class DecodeEngine:
         meta = host_to_device([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
                               + list(plan.take) + [0] * (rows - len(picked)), self.device)  # fmt: skip
         slots, valid = meta[:rows], meta[rows:]
+        start = time.perf_counter() if new else 0.0
         out = self._run(codes, slots, valid)
+        if new:  # host time: a new shape's cost is the host's (cuDNN plans, a capture), not the device's
+            self.work["new_shapes"] += 1
+            self.work["new_shape_s"] += time.perf_counter() - start
         for r, (w, take) in enumerate(zip(picked, plan.take)):
             start = self._tail if w.fresh and w.done == 0 else 0
             n = take * self._up - start
@@ -271,7 +283,8 @@ class DecodeEngine:
         return self.model(codes, self.state.select(slots, valid), self.kernels)
 
     def stats(self) -> dict[str, float]:
-        """The frame budget; forwards, real and computed (padded) frames since the engine was built;
+        """The frame budget; forwards, real and computed (padded) frames since the engine was built; the
+        shapes first run since, and the host seconds of their first forwards (cuDNN plans, captures);
         graphs captured, their capture seconds, replays, eager forwards and failed captures; peak
         reserved GiB on CUDA."""
         out: dict[str, float] = {"frames_per_forward": self.planner.frames, **self.work}
@@ -288,7 +301,8 @@ class DecodeEngine:
         s = self.stats()
         line = f"decode engine: {s['frames_per_forward']} frames per forward"
         if s["computed"]:
-            line += f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding)"
+            line += (f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding), "
+                     f"{s['new_shapes']} shapes (first runs {s['new_shape_s']:.2f} s)")  # fmt: skip
         if "captures" in s:
             line += (f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
                      f"{s['eager']} eager forwards")  # fmt: skip

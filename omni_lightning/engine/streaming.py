@@ -24,6 +24,8 @@ import torch
 from omni_lightning.engine.engine import DecodeEngine
 from omni_lightning.models.code2wav import Code2Wav
 
+STEP_FRAMES = 16  # frames per stream a full step may push and still replay a CUDA graph (default budget)
+
 
 @dataclass
 class _Stream:
@@ -54,8 +56,11 @@ class StreamingDecoder:
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self.model, self.config = model, model.config
+        # every stream's step of up to STEP_FRAMES frames replays a CUDA graph (a 64 x 10 step ran
+        # eagerly, bound by the host's launches); its graphs take most of the budget (budget.py)
         self.engine = engine or DecodeEngine(model, frames_per_forward=frames_per_forward, max_rows=max_streams,
-                                             cuda_graphs=cuda_graphs)  # fmt: skip
+                                             cuda_graphs=cuda_graphs, graph_frames=max(512, max_streams * STEP_FRAMES),
+                                             graph_share=0.75)  # fmt: skip
         self.max_streams = self.engine.max_rows
         self.cuda_graphs = cuda_graphs
         ref = next(model.parameters())

@@ -99,13 +99,15 @@ def snake_beta_triton(
     block_t = max(1, 4096 // block_c)
     ctx = context if context is not None else x  # never read without HAS_CONTEXT
     per_row = isinstance(fresh, torch.Tensor)
+    junk = junk if junk and fresh is not False else 0  # no fresh row: nothing to zero
     grid = (triton.cdiv(rows, block_t), triton.cdiv(channels, block_c), batch)
+    # the flags are runtime arguments, not constexprs: one compiled kernel per channel tile and bias dtype
+    # (each new one cost ~0.6 s of compiling on an H200 machine whose Triton cache was empty)
     _snake_beta_kernel[grid](
         x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha,
-        fresh if per_row else log_alpha, length, rows, channels, context_len, junk,
+        (fresh if per_row else out).view(torch.uint8), length, rows, channels, context_len, junk,
         x.stride(0), x.stride(1), x.stride(2), ctx.stride(0), ctx.stride(1), ctx.stride(2),
-        HAS_CONTEXT=context is not None and context_len > 0, HAS_BIAS=bias is not None,
-        JUNK_MODE=0 if not junk or fresh is False else (2 if per_row else 1),
+        int(context is not None and context_len > 0), int(bias is not None), int(per_row),
         PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
     )  # fmt: skip
     return out
@@ -234,14 +236,14 @@ if triton is not None:
                                           pack=1)  # fmt: skip
         return s, c
 
-    # lengths and batch strides vary with every chunk size: one compile serves them all
-    @triton.jit(do_not_specialize=["length", "rows", "context_len", "junk", "x_sb", "x_st", "c_sb", "c_st"])
+    # lengths, batch strides and the flags vary from call to call: one compile serves them all
+    @triton.jit(do_not_specialize=["length", "rows", "context_len", "junk", "x_sb", "x_st", "c_sb", "c_st",
+                                   "has_context", "has_bias", "per_row"])  # fmt: skip
     def _snake_beta_kernel(x_ptr, y_ptr, ctx_ptr, la_ptr, lb_ptr, bias_ptr, fresh_ptr, length, rows, channels,
-                           context_len, junk, x_sb, x_st, x_sc, c_sb, c_st, c_sc, HAS_CONTEXT: tl.constexpr,
-                           HAS_BIAS: tl.constexpr, JUNK_MODE: tl.constexpr, PRECISE: tl.constexpr,
-                           BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
+                           context_len, junk, x_sb, x_st, x_sc, c_sb, c_st, c_sc, has_context, has_bias, per_row,
+                           PRECISE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):  # fmt: skip
         """Output rows ``o`` of batch row ``b``: history, snake(x + bias), zero padding (module docstring).
-        ``JUNK_MODE``: 0 no junk, 1 every row fresh, 2 ``fresh_ptr[b] != 0`` per row."""
+        Rows ``t < junk`` are zeroed in every row, or with ``per_row`` where ``fresh_ptr[b]`` is nonzero."""
         b = tl.program_id(2).to(tl.int64)
         o = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -250,22 +252,17 @@ if triton is not None:
         is_x = (t >= 0) & (t < length)
         x_mask = is_x[:, None] & in_c[None, :]
         x = tl.load(x_ptr + b * x_sb + t[:, None] * x_st + c[None, :] * x_sc, mask=x_mask, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            x += tl.load(bias_ptr + c, mask=in_c, other=0.0).to(tl.float32)[None, :]
+        x += tl.load(bias_ptr + c, mask=in_c & (has_bias != 0), other=0.0).to(tl.float32)[None, :]
         alpha = tl.exp(tl.load(la_ptr + c, mask=in_c, other=0.0).to(tl.float32))
         inv_beta = 1.0 / (tl.exp(tl.load(lb_ptr + c, mask=in_c, other=0.0).to(tl.float32)) + 1e-9)
         s = _sin(x * alpha[None, :], PRECISE)
         y = x + inv_beta[None, :] * s * s
-        if JUNK_MODE == 1:
-            y = tl.where((t < junk)[:, None], 0.0, y)
-        if JUNK_MODE == 2:
-            fresh = tl.load(fresh_ptr + b) != 0
-            y = tl.where((t < junk)[:, None] & fresh, 0.0, y)
+        fresh = tl.load(fresh_ptr + b, mask=per_row != 0, other=1) != 0  # not per row: every row is
+        y = tl.where((t < junk)[:, None] & fresh, 0.0, y)
         y = tl.where(x_mask, y, 0.0)  # padding rows past the snake part
-        if HAS_CONTEXT:
-            is_ctx = (o < context_len)[:, None] & in_c[None, :]
-            h = tl.load(ctx_ptr + b * c_sb + o[:, None] * c_st + c[None, :] * c_sc, mask=is_ctx, other=0.0)
-            y = tl.where(is_ctx, h.to(tl.float32), y)
+        is_ctx = (o < context_len)[:, None] & in_c[None, :] & (has_context != 0)
+        h = tl.load(ctx_ptr + b * c_sb + o[:, None] * c_st + c[None, :] * c_sc, mask=is_ctx, other=0.0)
+        y = tl.where(is_ctx, h.to(tl.float32), y)
         out_mask = (o < rows)[:, None] & in_c[None, :]
         tl.store(y_ptr + (b * rows + o[:, None]) * channels + c[None, :], y.to(y_ptr.dtype.element_ty), mask=out_mask)
 
