@@ -45,7 +45,7 @@ def price(planner: Planner, batches: list[list[int]], seen: set) -> dict[str, fl
         remaining = list(lengths)
         while any(remaining):
             live = [i for i, n in enumerate(remaining) if n]
-            plan = planner.next([remaining[i] for i in live], seen)
+            plan = planner.next([remaining[i] for i in live], seen, pad_in_time=True)  # as DecodeEngine.decode
             frames = plan.rows * plan.chunk
             graph = frames <= planner.graph_frames
             seen.add(plan.shape)

@@ -262,6 +262,10 @@ def test_planner_prefers_a_shape_it_has_run_rows_padded_never_chunks():
     assert plan.shape == (32, 5) and plan.take == (5, 3, 2)
     assert planner.next([5, 3, 2], seen={(32, 8)}).shape == (4, 5)  # 8 > 5: padding in time, not taken
     assert planner.next([5, 3, 2], seen={(64, 64)}).shape == (4, 5)  # past the budget's shapes: not taken
+    # batch decode pads a finishing forward in time to a shape it has run (streaming does not)
+    plan = planner.next([5, 3, 2], seen={(32, 8)}, pad_in_time=True)
+    assert plan.shape == (32, 8) and plan.take == (5, 3, 2)
+    assert planner.next([5, 3, 2], seen={(64, 64)}, pad_in_time=True).shape == (4, 5)
     free = dataclasses.replace(planner, new_shape_cost=0)  # the CPU: a new shape costs nothing
     assert free.next([5, 3, 2], seen={(32, 5)}).shape == (4, 5)
 
@@ -292,6 +296,21 @@ def test_frame_budget_follows_the_memory_budget():
     assert frames & (frames - 1) == 0 and 1024 <= frames <= 2048  # a power of two: whole buckets
     assert frames * per_frame * 1.15 + graph_pool_bytes(graph_frames, per_frame) <= budget
     assert frames_for_budget(0, per_frame) == 16  # never below one small forward
+
+
+def test_batch_decode_pads_last_frames_to_shapes_it_has_run_and_stays_exact(model):
+    """With CUDA's shape costs (a capture or new cuDNN plans per shape), a batch's last frames replay a
+    bucket run before, padded in time; every request still equals its whole decode."""
+    engine = DecodeEngine(model, frames_per_forward=64, max_rows=4, capture=RecordingCapture())
+    engine.planner = dataclasses.replace(engine.planner, new_shape_cost=Planner.new_shape_cost)
+    batches = [([40, 33, 20, 9], 5), ([37, 21, 6, 2], 6), ([30, 30, 29, 3], 7)]
+    with torch.inference_mode():
+        for lengths, seed in batches:
+            codes = random_codes(4, max(lengths), model.config, seed=seed)
+            assert_exact(model, codes, lengths, engine.decode(codes, lengths))
+    stats = engine.stats()
+    assert stats["computed"] > stats["frames"]  # padded
+    assert stats["new_shapes"] == len(engine.ever) <= 2 and stats["new_shape_s"] > 0  # 4 without padding in time
 
 
 def test_a_streaming_decoders_graphs_take_most_of_the_default_budget():

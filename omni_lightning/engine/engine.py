@@ -174,7 +174,7 @@ class DecodeEngine:
                 while queue and self._free:  # requests take slots as they free up
                     i, n = queue.popleft()
                     active.append((i, self._work(self.acquire(), codes[i, :, :n], fresh=True)))
-                self._advance([w for _, w in active], until_one_done=bool(queue))
+                self._advance([w for _, w in active], until_one_done=bool(queue), pad_in_time=True)
                 done = [a for a in active if a[1].left == 0]
                 for i, w in done:
                     outs[i] = w.out
@@ -198,15 +198,16 @@ class DecodeEngine:
         w.out = torch.empty((1, samples), dtype=self.out_dtype, device=self.device)
         return w
 
-    def _advance(self, work: list[_Work], until_one_done: bool) -> None:
-        """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees)."""
+    def _advance(self, work: list[_Work], until_one_done: bool, pad_in_time: bool = False) -> None:
+        """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees);
+        ``pad_in_time``: see ``Planner.next`` (batch decode; streaming steps are not padded)."""
         # graph streams and pools, Triton launches and synchronize() act on the current device: make it
         # the engine's (a DDP rank's GPU is current already; a module moved to cuda:1 by hand may not be)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             while any(w.left for w in work):
                 pending = [w for w in work if w.left]
                 try:
-                    self._forward_planned(pending)
+                    self._forward_planned(pending, pad_in_time)
                 except torch.OutOfMemoryError:
                     if self.planner.frames == 1 and not self.graph_frames:
                         raise
@@ -231,8 +232,8 @@ class DecodeEngine:
         log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames,
                     "" if self.graph_frames else ", eager (no CUDA graphs)")
 
-    def _forward_planned(self, pending: list[_Work]) -> None:
-        plan = self.planner.next([w.left for w in pending], self.shapes)
+    def _forward_planned(self, pending: list[_Work], pad_in_time: bool) -> None:
+        plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
         rows, chunk = plan.shape
         new = plan.shape not in self.ever
         self.shapes.add(plan.shape)

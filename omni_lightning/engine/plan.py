@@ -119,15 +119,18 @@ class Planner:
                 out.append((rows, n))
         return out
 
-    def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = ()) -> Plan:
-        """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one)."""
+    def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = (), pad_in_time: bool = False) -> Plan:
+        """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one).
+        ``pad_in_time``: a forward that finishes every row may also take a shape run before whose chunk
+        is longer than they need (batch decode: a batch's last frames replay a shape it has, rather than
+        pay ~0.6 s for a new one; streaming leaves it off, since padding a step delays its audio)."""
         order = sorted(range(len(remaining)), key=lambda i: (-remaining[i], i))
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")
         seen = {s for s in seen if s[0] * s[1] <= self.frames}
         best: tuple[float, Plan] | None = None
         longest = remaining[order[0]]
-        for chunk, rows, n in self._all_candidates(len(order), longest, seen):
+        for chunk, rows, n in self._all_candidates(len(order), longest, seen, pad_in_time):
             picked = order[:n]
             take = tuple(min(chunk, remaining[i]) for i in picked)
             cost = rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
@@ -138,12 +141,13 @@ class Planner:
                 best = (score, Plan(rows, chunk, tuple(picked), take))
         return best[1]
 
-    def _all_candidates(self, n_rows: int, longest: int, seen: set[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    def _all_candidates(self, n_rows: int, longest: int, seen: set[tuple[int, int]],
+                        pad_in_time: bool = False) -> list[tuple[int, int, int]]:  # fmt: skip
         """``(chunk, rows bucket, rows taken)``: each chunk's own shapes up to the first that holds the
         longest row (larger chunks only add padding), then every shape run before (``seen``) that fits
         the budget and none of those chunks, rows padded up if need be (a few rows' last frames replay
         a captured bucket rather than capture one of their own; a stream's step is never padded in time
-        past its own bucket)."""
+        past its own bucket, unless ``pad_in_time``)."""
         out, top = [], 0
         for chunk in self.chunks:
             if chunk > self.frames:
@@ -152,5 +156,6 @@ class Planner:
             top = chunk
             if chunk >= longest:
                 break
-        out.extend((chunk, rows, min(n_rows, rows, self.max_rows)) for rows, chunk in sorted(seen) if chunk <= top)
+        limit = max(self.chunks) if pad_in_time else top
+        out.extend((chunk, rows, min(n_rows, rows, self.max_rows)) for rows, chunk in sorted(seen) if chunk <= limit)
         return out
