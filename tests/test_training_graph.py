@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.kernels import Kernels
-from omni_lightning.training.graphs import TrainingGraph, training_graphs_allowed
+from omni_lightning.training.graphs import TrainingGraph, thread_local_graphs, training_graphs_allowed
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -190,6 +190,22 @@ class Losses(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def test_captures_are_thread_local_on_a_torch_whose_make_graphed_callables_lacks_the_mode():
+    """torch 2.11's ``make_graphed_callables`` takes no ``capture_error_mode`` (a fit there failed
+    every capture with a TypeError, then ran eagerly): its captures get ``thread_local`` through the
+    ``torch.cuda.graph`` it looks up, and the stock class is back afterwards."""
+    import inspect
+
+    stock = torch.cuda.graph
+    with thread_local_graphs():
+        assert torch.cuda.graph is not stock and issubclass(torch.cuda.graph, stock)
+        assert inspect.signature(torch.cuda.graph).parameters["capture_error_mode"].default == "thread_local"
+    assert torch.cuda.graph is stock
+    with pytest.raises(KeyError), thread_local_graphs():
+        raise KeyError("restored on errors too")
+    assert torch.cuda.graph is stock
 
 
 @cuda

@@ -31,9 +31,11 @@ Not done: the losses, the discriminators and the optimizers stay eager (fewer la
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,10 +66,33 @@ class _Forward(nn.Module):
 def cuda_capture(forward: nn.Module, sample_args: tuple[torch.Tensor, ...]) -> Callable[..., torch.Tensor]:
     """``torch.cuda.make_graphed_callables``; then the warm-up's cached blocks go back to the device."""
     # thread_local: a data loader's pin-memory thread makes CUDA calls meanwhile (the decode engine's rule)
-    graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True,
-                                                capture_error_mode="thread_local")  # fmt: skip
+    if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
+        graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True,
+                                                    capture_error_mode="thread_local")  # fmt: skip
+    else:  # an older torch (2.11, the H200 image's) captures with the graph context's default mode
+        with thread_local_graphs():
+            graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True)
     torch.cuda.empty_cache()  # the warm-up ran on a side stream: its freed blocks serve that stream only
     return graphed
+
+
+@contextlib.contextmanager
+def thread_local_graphs() -> Iterator[None]:
+    """While it is open, ``torch.cuda.graph`` captures in ``thread_local`` mode unless told otherwise:
+    for a ``make_graphed_callables`` that does not take ``capture_error_mode`` (torch before 2.12),
+    which looks ``torch.cuda.graph`` up when it captures. Restored on the way out."""
+    stock = torch.cuda.graph
+
+    class ThreadLocalGraph(stock):
+        def __init__(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
+                     capture_error_mode: str = "thread_local") -> None:  # fmt: skip
+            super().__init__(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+
+    torch.cuda.graph = ThreadLocalGraph
+    try:
+        yield
+    finally:
+        torch.cuda.graph = stock
 
 
 def training_graphs_allowed(device: torch.device, precision_plugin: Any, world_size: int, accumulate: int) -> bool:
