@@ -313,6 +313,14 @@ def test_batch_decode_pads_last_frames_to_shapes_it_has_run_and_stays_exact(mode
     assert stats["new_shapes"] == len(engine.ever) <= 2 and stats["new_shape_s"] > 0  # 4 without padding in time
 
 
+@pytest.mark.parametrize("bad", [{"graph_frames": -1}, {"graph_share": 0}, {"graph_share": 1.5},
+                                 {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": 1.5}])  # fmt: skip
+def test_bad_engine_settings_are_refused_naming_the_value(model, bad):
+    (name, value), = bad.items()
+    with pytest.raises(ValueError, match=f"{name} must be .*got {value}"):
+        DecodeEngine(model, **bad)
+
+
 def test_a_streaming_decoders_graphs_take_most_of_the_default_budget():
     """64 streams x 10 frames (640) replay a CUDA graph with no cap: the streaming decoder asks for
     forwards of up to 64 x 16 frames as graphs, with three quarters of the budget for their pool, and

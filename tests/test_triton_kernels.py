@@ -37,6 +37,7 @@ SCRIPT = textwrap.dedent(
         la, lb, bias = rand(channels, scale=0.3), rand(channels, scale=0.3), rand(channels, scale=0.1)
         for context_len, history, fresh, junk, multiple in (
             (0, False, False, 0, 1), (6, True, torch.tensor([True, False, True][:batch]), 5, 9),
+            (6, True, torch.tensor([0, 1, 1][:batch]), 5, 1),  # int64 flags, one byte per row in the kernel
             (1, False, True, 3, 1), (18, True, False, 4, 3),
         ):
             ctx = rand(batch, context_len, channels) if history else None
@@ -122,7 +123,7 @@ def run_interpreted(script: str) -> subprocess.CompletedProcess:
 
 def test_snake_beta_kernel_in_the_triton_interpreter_equals_the_torch_reference():
     done = run_interpreted(SCRIPT)
-    assert done.returncode == 0 and "kernels ok 12" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "kernels ok 15" in done.stdout, done.stderr[-3000:]
 
 
 def test_snake_beta_reference_gradients_pass_gradcheck():

@@ -89,6 +89,12 @@ class DecodeEngine:
         graph_frames: int = 512,
         graph_share: float = 0.25,
     ) -> None:
+        if graph_frames < 0:
+            raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
+        if not 0 < graph_share <= 1:
+            raise ValueError(f"graph_share must be in (0, 1], got {graph_share}")
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.model = model
         ref = next(model.parameters())
         self.device, self.dtype = ref.device, ref.dtype

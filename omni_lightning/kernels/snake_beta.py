@@ -105,7 +105,7 @@ def snake_beta_triton(
     # (each new one cost ~0.6 s of compiling on an H200 machine whose Triton cache was empty)
     _snake_beta_kernel[grid](
         x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha,
-        (fresh if per_row else out).view(torch.uint8), length, rows, channels, context_len, junk,
+        _bytes(fresh) if per_row else out.view(torch.uint8), length, rows, channels, context_len, junk,
         x.stride(0), x.stride(1), x.stride(2), ctx.stride(0), ctx.stride(1), ctx.stride(2),
         int(context is not None and context_len > 0), int(bias is not None), int(per_row),
         PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
@@ -173,6 +173,11 @@ def snake_beta_triton_backward(
     d_alpha, d_beta, d_bias = partial.sum(1)
     return (dx if grad_x else None, d_alpha.to(log_alpha.dtype), d_beta.to(log_beta.dtype),
             d_bias.to(bias.dtype) if bias is not None else None)  # fmt: skip
+
+
+def _bytes(flags: torch.Tensor) -> torch.Tensor:
+    """A per-row flag tensor as one byte per row (bool and uint8 as they are: no copy)."""
+    return (flags if flags.dtype in (torch.bool, torch.uint8) else flags != 0).view(torch.uint8)
 
 
 def _default_block_c(channels: int) -> int:
