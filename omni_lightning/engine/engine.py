@@ -33,36 +33,18 @@ import math
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from omni_lightning.engine import budget as budgets
 from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
 from omni_lightning.engine.plan import Planner
+from omni_lightning.engine.work import Work, gather, scatter, to_device
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
 from omni_lightning.models.state import DecodeState, host_to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Work:
-    """Frames for one slot: ``codes [Q, n]`` on the device, decoded into ``out`` as they go (``out``
-    is made at the first forward: a view of that forward's output if it decodes them all)."""
-
-    slot: int
-    codes: torch.Tensor
-    fresh: bool  # the slot is at frame 0: its first `tail` samples are dropped
-    samples: int  # samples out will hold
-    out: torch.Tensor | None = None
-    done: int = 0  # frames decoded
-    written: int = 0  # samples written to out
-
-    @property
-    def left(self) -> int:
-        return self.codes.shape[1] - self.done
 
 
 class DecodeEngine:
@@ -175,7 +157,7 @@ class DecodeEngine:
         batch ``codes [B, Q, T]``, each equal to its whole decode; in request order."""
         codes = codes.to(self.device, non_blocking=True)
         queue = deque(enumerate(lengths))
-        active: list[tuple[int, _Work]] = []
+        active: list[tuple[int, Work]] = []
         outs: list[torch.Tensor | None] = [None] * len(lengths)
         try:
             while queue or active:
@@ -195,33 +177,20 @@ class DecodeEngine:
     def advance(self, chunks: dict[Hashable, tuple[int, torch.Tensor, bool]]) -> dict[Hashable, torch.Tensor]:
         """Streaming: ``{key: (slot, codes [Q, n], fresh)}`` advanced by all their frames; returns each
         key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``)."""
-        on_device = self._to_device([codes for _, codes, _ in chunks.values()])
+        on_device = to_device([codes for _, codes, _ in chunks.values()], self.device)
         work = {key: self._work(slot, codes, fresh)
                 for (key, (slot, _, fresh)), codes in zip(chunks.items(), on_device)}  # fmt: skip
         self._advance(list(work.values()), until_one_done=False, views=True)
         return {key: w.out for key, w in work.items()}
 
-    def _to_device(self, chunks: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each ``[Q, n]`` chunk as int64 on the device; those on the CPU in one copy through pinned
-        memory that the host does not wait for (one pageable copy per stream waited for the device
-        at every step, and a 64-stream step launched 64 of them)."""
-        out = [c if c.device == self.device else None for c in chunks]
-        moving = [i for i, c in enumerate(out) if c is None]
-        if moving and self.device.type == "cuda" and all(chunks[i].device.type == "cpu" for i in moving):
-            flat = torch.cat([chunks[i].reshape(-1).long() for i in moving]).pin_memory()
-            pieces = flat.to(self.device, non_blocking=True).split([chunks[i].numel() for i in moving])
-            for i, piece in zip(moving, pieces):
-                out[i] = piece.view(chunks[i].shape)
-        return [c if c is not None else chunks[i].to(self.device) for i, c in enumerate(out)]
-
-    def _work(self, slot: int, codes: torch.Tensor, fresh: bool) -> _Work:
+    def _work(self, slot: int, codes: torch.Tensor, fresh: bool) -> Work:
         samples = codes.shape[1] * self._up - (self._tail if fresh else 0)
-        w = _Work(slot, codes.long() if codes.dtype != torch.long else codes, fresh, max(samples, 0))
+        w = Work(slot, codes.long() if codes.dtype != torch.long else codes, fresh, max(samples, 0))
         if codes.shape[1] == 0:
             w.out = torch.empty((1, 0), dtype=self.out_dtype, device=self.device)
         return w
 
-    def _advance(self, work: list[_Work], until_one_done: bool, pad_in_time: bool = False, views: bool = False) -> None:
+    def _advance(self, work: list[Work], until_one_done: bool, pad_in_time: bool = False, views: bool = False) -> None:
         """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees);
         ``pad_in_time``: see ``Planner.next`` (batch decode; streaming steps are not padded); ``views``:
         works that one forward decodes whole get views of one copy of its output (a streaming step's
@@ -257,7 +226,7 @@ class DecodeEngine:
         log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames,
                     "" if self.graph_frames else ", eager (no CUDA graphs)")
 
-    def _forward_planned(self, pending: list[_Work], pad_in_time: bool, views: bool = False) -> None:
+    def _forward_planned(self, pending: list[Work], pad_in_time: bool, views: bool = False) -> None:
         plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
         rows, chunk = plan.shape
         new = plan.shape not in self.ever
@@ -267,12 +236,7 @@ class DecodeEngine:
         self.work["forwards"] += 1
         self.work["frames"] += sum(plan.take)
         self.work["computed"] += rows * chunk
-        if len(picked) == rows and all(take == chunk for take in plan.take):  # one kernel, not one per row
-            codes = torch.stack([w.codes[:, w.done : w.done + chunk] for w in picked])
-        else:
-            codes = torch.zeros((rows, picked[0].codes.shape[0], chunk), dtype=torch.long, device=self.device)
-            for r, (w, take) in enumerate(zip(picked, plan.take)):
-                codes[r, :, :take] = w.codes[:, w.done : w.done + take]
+        codes = gather(picked, plan.take, rows, chunk, self.device)
         meta = host_to_device([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
                               + list(plan.take) + [0] * (rows - len(picked)), self.device)  # fmt: skip
         slots, valid = meta[:rows], meta[rows:]
@@ -281,19 +245,7 @@ class DecodeEngine:
         if new:  # host time: a new shape's cost is the host's (cuDNN plans, a capture), not the device's
             self.work["new_shapes"] += 1
             self.work["new_shape_s"] += time.perf_counter() - start
-        whole = views and all(w.done == 0 and take == w.left for w, take in zip(picked, plan.take))
-        copy = out.to(self.out_dtype, copy=True) if whole else None  # the graph's output is overwritten next
-        for r, (w, take) in enumerate(zip(picked, plan.take)):
-            start = self._tail if w.fresh and w.done == 0 else 0
-            n = take * self._up - start
-            if copy is not None:
-                w.out = copy[r, :, start : start + n]
-            else:
-                if w.out is None:
-                    w.out = torch.empty((1, w.samples), dtype=self.out_dtype, device=self.device)
-                w.out[:, w.written : w.written + n].copy_(out[r, :, start : start + n])
-            w.written += n
-            w.done += take
+        scatter(out, picked, plan.take, self._up, self._tail, self.out_dtype, views)
 
     def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

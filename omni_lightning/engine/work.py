@@ -1,0 +1,79 @@
+"""A request's frames in flight through the decode engine: what a forward takes from them, what it
+gives back, and how a streaming step's chunks reach the device.
+
+``Work`` holds one slot's frames (on the device) and the samples decoded so far. :func:`gather`
+builds a forward's ``[rows, Q, chunk]`` codes from the works it advances; :func:`scatter` puts that
+forward's output where each work keeps its samples (a copy per work, or views of one copy when the
+forward decodes every one of them whole: a streaming step hands its outputs out together).
+:func:`to_device` moves many small chunks in one copy. Nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Work:
+    """Frames for one slot: ``codes [Q, n]`` on the device, decoded into ``out`` as they go (``out``
+    is made at the first forward: a view of that forward's output if it decodes them all)."""
+
+    slot: int
+    codes: torch.Tensor
+    fresh: bool  # the slot is at frame 0: its first `tail` samples are dropped
+    samples: int  # samples out will hold
+    out: torch.Tensor | None = None
+    done: int = 0  # frames decoded
+    written: int = 0  # samples written to out
+
+    @property
+    def left(self) -> int:
+        return self.codes.shape[1] - self.done
+
+
+def to_device(chunks: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, those on the CPU in one copy through pinned
+    memory that the host does not wait for (one pageable copy per stream waited for the device at every
+    step, and a 64-stream step made 64 of them)."""
+    out: list[torch.Tensor | None] = [c if c.device == device else None for c in chunks]
+    moving = [i for i, c in enumerate(out) if c is None]
+    if moving and device.type == "cuda" and all(chunks[i].device.type == "cpu" for i in moving):
+        flat = torch.cat([chunks[i].reshape(-1).long() for i in moving]).pin_memory()
+        pieces = flat.to(device, non_blocking=True).split([chunks[i].numel() for i in moving])
+        for i, piece in zip(moving, pieces):
+            out[i] = piece.view(chunks[i].shape)
+    return [c if c is not None else chunks[i].to(device) for i, c in enumerate(out)]
+
+
+def gather(picked: Sequence[Work], take: Sequence[int], rows: int, chunk: int, device: torch.device) -> torch.Tensor:
+    """The forward's codes ``[rows, Q, chunk]``: ``take[r]`` frames of ``picked[r]`` from where it
+    stands, zeros after them and in the padding rows (one kernel when every row is full)."""
+    if len(picked) == rows and all(t == chunk for t in take):
+        return torch.stack([w.codes[:, w.done : w.done + chunk] for w in picked])
+    codes = torch.zeros((rows, picked[0].codes.shape[0], chunk), dtype=torch.long, device=device)
+    for r, (w, t) in enumerate(zip(picked, take)):
+        codes[r, :, :t] = w.codes[:, w.done : w.done + t]
+    return codes
+
+
+def scatter(out: torch.Tensor, picked: Sequence[Work], take: Sequence[int], up: int, tail: int,
+            dtype: torch.dtype, views: bool) -> None:  # fmt: skip
+    """Row ``r`` of a forward's output ``[rows, 1, chunk * up]`` to ``picked[r]`` (its first ``tail``
+    samples dropped at a fresh slot's start); each work moves on by ``take[r]`` frames. ``views``: when
+    the forward decodes every work whole, they get views of one copy of ``out`` in ``dtype``."""
+    whole = views and all(w.done == 0 and t == w.left for w, t in zip(picked, take))
+    copy = out.to(dtype, copy=True) if whole else None  # a graph's output is overwritten by its next replay
+    for r, (w, t) in enumerate(zip(picked, take)):
+        start = tail if w.fresh and w.done == 0 else 0
+        n = t * up - start
+        if copy is not None:
+            w.out = copy[r, :, start : start + n]
+        else:
+            if w.out is None:
+                w.out = torch.empty((1, w.samples), dtype=dtype, device=out.device)
+            w.out[:, w.written : w.written + n].copy_(out[r, :, start : start + n])
+        w.written += n
+        w.done += t
