@@ -189,9 +189,12 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
 
     # --- streaming ---------------------------------------------------------------------------------
 
-    def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True) -> StreamingDecoder:
-        """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time."""
-        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs and self.fast_path)
+    def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
+                          gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
+        """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time
+        (``gpu_memory_utilization``: its memory budget's share of the GPU, as the Trainer's)."""
+        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs and self.fast_path,
+                                gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
 
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
         """Decodes one request as its code chunks ``[Q, n]`` arrive: yields float32 ``[1, m]`` per chunk.

@@ -172,6 +172,14 @@ def test_bad_chunks_raise_for_their_stream_only(odd_model):
         decoder.open("c")
 
 
+@pytest.mark.parametrize("share", [0.0, 1.5, -0.1])
+def test_a_bad_memory_share_is_refused_naming_it(tiny, share):
+    from omni_lightning import Code2WavModule
+
+    with pytest.raises(ValueError, match=f"gpu_memory_utilization must be in \\(0, 1\\], got {share}"):
+        Code2WavModule(model=tiny).streaming_decoder(max_streams=2, gpu_memory_utilization=share)
+
+
 def test_state_per_stream_is_bounded_and_what_the_architecture_says(odd_model):
     config = odd_model.config
     decoder = StreamingDecoder(odd_model, max_streams=1)

@@ -48,19 +48,23 @@ class StreamingDecoder:
     synchronization per chunk: bad codes must never reach an embedding lookup).
 
     ``engine``: the engine to run on (default: a new one over ``model`` with ``max_streams`` slots;
-    ``cuda_graphs`` and ``frames_per_forward`` go to it). Each stream holds ``state_bytes_per_stream``.
+    ``cuda_graphs``, ``frames_per_forward`` and ``gpu_memory_utilization``, the share of the GPU its
+    memory budget comes from on a shared GPU, go to it). Each stream holds ``state_bytes_per_stream``.
     """
 
     def __init__(self, model: Code2Wav, max_streams: int = 64, cuda_graphs: bool = True,
-                 frames_per_forward: int | None = None, engine: DecodeEngine | None = None) -> None:  # fmt: skip
+                 frames_per_forward: int | None = None, engine: DecodeEngine | None = None,
+                 gpu_memory_utilization: float | None = None) -> None:  # fmt: skip
         if max_streams < 1:
             raise ValueError(f"max_streams must be >= 1, got {max_streams}")
         self.model, self.config = model, model.config
         # every stream's step of up to STEP_FRAMES frames replays a CUDA graph (a 64 x 10 step ran
         # eagerly, bound by the host's launches); its graphs take most of the budget (budget.py)
-        self.engine = engine or DecodeEngine(model, frames_per_forward=frames_per_forward, max_rows=max_streams,
-                                             cuda_graphs=cuda_graphs, graph_frames=max(512, max_streams * STEP_FRAMES),
-                                             graph_share=0.75)  # fmt: skip
+        self.engine = engine or DecodeEngine(
+            model, frames_per_forward=frames_per_forward, max_rows=max_streams, cuda_graphs=cuda_graphs,
+            graph_frames=max(512, max_streams * STEP_FRAMES), graph_share=0.75,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )  # fmt: skip
         self.max_streams = self.engine.max_rows
         self.cuda_graphs = cuda_graphs
         ref = next(model.parameters())
