@@ -321,6 +321,26 @@ def test_bad_engine_settings_are_refused_naming_the_value(model, bad):
         DecodeEngine(model, **bad)
 
 
+def test_a_steps_chunks_reach_the_device_in_one_copy():
+    """Streaming: the chunks of a step's streams, of any integer dtype and length, go in one flat copy
+    (on CUDA through pinned memory, not waited for) and come back as views of it, each as it was."""
+    from omni_lightning.engine.work import to_device
+
+    copies = []
+
+    def stand_in(flat):  # what pin_memory().to("cuda", non_blocking=True) does, on the CPU
+        copies.append(flat.shape)
+        return flat.clone()
+
+    sizes = ((3, torch.int64), (1, torch.uint16), (0, torch.int32), (10, torch.int16))
+    chunks = [torch.randint(0, 100, (4, n), dtype=dtype) for n, dtype in sizes]
+    moved = to_device(chunks, torch.device("cuda"), move=stand_in)
+    assert copies == [torch.Size([4 * 14])]
+    for got, want in zip(moved, chunks):
+        assert got.dtype == torch.long and got.shape == want.shape and torch.equal(got, want.long())
+    assert to_device(chunks, torch.device("cpu"))[0] is chunks[0]  # already there: untouched, no copy
+
+
 def test_a_streaming_decoders_graphs_take_most_of_the_default_budget():
     """64 streams x 10 frames (640) replay a CUDA graph with no cap: the streaming decoder asks for
     forwards of up to 64 x 16 frames as graphs, with three quarters of the budget for their pool, and

@@ -10,7 +10,7 @@ forward decodes every one of them whole: a streaming step hands its outputs out 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +34,19 @@ class Work:
         return self.codes.shape[1] - self.done
 
 
-def to_device(chunks: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+def to_device(chunks: Sequence[torch.Tensor], device: torch.device,
+              move: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
     """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, those on the CPU in one copy through pinned
     memory that the host does not wait for (one pageable copy per stream waited for the device at every
-    step, and a 64-stream step made 64 of them)."""
+    step, and a 64-stream step made 64 of them). ``move`` replaces that copy of the one flat int64
+    buffer (tests pass a stand-in to run this on a CPU)."""
     out: list[torch.Tensor | None] = [c if c.device == device else None for c in chunks]
     moving = [i for i, c in enumerate(out) if c is None]
-    if moving and device.type == "cuda" and all(chunks[i].device.type == "cpu" for i in moving):
-        flat = torch.cat([chunks[i].reshape(-1).long() for i in moving]).pin_memory()
-        pieces = flat.to(device, non_blocking=True).split([chunks[i].numel() for i in moving])
-        for i, piece in zip(moving, pieces):
+    batched = move is not None or device.type == "cuda"
+    if moving and batched and all(chunks[i].device.type == "cpu" for i in moving):
+        move = move or (lambda flat: flat.pin_memory().to(device, non_blocking=True))
+        flat = move(torch.cat([chunks[i].reshape(-1).long() for i in moving]))
+        for i, piece in zip(moving, flat.split([chunks[i].numel() for i in moving])):
             out[i] = piece.view(chunks[i].shape)
     return [c if c is not None else chunks[i].to(device) for i, c in enumerate(out)]
 
