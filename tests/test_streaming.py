@@ -180,6 +180,19 @@ def test_a_bad_memory_share_is_refused_naming_it(tiny, share):
         Code2WavModule(model=tiny).streaming_decoder(max_streams=2, gpu_memory_utilization=share)
 
 
+def test_each_streams_samples_have_storage_of_their_own(odd_model):
+    """A step copies its streams' samples out in one go, but each into its own storage: keeping one
+    stream's output (a server accumulating it) never keeps the step's other rows alive."""
+    decoder = StreamingDecoder(odd_model, max_streams=3)
+    codes = random_codes(3, 12, odd_model.config, seed=31)
+    for i in range(3):
+        decoder.open(i)
+    for step in (slice(0, 5), slice(5, 12)):
+        out = decoder.step({i: codes[i, :, step] for i in range(3)})
+        for samples in out.values():
+            assert samples.untyped_storage().nbytes() == samples.numel() * samples.element_size()
+
+
 def test_state_per_stream_is_bounded_and_what_the_architecture_says(odd_model):
     config = odd_model.config
     decoder = StreamingDecoder(odd_model, max_streams=1)

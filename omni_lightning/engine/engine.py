@@ -180,7 +180,7 @@ class DecodeEngine:
         on_device = to_device([codes for _, codes, _ in chunks.values()], self.device)
         work = {key: self._work(slot, codes, fresh)
                 for (key, (slot, _, fresh)), codes in zip(chunks.items(), on_device)}  # fmt: skip
-        self._advance(list(work.values()), until_one_done=False, views=True)
+        self._advance(list(work.values()), until_one_done=False, together=True)
         return {key: w.out for key, w in work.items()}
 
     def _work(self, slot: int, codes: torch.Tensor, fresh: bool) -> Work:
@@ -190,18 +190,18 @@ class DecodeEngine:
             w.out = torch.empty((1, 0), dtype=self.out_dtype, device=self.device)
         return w
 
-    def _advance(self, work: list[Work], until_one_done: bool, pad_in_time: bool = False, views: bool = False) -> None:
+    def _advance(self, work: list[Work], until_one_done: bool, pad_in_time: bool = False,
+                 together: bool = False) -> None:  # fmt: skip
         """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees);
-        ``pad_in_time``: see ``Planner.next`` (batch decode; streaming steps are not padded); ``views``:
-        works that one forward decodes whole get views of one copy of its output (a streaming step's
-        outputs are handed out together), not a copy each."""
+        ``pad_in_time``: see ``Planner.next`` (batch decode; streaming steps are not padded);
+        ``together``: see ``work.scatter`` (a streaming step's outputs, copied out in one go)."""
         # graph streams and pools, Triton launches and synchronize() act on the current device: make it
         # the engine's (a DDP rank's GPU is current already; a module moved to cuda:1 by hand may not be)
         with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
             while any(w.left for w in work):
                 pending = [w for w in work if w.left]
                 try:
-                    self._forward_planned(pending, pad_in_time, views)
+                    self._forward_planned(pending, pad_in_time, together)
                 except torch.OutOfMemoryError:
                     if self.planner.frames == 1 and not self.graph_frames:
                         raise
@@ -226,7 +226,7 @@ class DecodeEngine:
         log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames,
                     "" if self.graph_frames else ", eager (no CUDA graphs)")
 
-    def _forward_planned(self, pending: list[Work], pad_in_time: bool, views: bool = False) -> None:
+    def _forward_planned(self, pending: list[Work], pad_in_time: bool, together: bool = False) -> None:
         plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
         rows, chunk = plan.shape
         new = plan.shape not in self.ever
@@ -245,7 +245,7 @@ class DecodeEngine:
         if new:  # host time: a new shape's cost is the host's (cuDNN plans, a capture), not the device's
             self.work["new_shapes"] += 1
             self.work["new_shape_s"] += time.perf_counter() - start
-        scatter(out, picked, plan.take, self._up, self._tail, self.out_dtype, views)
+        scatter(out, picked, plan.take, self._up, self._tail, self.out_dtype, together)
 
     def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

@@ -3,8 +3,8 @@ gives back, and how a streaming step's chunks reach the device.
 
 ``Work`` holds one slot's frames (on the device) and the samples decoded so far. :func:`gather`
 builds a forward's ``[rows, Q, chunk]`` codes from the works it advances; :func:`scatter` puts that
-forward's output where each work keeps its samples (a copy per work, or views of one copy when the
-forward decodes every one of them whole: a streaming step hands its outputs out together).
+forward's output where each work keeps its samples (a copy per work, or one multi-tensor copy for all
+when the forward decodes every one of them whole: a streaming step).
 :func:`to_device` moves many small chunks in one copy. Nothing here waits for the device.
 """
 
@@ -19,7 +19,7 @@ import torch
 @dataclass
 class Work:
     """Frames for one slot: ``codes [Q, n]`` on the device, decoded into ``out`` as they go (``out``
-    is made at the first forward: a view of that forward's output if it decodes them all)."""
+    is made at the first forward that reaches it)."""
 
     slot: int
     codes: torch.Tensor
@@ -63,20 +63,27 @@ def gather(picked: Sequence[Work], take: Sequence[int], rows: int, chunk: int, d
 
 
 def scatter(out: torch.Tensor, picked: Sequence[Work], take: Sequence[int], up: int, tail: int,
-            dtype: torch.dtype, views: bool) -> None:  # fmt: skip
+            dtype: torch.dtype, together: bool) -> None:  # fmt: skip
     """Row ``r`` of a forward's output ``[rows, 1, chunk * up]`` to ``picked[r]`` (its first ``tail``
-    samples dropped at a fresh slot's start); each work moves on by ``take[r]`` frames. ``views``: when
-    the forward decodes every work whole, they get views of one copy of ``out`` in ``dtype``."""
-    whole = views and all(w.done == 0 and t == w.left for w, t in zip(picked, take))
-    copy = out.to(dtype, copy=True) if whole else None  # a graph's output is overwritten by its next replay
+    samples dropped at a fresh slot's start); each work moves on by ``take[r]`` frames. ``together``:
+    when the forward decodes every work whole, all their samples are copied in one multi-tensor copy (a
+    64-stream step launched 64 copies), each into storage of its own: a stream's output never keeps
+    the step's other rows alive."""
+    if together and all(w.done == 0 and t == w.left for w, t in zip(picked, take)):
+        src = out if out.dtype == dtype else out.to(dtype)  # one cast for all rows
+        starts = [tail if w.fresh else 0 for w in picked]
+        for w, t, start in zip(picked, take, starts):
+            w.out = torch.empty((1, t * up - start), dtype=dtype, device=out.device)
+        rows = [src[r, :, start : start + w.out.shape[1]] for r, (w, start) in enumerate(zip(picked, starts))]
+        torch._foreach_copy_([w.out for w in picked], rows)
+        for w, t in zip(picked, take):
+            w.written, w.done = w.out.shape[1], w.done + t
+        return
     for r, (w, t) in enumerate(zip(picked, take)):
         start = tail if w.fresh and w.done == 0 else 0
         n = t * up - start
-        if copy is not None:
-            w.out = copy[r, :, start : start + n]
-        else:
-            if w.out is None:
-                w.out = torch.empty((1, w.samples), dtype=dtype, device=out.device)
-            w.out[:, w.written : w.written + n].copy_(out[r, :, start : start + n])
+        if w.out is None:
+            w.out = torch.empty((1, w.samples), dtype=dtype, device=out.device)
+        w.out[:, w.written : w.written + n].copy_(out[r, :, start : start + n])
         w.written += n
         w.done += t
