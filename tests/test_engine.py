@@ -341,6 +341,27 @@ def test_a_steps_chunks_reach_the_device_in_one_copy():
     assert to_device(chunks, torch.device("cpu"))[0] is chunks[0]  # already there: untouched, no copy
 
 
+def test_streaming_steps_are_never_padded_in_time(model):
+    """With CUDA's shape costs, a stream's step computes only its own frames (padding a step in time
+    would delay its audio), even where batch decode would reuse a longer shape it has run; the
+    streams stay exact."""
+    engine = DecodeEngine(model, frames_per_forward=64, max_rows=4, capture=RecordingCapture())
+    engine.planner = dataclasses.replace(engine.planner, new_shape_cost=Planner.new_shape_cost)
+    codes = random_codes(2, 30, model.config, seed=8)
+    slots = [engine.acquire(), engine.acquire()]
+    got = {0: [], 1: []}
+    with torch.inference_mode():
+        for start, stop in ((0, 12), (12, 15), (15, 16), (16, 30)):  # 12 frames, then 3, then 1, then 14
+            out = engine.advance({i: (slots[i], codes[i, :, start:stop], start == 0) for i in range(2)})
+            for i in range(2):
+                got[i].append(out[i])
+    chunks = {c for _, c in engine.ever}
+    assert chunks >= {3, 1}  # the short steps ran at their own chunk, not at 12 or 14 frames
+    for i in range(2):
+        want = solo(model, codes[i], 30)
+        assert (torch.cat(got[i], dim=-1) - want).abs().max() <= 1e-5
+
+
 def test_a_streaming_decoders_graphs_take_most_of_the_default_budget():
     """64 streams x 10 frames (640) replay a CUDA graph with no cap: the streaming decoder asks for
     forwards of up to 64 x 16 frames as graphs, with three quarters of the budget for their pool, and
