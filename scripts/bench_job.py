@@ -119,7 +119,7 @@ def main() -> None:
     parser.add_argument("--max-s", type=float, default=30.0)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=2, help="warm runs")
+    parser.add_argument("--repeats", type=int, default=3, help="warm runs (median)")
     parser.add_argument("--graph-frames", type=int, default=512, help="longest forward run as a CUDA graph (0: none)")
     parser.add_argument("--frames", type=int, default=None, help="frames per forward (default: the memory budget's)")
     parser.add_argument("--check", type=int, default=16, help="requests compared with their whole decode")

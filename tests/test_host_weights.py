@@ -81,6 +81,30 @@ def test_a_cast_or_a_module_off_the_cpu_is_left_to_the_stock_move():
     module.to(torch.bfloat16)  # the first bf16-true predict casts the weights
     assert held.restore() == 0
     assert all(p.dtype == torch.bfloat16 for p in module.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in module.parameters()}) > 1  # not packed
+
+
+def test_cast_weights_are_packed_on_the_way_back_so_the_next_predict_finds_them_packed():
+    """A bf16-true predict over fp32 weights casts them: they cannot go back into the fp32 tensors
+    held, so ``pin_cast`` packs them into one new buffer (on CUDA: pinned, copied from the device);
+    here a plain host buffer stands in for the pinned allocation and a CPU cast for the device's."""
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    buffers = []
+
+    def allocate(nbytes):
+        buffers.append(torch.empty(nbytes, dtype=torch.uint8))
+        return buffers[-1]
+
+    held = HostWeights.hold(module, pin_cast=allocate)
+    assert not buffers  # fp32 weights about to be cast are not packed on the way in
+    module.to(torch.bfloat16)
+    cast = [p.detach().clone() for p in module.parameters()]
+    assert held.restore() == 0 and len(buffers) == 1
+    flat = buffers[0].data_ptr()
+    assert all(p.untyped_storage().data_ptr() == flat and p.dtype == torch.bfloat16 for p in module.parameters())
+    assert all(torch.equal(p.data, c) for p, c in zip(module.parameters(), cast))
+    again = HostWeights.hold(module, pin=allocate, pin_cast=allocate)  # the next predict: packed already
+    assert len(buffers) == 1 and again.restore() == 0
     assert HostWeights.hold(torch.nn.Linear(2, 2, device="meta")) is None
     assert HostWeights.hold(torch.nn.ReLU()) is None  # no parameters
 
@@ -126,6 +150,20 @@ def test_real_trainers_predict_as_before_with_the_mixin():
     plain = Plain()
     out = pl.Trainer(**trainer_kwargs()).predict(plain, DataLoader(torch.ones(2, 4), batch_size=2))
     assert plain.setups == ["predict"] and out[0].shape == (2, 3)
+
+
+@cuda
+def test_a_cuda_bf16_predict_over_fp32_weights_leaves_them_packed_in_pinned_memory():
+    module = Code2WavModule(model=random_model("tiny", seed=2))  # fp32: bf16-true casts them on the device
+    reqs = requests()
+    kwargs = {**trainer_kwargs(precision="bf16-true"), "accelerator": "gpu"}
+    first = waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+    assert all(p.device.type == "cpu" and p.dtype == torch.bfloat16 and p.is_pinned() for p in module.parameters())
+    assert len({p.untyped_storage().data_ptr() for p in module.parameters()}) == 1
+    before = storages(module)
+    second = waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+    assert storages(module) == before  # the second predict found them packed and returned them there
+    assert all(torch.allclose(first[r], second[r], rtol=0, atol=2e-2) for r in reqs)
 
 
 @cuda

@@ -106,6 +106,19 @@ def test_range_checks_compare_safely_in_every_integer_dtype():
         CodesDataset({"u": torch.full((16, 3), 70000, dtype=torch.uint64)}, TINY)
 
 
+def test_a_tensor_in_memory_written_after_its_check_is_checked_again_when_loaded():
+    """In memory, a request whose values passed at the build is not read again when loaded, unless
+    it was written in place since (its version counter moved): then the write is caught there."""
+    good, bad = random_codes(1, 6, seed=1)[0].to(torch.int16), random_codes(1, 6, seed=2)[0]
+    ds = CodesDataset({"good": good, "bad": bad}, TINY, on_bad_input="skip")
+    assert ds.bad == {} and [e.checked_version for e in ds.entries] == [good._version, bad._version]
+    bad[2, 3] = 5000  # in place, after the build
+    items = {item["id"]: item for item in (ds[0], ds[1])}
+    assert torch.equal(items["good"]["codes"], good.long()) and items["good"]["codes"].dtype == torch.long
+    assert "code 5000 at codebook 2, frame 3" in items["bad"]["error"]
+    assert torch.equal(ds[0]["codes"], good.long())  # loaded again, the same
+
+
 # --- finding 2: ids -----------------------------------------------------------------------------------
 
 TRICKY = ["a b", "a_b", "x/a", "x_a", "../escape", ".hidden", "..", "/abs", "ü", "a~b", "A", "-", "a" * 150]

@@ -28,6 +28,7 @@ class Entry:
     n_frames: int = 0
     error: str | None = None
     where: str = ""  # "line 3" of a manifest, a file of a folder: where a duplicate id comes from
+    checked_version: int | None = None  # a tensor in memory: its version counter when its values passed
 
 
 def list_source(source: str | Path, duplicate_ids: str = "error") -> tuple[list[Entry], list[Path]]:
