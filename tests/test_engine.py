@@ -404,3 +404,32 @@ def test_trainer_predict_through_the_engine_keeps_graphs_across_calls():
     assert module.engine is engine and stats.captures == captures  # the graphs were kept and read the new weights
     for (req_id, codes), n in zip(reqs.items(), lengths):
         assert (got[req_id] - solo(model, codes, n)).abs().max() <= 1e-5
+
+
+def test_the_engine_is_kept_across_predicts_rebuilt_for_another_cap_and_released_by_fit():
+    """A predict's engine is kept for the next predict (capped or not); a predict under another
+    ``gpu_memory_utilization`` gets an engine sized for it; fit, which needs the memory and changes the
+    weights, releases it, and the next predict builds a fresh one that reads the new weights."""
+    module = Code2WavModule(model=random_model(micro_config(), seed=4))
+    reqs = requests([5, 9, 3], seed=70)
+    Trainer(**trainer_kwargs()).predict(module, loader(reqs, 3))
+    first = module.engine
+    assert first is not None and first.gpu_memory_utilization is None
+    Trainer(**trainer_kwargs()).predict(module, loader(reqs, 3))
+    assert module.engine is first
+    Trainer(**trainer_kwargs(), gpu_memory_utilization=0.5).predict(module, loader(reqs, 3))
+    capped = module.engine
+    assert capped is not first and capped.gpu_memory_utilization == 0.5
+    Trainer(**trainer_kwargs(), gpu_memory_utilization=0.5).predict(module, loader(reqs, 3))
+    assert module.engine is capped
+    cfg = module.config
+    codes = random_codes(2, 6, cfg, seed=71)
+    audio = torch.randn(2, 1, cfg.output_length(6), generator=torch.Generator().manual_seed(0))
+    batch = {"codes": codes, "audio": audio, "audio_lengths": torch.tensor([cfg.output_length(6)] * 2)}
+    fit = Trainer(**trainer_kwargs(), max_steps=1)
+    fit.fit(module, train_dataloaders=torch.utils.data.DataLoader([batch], batch_size=None))
+    assert module.engine is None
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 3))
+    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+    for (req_id, codes_i), n in zip(reqs.items(), [5, 9, 3]):
+        assert (got[req_id] - solo(module.model, codes_i, n)).abs().max() <= 1e-5  # the fitted weights

@@ -80,6 +80,7 @@ class DecodeEngine:
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.model = model
+        self.gpu_memory_utilization = gpu_memory_utilization
         ref = next(model.parameters())
         self.device, self.dtype = ref.device, ref.dtype
         self.out_dtype = out_dtype

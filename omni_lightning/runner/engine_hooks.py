@@ -2,10 +2,15 @@
 
 The engine (``engine/engine.py``) is built at the first predict on a device and kept while it serves
 the model where it is: its weights are refreshed, so its CUDA graphs survive from one predict to the
-next. Under a ``gpu_memory_utilization`` cap it is released at the end of each predict, because the
-next one moves the weights in again and the engine's copy, graphs and state must not hold the budget
-meanwhile. Not done: releasing it between predicts with no cap (a process that predicts once and
-goes on with other GPU work calls ``module.engine.close()``, or sets ``module.engine = None``).
+next. That holds under a ``gpu_memory_utilization`` cap too: the engine's weights, graphs and state
+stay within the cap between predicts (what its forwards cached in the allocator is given back to the
+GPU at each predict's end), so a server calling ``trainer.predict`` per batch of requests does not
+capture its graphs again at every call (measured on an H200 under a 0.03 cap: ~0.17 s a call). The
+next predict's move of the weights adds one copy of them for a moment (the engine then copies their
+values into its own and frees the new ones), which the budget's 5 % margin and the cached blocks
+given back leave room for. The engine is rebuilt when a predict's cap differs from the one it was
+sized for, and released when the module starts another stage (fit, validate, test: their memory
+comes first) or calls ``module.engine.close()``.
 """
 
 from __future__ import annotations
@@ -33,17 +38,33 @@ class EngineOnPredict:
     def decode_engine(self) -> DecodeEngine:
         """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
         so graphs survive across predict calls), else built for the model's device and dtype."""
-        if self.engine is None or self.engine.model is not self.model or not self.engine.refresh():
-            if self.engine is not None:
-                self.engine.close()
-            loop = self._trainer.predict_loop if self._trainer is not None else None
+        loop = self._trainer.predict_loop if self._trainer is not None else None
+        cap = getattr(loop, "gpu_memory_utilization", None)
+        engine = self.engine
+        if engine is None or engine.model is not self.model or engine.gpu_memory_utilization != cap \
+                or not engine.refresh():  # fmt: skip
+            self.release_engine()
             self.engine = DecodeEngine(
                 self.model, frames_per_forward=self.frames_per_forward, cuda_graphs=self.fast_path,
-                graph_frames=self.hparams.graph_frames,
-                gpu_memory_utilization=getattr(loop, "gpu_memory_utilization", None),
+                graph_frames=self.hparams.graph_frames, gpu_memory_utilization=cap,
                 kernels=None if self.fast_path else Kernels(inplace=True),
             )  # fmt: skip
         return self.engine
+
+    def release_engine(self) -> None:
+        """Frees the engine (its weights, graphs and state) and gives the cached memory back."""
+        if self.engine is None:
+            return
+        cuda = self.engine.device.type == "cuda"
+        self.engine.close()
+        self.engine = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if stage != "predict":  # fit, validate and test need the memory (and change or read the weights)
+            self.release_engine()
 
     def on_predict_start(self) -> None:
         self.decode_engine()
@@ -53,9 +74,7 @@ class EngineOnPredict:
             self.engine_stats = self.engine.stats()
         if self.engine is not None and self.engine.device.type == "cuda":
             pl.utilities.rank_zero_info(self.engine.report())
-            if getattr(self._trainer.predict_loop, "gpu_memory_utilization", None) is not None:
-                # a capped process: the next predict moves the weights here again, and the engine's
-                # copy, graphs and state must not hold the budget meanwhile
-                self.engine.close()
-                self.engine = None
+            if self.engine.gpu_memory_utilization is not None:
+                # a capped process: what the forwards cached goes back to the GPU's other tenants (the
+                # engine's weights, graphs and state stay, within the cap)
                 torch.cuda.empty_cache()
