@@ -80,8 +80,8 @@ class Collector(BasePredictionWriter):
         self.epoch = (predictions, batch_indices)
 
 
-def cli(*args, **kw):
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+def cli(*args, extra_env=None, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(extra_env or {})}
     # a test that ran W&B in this process left its service's address here; a subprocess that
     # inherits it hands its run to that service, which finishes it on its own time (a user's
     # command starts its own)
