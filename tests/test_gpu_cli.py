@@ -48,7 +48,7 @@ def test_cli_predict_on_cuda_under_a_small_cap_writes_every_request_exact(tmp_pa
         model = model.to(torch.bfloat16)
     worst = 0.0
     with torch.inference_mode():
-        for i, row in enumerate(rows):
+        for row in rows:
             codes = torch.as_tensor(np.load(src / f"{row['id']}.npy").astype(np.int64))
             want = model(codes[None].cuda())[0, 0].float().cpu().numpy()
             got, sr = sf.read(out / row["path"], dtype="float32")
