@@ -56,15 +56,34 @@ def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None
     return peak * size + out + attention
 
 
+MARGIN = 0.95  # of a cap: the rest for the allocator's rounding and fragmentation
+
+
+def _cap_and_held(device: torch.device, fraction: float) -> tuple[float, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return fraction * torch.cuda.get_device_properties(index).total_memory, torch.cuda.memory_reserved(index)
+
+
 def budget_bytes(device: torch.device, fraction: float | None) -> int:
     """Bytes the engine may add on ``device``: the cap's share left after what the process holds now,
     or :data:`DEFAULT_BUDGET` with no cap (CPU: no cap)."""
     if device.type != "cuda" or fraction is None:
         return DEFAULT_BUDGET
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = fraction * torch.cuda.get_device_properties(index).total_memory
-    held = torch.cuda.memory_reserved(index)
-    return max(0, int(cap * 0.95) - held)  # 5 %: the allocator's rounding and fragmentation
+    cap, held = _cap_and_held(device, fraction)
+    return max(0, int(cap * MARGIN) - held)
+
+
+def fits_under_cap(extra: int, cap: float, held: int) -> bool:
+    """Whether ``extra`` more bytes fit in a cap of ``cap`` bytes beside the ``held`` ones (margin kept)."""
+    return held + extra <= cap * MARGIN
+
+
+def room_for(device: torch.device, fraction: float | None, extra: int) -> bool:
+    """Whether ``extra`` more bytes fit on ``device`` under ``fraction`` beside what the process holds
+    now (always, with no cap or off CUDA)."""
+    if device.type != "cuda" or fraction is None:
+        return True
+    return fits_under_cap(extra, *_cap_and_held(device, fraction))
 
 
 POOL_FACTOR = 3  # the graphs' shared pool held 2.9x one short forward's peak on an H200 (11 shapes)

@@ -131,6 +131,10 @@ class DecodeEngine:
             self._weights = BoundWeights(self.model)
         return self._weights.refresh() if self._weights is not None else True
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights the engine holds for its graphs (0 without graphs, or closed)."""
+        return sum(t.nbytes for t in self._weights.held) if self._weights is not None else 0
+
     def close(self) -> None:
         """Frees the graphs and the weights they hold (their memory goes back to PyTorch's cache)."""
         if self.graphs is not None:

@@ -7,10 +7,12 @@ stay within the cap between predicts (what its forwards cached in the allocator 
 GPU at each predict's end), so a server calling ``trainer.predict`` per batch of requests does not
 capture its graphs again at every call (measured on an H200 under a 0.03 cap: ~0.17 s a call). The
 next predict's move of the weights adds one copy of them for a moment (the engine then copies their
-values into its own and frees the new ones), which the budget's 5 % margin and the cached blocks
-given back leave room for. The engine is rebuilt when a predict's cap differs from the one it was
-sized for, and released when the module starts another stage (fit, validate, test: their memory
-comes first) or calls ``module.engine.close()``.
+values into its own and frees the new ones). So when a predict starts (its ``setup`` hook, before
+Lightning moves the weights) the kept engine is released if that copy would not fit in the cap beside
+what the process holds, or if the predict's cap differs from the one the engine was sized for: the
+move then finds the room it found before the engine was kept. The engine is also released when the
+module starts another stage (fit, validate, test: their memory comes first) or on
+``module.release_engine()``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 
 from omni_lightning.engine import DecodeEngine
+from omni_lightning.engine import budget as budgets
 from omni_lightning.kernels import Kernels
 
 
@@ -63,8 +66,16 @@ class EngineOnPredict:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        engine = self.engine
+        if engine is None:
+            return
         if stage != "predict":  # fit, validate and test need the memory (and change or read the weights)
             self.release_engine()
+            return
+        loop = self._trainer.predict_loop if self._trainer is not None else None
+        cap = getattr(loop, "gpu_memory_utilization", None)
+        if cap != engine.gpu_memory_utilization or not budgets.room_for(engine.device, cap, engine.weight_bytes()):
+            self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
     def on_predict_start(self) -> None:
         self.decode_engine()
