@@ -117,6 +117,14 @@ def test_a_tensor_in_memory_written_after_its_check_is_checked_again_when_loaded
     assert torch.equal(items["good"]["codes"], good.long()) and items["good"]["codes"].dtype == torch.long
     assert "code 5000 at codebook 2, frame 3" in items["bad"]["error"]
     assert torch.equal(ds[0]["codes"], good.long())  # loaded again, the same
+    with torch.inference_mode():  # a talker's codes made under inference mode: no version counter
+        made = {"ok": random_codes(1, 5, seed=3)[0], "bad": random_codes(1, 5, seed=4)[0]}
+        made["bad"][1, 1] = 7000
+    ds = CodesDataset(made, TINY, on_bad_input="skip")
+    assert [e.checked_version for e in ds.entries] == [None, None] and "code 7000" in ds.bad["bad"]
+    with torch.inference_mode():
+        made["ok"][0, 0] = 9000  # written after the build: caught when loaded, as every time
+    assert "code 9000 at codebook 0, frame 0" in ds[0]["error"]
 
 
 # --- finding 2: ids -----------------------------------------------------------------------------------
