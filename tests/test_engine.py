@@ -422,6 +422,9 @@ def test_the_engine_is_kept_across_predicts_rebuilt_for_another_cap_and_released
     assert capped is not first and capped.gpu_memory_utilization == 0.5
     Trainer(**trainer_kwargs(), gpu_memory_utilization=0.5).predict(module, loader(reqs, 3))
     assert module.engine is capped
+    module.frames_per_forward = 8  # a setting changed between predicts takes effect
+    Trainer(**trainer_kwargs(), gpu_memory_utilization=0.5).predict(module, loader(reqs, 3))
+    assert module.engine is not capped and module.engine.frames_per_forward == 8
     cfg = module.config
     codes = random_codes(2, 6, cfg, seed=71)
     audio = torch.randn(2, 1, cfg.output_length(6), generator=torch.Generator().manual_seed(0))

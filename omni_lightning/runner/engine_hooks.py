@@ -17,6 +17,7 @@ module starts another stage (fit, validate, test: their memory comes first) or o
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -44,7 +45,12 @@ class EngineOnPredict:
         loop = self._trainer.predict_loop if self._trainer is not None else None
         cap = getattr(loop, "gpu_memory_utilization", None)
         engine = self.engine
-        if engine is None or engine.model is not self.model or engine.gpu_memory_utilization != cap \
+        # what this module built it with: a setting changed since (say `module.frames_per_forward = 512`)
+        # takes effect; an engine a caller set by hand is not second-guessed
+        settings = (self.frames_per_forward, self.fast_path, self.hparams.graph_frames)
+        built = getattr(self, "_engine_built", None)  # (a weak reference to the engine, its settings)
+        changed = built is not None and built[0]() is engine and built[1] != settings
+        if engine is None or engine.model is not self.model or engine.gpu_memory_utilization != cap or changed \
                 or not engine.refresh():  # fmt: skip
             self.release_engine()
             self.engine = DecodeEngine(
@@ -52,6 +58,7 @@ class EngineOnPredict:
                 graph_frames=self.hparams.graph_frames, gpu_memory_utilization=cap,
                 kernels=None if self.fast_path else Kernels(inplace=True),
             )  # fmt: skip
+            self._engine_built = (weakref.ref(self.engine), settings)
         return self.engine
 
     def release_engine(self) -> None:
