@@ -436,6 +436,9 @@ def test_the_engine_is_kept_across_predicts_rebuilt_for_another_cap_and_released
     got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
     for (req_id, codes_i), n in zip(reqs.items(), [5, 9, 3]):
         assert (got[req_id] - solo(module.model, codes_i, n)).abs().max() <= 1e-5  # the fitted weights
+    fp32 = module.engine
+    Trainer(**trainer_kwargs(precision="bf16-true")).predict(module, loader(reqs, 3))  # another dtype
+    assert module.engine is not fp32 and module.engine.dtype == torch.bfloat16
 
 
 def test_a_kept_engine_is_released_before_the_weights_move_when_their_copy_would_not_fit():

@@ -26,6 +26,7 @@ import torch
 from omni_lightning.engine import DecodeEngine
 from omni_lightning.engine import budget as budgets
 from omni_lightning.kernels import Kernels
+from omni_lightning.runner.host_weights import CASTS
 
 
 class EngineOnPredict:
@@ -79,9 +80,13 @@ class EngineOnPredict:
         if stage != "predict":  # fit, validate and test need the memory (and change or read the weights)
             self.release_engine()
             return
-        loop = self._trainer.predict_loop if self._trainer is not None else None
-        cap = getattr(loop, "gpu_memory_utilization", None)
-        if cap != engine.gpu_memory_utilization or not budgets.room_for(engine.device, cap, engine.weight_bytes()):
+        trainer = self._trainer
+        cap = getattr(getattr(trainer, "predict_loop", None), "gpu_memory_utilization", None)
+        # where and in what dtype this predict runs the weights: an engine for another cannot serve it
+        dtype = CASTS.get(str(getattr(trainer, "precision", ""))) or next(self.parameters()).dtype
+        device = trainer.strategy.root_device if trainer is not None else engine.device
+        if cap != engine.gpu_memory_utilization or (device, dtype) != (engine.device, engine.dtype) \
+                or not budgets.room_for(engine.device, cap, engine.weight_bytes()):  # fmt: skip
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
     def on_predict_start(self) -> None:

@@ -123,7 +123,7 @@ def _pack_or_warn(params: list[nn.Parameter], allocate: Callable[[int], torch.Te
         log.warning("host weights stay pageable: %s", str(err).splitlines()[0][:200])
 
 
-_CASTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}  # what Lightning casts to
+CASTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch.float64}  # what Lightning casts to
 
 
 class HostWeightsOnPredict:
@@ -136,7 +136,7 @@ class HostWeightsOnPredict:
         trainer = self._trainer
         cuda = trainer is not None and trainer.strategy.root_device.type == "cuda"
         # a precision plugin about to cast the weights replaces them: pinning those would be wasted
-        cast = _CASTS.get(str(getattr(trainer, "precision", "")))
+        cast = CASTS.get(str(getattr(trainer, "precision", "")))
         pin = cuda and all(cast is None or p.dtype == cast for p in self.parameters())
         self._host_weights = (
             HostWeights.hold(self, pin=pinned_bytes if pin else None, pin_cast=pinned_bytes if cuda else None)
