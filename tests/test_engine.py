@@ -453,6 +453,6 @@ def test_a_kept_engine_is_released_before_the_weights_move_when_their_copy_would
     assert room_for(torch.device("cpu"), 0.01, 2**40)  # no cap off CUDA
     model = random_model(micro_config(), seed=5)
     engine = DecodeEngine(model, frames_per_forward=24, capture=RecordingCapture())
-    assert engine.weight_bytes() == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
+    assert engine.weights.nbytes() == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     engine.close()
-    assert engine.weight_bytes() == 0
+    assert engine.weights is None  # closed: nothing held

@@ -92,7 +92,7 @@ class DecodeEngine:
         use_graphs = cuda_graphs and (capture is not None or self.device.type == "cuda")
         capture = capture or TorchGraphCapture()
         self.graphs = GraphCache(self._forward, capture) if use_graphs else None
-        self._weights = BoundWeights(model) if use_graphs else None
+        self.weights = BoundWeights(model) if use_graphs else None
         self.graph_frames = graph_frames if use_graphs else 0
         if frames_per_forward is None:
             if budget is None:
@@ -127,19 +127,15 @@ class DecodeEngine:
         ref = next(self.model.parameters())
         if (ref.device, ref.dtype) != (self.device, self.dtype):
             return False
-        if self._weights is None and self.graphs is not None:  # closed: graphs captured from now on
-            self._weights = BoundWeights(self.model)
-        return self._weights.refresh() if self._weights is not None else True
-
-    def weight_bytes(self) -> int:
-        """Bytes of the weights the engine holds for its graphs (0 without graphs, or closed)."""
-        return sum(t.nbytes for t in self._weights.held) if self._weights is not None else 0
+        if self.weights is None and self.graphs is not None:  # closed: graphs captured from now on
+            self.weights = BoundWeights(self.model)
+        return self.weights.refresh() if self.weights is not None else True
 
     def close(self) -> None:
         """Frees the graphs and the weights they hold (their memory goes back to PyTorch's cache)."""
         if self.graphs is not None:
             self.graphs.clear()
-        self._weights = None
+        self.weights = None
 
     # --- slots -----------------------------------------------------------------------------------
 

@@ -184,6 +184,9 @@ class BoundWeights:
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.model.parameters(), *self.model.buffers()]
 
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.held)
+
     def refresh(self) -> bool:
         """Puts the model's current weights where the graphs read them. Returns False when the model
         changed dtype, device or shapes since (graphs then must go: they read the old layout)."""

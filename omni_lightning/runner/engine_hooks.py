@@ -85,8 +85,9 @@ class EngineOnPredict:
         # where and in what dtype this predict runs the weights: an engine for another cannot serve it
         dtype = CASTS.get(str(getattr(trainer, "precision", ""))) or next(self.parameters()).dtype
         device = trainer.strategy.root_device if trainer is not None else engine.device
+        held = engine.weights.nbytes() if engine.weights is not None else 0  # the move adds as much
         if cap != engine.gpu_memory_utilization or (device, dtype) != (engine.device, engine.dtype) \
-                or not budgets.room_for(engine.device, cap, engine.weight_bytes()):  # fmt: skip
+                or not budgets.room_for(engine.device, cap, held):  # fmt: skip
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
     def on_predict_start(self) -> None:
