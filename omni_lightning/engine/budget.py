@@ -73,6 +73,22 @@ def budget_bytes(device: torch.device, fraction: float | None) -> int:
     return max(0, int(cap * MARGIN) - held)
 
 
+def no_room(device: torch.device, fraction: float | None, err: BaseException) -> torch.OutOfMemoryError:
+    """The error when even one frame per forward runs out of memory: what the cap allows, what the
+    process holds, what to change (the allocator's own message, first line, after it)."""
+    where = f"decoding one frame per forward ran out of memory on {device}"
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(index).total_memory
+        held = f"this process holds {torch.cuda.memory_reserved(index) / 2**30:.2f} GiB"
+        if fraction is not None:
+            where += (f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of "
+                      f"the GPU's {total / 2**30:.1f} GiB and {held} (weights included); give it a larger share")
+        else:
+            where += f": {held} of the GPU's {total / 2**30:.1f} GiB; other processes hold the rest"
+    return torch.OutOfMemoryError(f"{where} ({str(err).splitlines()[0][:300]})")
+
+
 def fits_under_cap(extra: int, cap: float, held: int) -> bool:
     """Whether ``extra`` more bytes fit in a cap of ``cap`` bytes beside the ``held`` ones (margin kept)."""
     return held + extra <= cap * MARGIN

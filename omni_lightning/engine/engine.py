@@ -203,9 +203,9 @@ class DecodeEngine:
                 pending = [w for w in work if w.left]
                 try:
                     self._forward_planned(pending, pad_in_time, together)
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError as err:
                     if self.planner.frames == 1 and not self.graph_frames:
-                        raise
+                        raise budgets.no_room(self.device, self.gpu_memory_utilization, err) from err
                     self._shrink()
                 if until_one_done and any(w.left == 0 for w in work):
                     return
