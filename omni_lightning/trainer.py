@@ -16,7 +16,8 @@ class Trainer(pl.Trainer):
     a ``predict_step`` that does not return ``MultimodalOutputs`` runs exactly as on a stock trainer.
 
     ``gpu_memory_utilization``: the fraction of the GPU this process may allocate during predict
-    (vLLM's knob; applied with ``torch.cuda.set_per_process_memory_fraction``). None: no cap.
+    (vLLM's knob; applied with ``torch.cuda.set_per_process_memory_fraction`` when predict starts, the
+    process's earlier share put back when it ends). None: no cap.
     ``async_d2h``: add an ``AsyncD2HCallback`` unless one is given (it only acts on CUDA); without it
     every step blocks on its device-to-host copy (docs/performance.md).
     """

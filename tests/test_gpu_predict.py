@@ -39,6 +39,7 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, share, no_t
     assert stats["failures"] == 0
     if share is not None:  # the engine is kept, with its weights, graphs and state, within the cap
         assert module.engine is not None
+        assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the cap held during predict only
         assert torch.cuda.memory_reserved() <= share * torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0)  # the solo decodes below are the reference, uncapped
     model = module.model.cuda()  # in the trainer's dtype; Lightning moved it back to the CPU

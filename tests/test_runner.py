@@ -345,3 +345,31 @@ def test_a_manifest_saved_with_a_byte_order_mark_is_read(tmp_path, model):
     manifest.write_bytes(b"\xef\xbb\xbf" + manifest.read_bytes())
     ds = CodesDataset(str(manifest), "tiny", on_bad_input="skip")
     assert ds.ids[:2] == ["good1", "good2"]
+
+
+def test_a_predicts_memory_cap_is_lifted_when_it_ends():
+    """The cap holds during predict only: the share the process had before comes back after, so a
+    later fit or uncapped predict is not held to it (torch.cuda stands in here; test_gpu_predict.py
+    checks the real one)."""
+    from omni_lightning.runner.loop import cap_memory
+
+    class StandInCuda:
+        def __init__(self):
+            self.fraction, self.calls = 0.5, []
+
+        def get_per_process_memory_fraction(self, device):
+            return self.fraction
+
+        def set_per_process_memory_fraction(self, fraction, device):
+            self.fraction = fraction
+            self.calls.append((fraction, device))
+
+    cuda = StandInCuda()
+    uncap = cap_memory("cuda:0", 0.03, cuda)
+    assert cuda.fraction == 0.03
+    uncap()
+    assert cuda.fraction == 0.5 and cuda.calls == [(0.03, "cuda:0"), (0.5, "cuda:0")]
+    old = StandInCuda()
+    del StandInCuda.get_per_process_memory_fraction  # a torch that cannot read the share: back to all of it
+    cap_memory("cuda:0", 0.1, old)()
+    assert old.fraction == 1.0

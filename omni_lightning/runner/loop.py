@@ -10,7 +10,8 @@ reaches the hooks and writers, and ``trainer.predict`` returns it moved to the C
 What the loop adds for runner outputs, as vLLM-Omni's ``OmniGenerationModelRunner``: each output is
 finalized (per-request owned CPU payloads; an async host copy waited for) once the next step has run,
 or at epoch end, or at teardown after an error. Before the first batch it caps the process's GPU share
-(``gpu_memory_utilization``, when given) and calls the module's ``profile_run()`` if it has one.
+(``gpu_memory_utilization``, when given; the share it had is put back at teardown) and calls the
+module's ``profile_run()`` if it has one.
 
 Under DDP (any number of processes and nodes) a rank that has no batch runs predict's hooks all the
 same (start, epoch start and end, end), with no step: stock skips them, and a callback whose end
@@ -38,7 +39,7 @@ hooks receive it).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -85,10 +86,11 @@ class OmniPredictionLoop(_PredictionLoop):
         super().on_run_start()
 
     def _prepare_device(self) -> None:
-        """Caps this process's share of the GPU, then lets the module 'profile' (sync, no forward)."""
+        """Caps this process's share of the GPU for this predict (``teardown`` puts back the share it
+        had), then lets the module 'profile' (sync, no forward)."""
         device = self.trainer.strategy.root_device
         if self.gpu_memory_utilization is not None and device.type == "cuda":
-            torch.cuda.set_per_process_memory_fraction(self.gpu_memory_utilization, device)
+            self._uncap = cap_memory(device, self.gpu_memory_utilization)
         profile_run = getattr(self.trainer.lightning_module, "profile_run", None)
         if callable(profile_run):
             profile_run()
@@ -105,6 +107,9 @@ class OmniPredictionLoop(_PredictionLoop):
             self._settle(keep=None)
         finally:
             self._in_flight = []
+            uncap, self._uncap = getattr(self, "_uncap", None), None
+            if uncap is not None:  # a fit or an uncapped predict after this one is not held to its cap
+                uncap()
             super().teardown()
 
     def _on_before_fetch(self) -> None:
@@ -181,3 +186,12 @@ def _count_requests(multimodal_outputs: Mapping[str, Any]) -> int:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             return value.shape[0]
     raise ValueError("cannot tell the number of requests: the batch has no 'req_ids' and no output is per request")
+
+
+def cap_memory(device: torch.device, fraction: float, cuda: Any = torch.cuda) -> Callable[[], None]:
+    """Caps this process's allocations on ``device`` at ``fraction`` of it; returns what puts back the
+    share it had (1.0 where torch cannot read it). ``cuda``: ``torch.cuda`` (a stand-in in tests)."""
+    read = getattr(cuda, "get_per_process_memory_fraction", None)
+    before = read(device) if read is not None else 1.0
+    cuda.set_per_process_memory_fraction(fraction, device)
+    return lambda: cuda.set_per_process_memory_fraction(before, device)
