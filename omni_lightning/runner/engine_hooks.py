@@ -9,8 +9,9 @@ capture its graphs again at every call (measured on an H200 under a 0.03 cap: ~0
 next predict's move of the weights adds one copy of them for a moment (the engine then copies their
 values into its own and frees the new ones). So when a predict starts (its ``setup`` hook, before
 Lightning moves the weights) the kept engine is released if that copy would not fit in the cap beside
-what the process holds, or if the predict's cap differs from the one the engine was sized for: the
-move then finds the room it found before the engine was kept. The engine is also released when the
+what the process holds, or if the predict's cap, device or dtype differs from the ones the engine was
+built for: the move then finds the room it found before the engine was kept. A module setting
+changed between predicts (``frames_per_forward``, ``fast_path``, ``graph_frames``) rebuilds it. The engine is also released when the
 module starts another stage (fit, validate, test: their memory comes first) or on
 ``module.release_engine()``.
 """
