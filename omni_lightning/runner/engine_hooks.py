@@ -11,9 +11,9 @@ values into its own and frees the new ones). So when a predict starts (its ``set
 Lightning moves the weights) the kept engine is released if that copy would not fit in the cap beside
 what the process holds, or if the predict's cap, device or dtype differs from the ones the engine was
 built for: the move then finds the room it found before the engine was kept. A module setting
-changed between predicts (``frames_per_forward``, ``fast_path``, ``graph_frames``) rebuilds it. The engine is also released when the
-module starts another stage (fit, validate, test: their memory comes first) or on
-``module.release_engine()``.
+changed between predicts (``frames_per_forward``, ``fast_path``, ``graph_frames``) rebuilds it. The
+engine is also released when the module starts another stage (fit, validate, test: their memory
+comes first) or on ``module.release_engine()``.
 """
 
 from __future__ import annotations
