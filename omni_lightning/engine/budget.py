@@ -78,9 +78,8 @@ def no_room(device: torch.device, fraction: float | None, err: BaseException) ->
     process holds, what to change (the allocator's own message, first line, after it)."""
     where = f"decoding one frame per forward ran out of memory on {device}"
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(index).total_memory
-        held = f"this process holds {torch.cuda.memory_reserved(index) / 2**30:.2f} GiB"
+        total, reserved = _cap_and_held(device, 1.0)
+        held = f"this process holds {reserved / 2**30:.2f} GiB"
         if fraction is not None:
             where += (f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of "
                       f"the GPU's {total / 2**30:.1f} GiB and {held} (weights included); give it a larger share")

@@ -44,24 +44,30 @@ class EngineOnPredict:
     def decode_engine(self) -> DecodeEngine:
         """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
         so graphs survive across predict calls), else built for the model's device and dtype."""
-        loop = self._trainer.predict_loop if self._trainer is not None else None
-        cap = getattr(loop, "gpu_memory_utilization", None)
-        engine = self.engine
-        # what this module built it with: a setting changed since (say `module.frames_per_forward = 512`)
-        # takes effect; an engine a caller set by hand is not second-guessed
-        settings = (self.frames_per_forward, self.fast_path, self.hparams.graph_frames)
-        built = getattr(self, "_engine_built", None)  # (a weak reference to the engine, its settings)
-        changed = built is not None and built[0]() is engine and built[1] != settings
-        if engine is None or engine.model is not self.model or engine.gpu_memory_utilization != cap or changed \
-                or not engine.refresh():  # fmt: skip
+        cap, engine = self._predict_cap(), self.engine
+        if engine is None or engine.model is not self.model or self._stale(engine, cap) or not engine.refresh():
             self.release_engine()
             self.engine = DecodeEngine(
                 self.model, frames_per_forward=self.frames_per_forward, cuda_graphs=self.fast_path,
                 graph_frames=self.hparams.graph_frames, gpu_memory_utilization=cap,
                 kernels=None if self.fast_path else Kernels(inplace=True),
             )  # fmt: skip
-            self._engine_built = (weakref.ref(self.engine), settings)
+            self._engine_built = (weakref.ref(self.engine), self._engine_settings())
         return self.engine
+
+    def _predict_cap(self) -> float | None:
+        return getattr(getattr(self._trainer, "predict_loop", None), "gpu_memory_utilization", None)
+
+    def _engine_settings(self) -> tuple[Any, ...]:
+        return self.frames_per_forward, self.fast_path, self.hparams.graph_frames
+
+    def _stale(self, engine: DecodeEngine, cap: float | None) -> bool:
+        """Whether ``engine`` was sized for another cap, or built by this module with settings changed
+        since (say ``module.frames_per_forward = 512``); an engine a caller set by hand is not
+        second-guessed on its settings."""
+        built = getattr(self, "_engine_built", None)  # (a weak reference to the engine, its settings)
+        changed = built is not None and built[0]() is engine and built[1] != self._engine_settings()
+        return changed or engine.gpu_memory_utilization != cap
 
     def release_engine(self) -> None:
         """Frees the engine (its weights, graphs and state) and gives the cached memory back."""
@@ -81,13 +87,12 @@ class EngineOnPredict:
         if stage != "predict":  # fit, validate and test need the memory (and change or read the weights)
             self.release_engine()
             return
-        trainer = self._trainer
-        cap = getattr(getattr(trainer, "predict_loop", None), "gpu_memory_utilization", None)
+        trainer, cap = self._trainer, self._predict_cap()
         # where and in what dtype this predict runs the weights: an engine for another cannot serve it
         dtype = CASTS.get(str(getattr(trainer, "precision", ""))) or next(self.parameters()).dtype
         device = trainer.strategy.root_device if trainer is not None else engine.device
         held = engine.weights.nbytes() if engine.weights is not None else 0  # the move adds as much
-        if cap != engine.gpu_memory_utilization or (device, dtype) != (engine.device, engine.dtype) \
+        if self._stale(engine, cap) or (device, dtype) != (engine.device, engine.dtype) \
                 or not budgets.room_for(engine.device, cap, held):  # fmt: skip
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
