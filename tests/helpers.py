@@ -67,6 +67,18 @@ def loader(reqs, batch_size=3, **kw):
     return DataLoader(ds, batch_size=batch_size, collate_fn=collate_codes)
 
 
+class RecordingCapture:
+    """A CUDA-graph capture stand-in on the CPU: "replaying" runs the function again into its output."""
+
+    def __init__(self):
+        self.recorded = 0
+
+    def __call__(self, fn):
+        out = fn()
+        self.recorded += 1
+        return (lambda: out.copy_(fn())), out
+
+
 class Collector(BasePredictionWriter):
     def __init__(self, interval):
         super().__init__(interval)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from conftest import micro_config, random_codes, random_model
-from helpers import loader, requests, trainer_kwargs
+from helpers import RecordingCapture, loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, DecodeEngine, Trainer
 from omni_lightning.engine.budget import (
@@ -24,16 +24,6 @@ from omni_lightning.engine.budget import (
 )
 from omni_lightning.engine.graphs import CaptureError
 from omni_lightning.engine.plan import Planner
-
-
-class RecordingCapture:
-    def __init__(self):
-        self.recorded = 0
-
-    def __call__(self, fn):
-        out = fn()
-        self.recorded += 1
-        return (lambda: out.copy_(fn())), out
 
 
 class FailingCapture(RecordingCapture):

@@ -182,3 +182,92 @@ def test_cuda_predicts_return_the_weights_to_their_host_tensors():
         assert before is None or storages(module) == before
         before = storages(module)
         assert all(torch.equal(p, want[n]) for n, p in module.named_parameters())
+
+
+def test_a_lent_parameter_goes_back_uncopied_unless_written_to():
+    module = Code2WavModule(model=random_model("tiny", seed=1))
+    params = list(module.parameters())
+    host = [p.detach().clone() for p in params]
+    held = HostWeights.hold(module)
+    copies = [p.detach() * 0 + 7 for p in params]  # stand-ins for device copies (different values: seen if copied)
+    for p, c in zip(params, copies):
+        held.lend(p, c)
+    assert all(p.data_ptr() == c.data_ptr() for p, c in zip(params, copies))
+    with torch.no_grad():
+        params[0].add_(1)  # written to during the run: its values must come back
+    assert held.restore() == len(params)
+    assert torch.equal(params[0], copies[0]) and torch.all(params[0] == 8)
+    assert all(torch.equal(p, h) for p, h in zip(params[1:], host[1:]))  # unwritten: pointed back, not copied
+
+
+def test_a_kept_engine_lends_its_weights_to_the_next_predict_until_a_weight_changes():
+    """Real Trainers on the CPU with an engine set by hand (a capture stand-in gives it weight tensors
+    of its own, as on CUDA). After a predict, the engine's copies hold the parameters' values, so the
+    next predict points the parameters at them instead of moving the weights in and out. To see which
+    values a predict reads, the engine's copies are then set to other values by hand (a state the
+    engine never reaches by itself): the next predict decodes those and leaves the host weights
+    uncopied. A write to one parameter between predicts stops the lending: the one after decodes the
+    host values again (its move copies them in), exactly."""
+    from helpers import RecordingCapture
+
+    from omni_lightning import DecodeEngine
+
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    model = module.model
+    module.engine = DecodeEngine(model, frames_per_forward=64, capture=RecordingCapture())
+    reqs = requests([9, 14])
+    dm = lambda: CodesDataModule(predict=reqs, batch_size=2)  # noqa: E731
+    with torch.inference_mode():
+        want = {r: model(c[None])[0] for r, c in reqs.items()}
+    first = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=dm()))
+    assert all((first[r] - want[r]).abs().max() <= 1e-5 for r in reqs)
+    copies = module.engine.weights.held
+    host = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for c in copies[: len(host)]:
+            c.data = c.data.clone().mul_(0.5)  # now apart from the host tensors
+    lent = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=dm()))
+    assert any((lent[r] - want[r]).abs().max() > 1e-3 for r in reqs)  # it decoded the engine's copies
+    assert all(torch.equal(p, h) for p, h in zip(model.parameters(), host))  # and copied nothing back
+    assert all(p.data_ptr() != c.data_ptr() for p, c in zip(model.parameters(), copies))  # home again
+    with torch.no_grad():
+        next(model.parameters()).add_(0)  # a write (even of the same values): no more lending
+    again = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=dm()))
+    assert all((again[r] - want[r]).abs().max() <= 1e-5 for r in reqs)
+
+
+class SeesTheMove(pl.Callback):
+    """Whether each predict's parameters arrived on the device in the kept engine's tensors (lent),
+    seen before the engine's own refresh (callbacks' on_predict_start runs before the module's)."""
+
+    def __init__(self):
+        self.lent = []
+
+    def on_predict_start(self, trainer, pl_module):
+        engine = pl_module.engine
+        params = list(pl_module.model.parameters())
+        held = engine.weights.held if engine is not None and engine.weights is not None else []
+        self.lent.append(bool(held) and all(p.data_ptr() == h.data_ptr() for p, h in zip(params, held)))
+
+
+@cuda
+def test_cuda_predicts_lend_the_kept_engine_its_weights_and_return_them_uncopied():
+    module = Code2WavModule(model=random_model("tiny", seed=2).to(torch.bfloat16))
+    reqs = requests()
+    want = {n: p.detach().clone() for n, p in module.named_parameters()}
+    seen = SeesTheMove()
+    kwargs = {**trainer_kwargs(precision="bf16-true"), "accelerator": "gpu", "callbacks": [seen]}
+    outs = [waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+            for _ in range(3)]  # fmt: skip
+    assert seen.lent == [False, True, True]  # the first predict builds the engine; the next two borrow it
+    assert all(torch.equal(p, want[n]) and p.device.type == "cpu" for n, p in module.named_parameters())
+    assert all(torch.allclose(outs[0][r], o[r], rtol=0, atol=2e-2) for o in outs[1:] for r in reqs)
+    with torch.no_grad():
+        module.model.pre_transformer.norm.weight.mul_(2)  # a change on the host between predicts
+    changed = waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+    assert seen.lent[-1] is False and any((changed[r] - outs[0][r]).abs().max() > 1e-2 for r in reqs)
+    fresh = Code2WavModule(model=random_model("tiny", seed=2).to(torch.bfloat16))
+    fresh.load_state_dict(module.state_dict())
+    ref = waveforms(Trainer(**{**kwargs, "callbacks": []}).predict(fresh, datamodule=CodesDataModule(predict=reqs,
+                                                                                                   batch_size=3)))
+    assert all(torch.allclose(changed[r], ref[r], rtol=0, atol=2e-2) for r in reqs)

@@ -14,6 +14,12 @@ built for: the move then finds the room it found before the engine was kept. A m
 changed between predicts (``frames_per_forward``, ``fast_path``, ``graph_frames``) rebuilds it. The
 engine is also released when the module starts another stage (fit, validate, test: their memory
 comes first) or on ``module.release_engine()``.
+
+A kept engine's weights are the parameters' values at the last predict's end (Lightning then copied
+them to the host). Where no parameter was written to since (their version counters say so), the next
+predict lends the parameters the engine's copies (``device_copies``, used by ``HostWeightsOnPredict``)
+instead of moving them in and out again: two copies of the weights fewer per predict (~26 ms for
+qwen3-omni's 412 MiB of bf16 weights on an H200), and no room needed for the move under a cap.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ class EngineOnPredict:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        stamp, self._stamp, self._lendable = getattr(self, "_stamp", None), None, []
         engine = self.engine
         if engine is None:
             return
@@ -91,10 +98,34 @@ class EngineOnPredict:
         # where and in what dtype this predict runs the weights: an engine for another cannot serve it
         dtype = CASTS.get(str(getattr(trainer, "precision", ""))) or next(self.parameters()).dtype
         device = trainer.strategy.root_device if trainer is not None else engine.device
-        held = engine.weights.nbytes() if engine.weights is not None else 0  # the move adds as much
-        if self._stale(engine, cap) or (device, dtype) != (engine.device, engine.dtype) \
-                or not budgets.room_for(engine.device, cap, held):  # fmt: skip
+        if self._stale(engine, cap) or (device, dtype) != (engine.device, engine.dtype):
+            self.release_engine()
+            return
+        self._lendable = self._current_copies(stamp)
+        held = engine.weights.nbytes() if engine.weights is not None and not self._lendable else 0  # the move's copy
+        if not budgets.room_for(engine.device, cap, held):
+            self._lendable = []
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
+
+    def _current_copies(self, stamp: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The kept engine's weight tensors paired with the model's parameters, if ``stamp`` (taken at
+        the last predict's end) shows that none was replaced or written to since; else []."""
+        engine = self.engine
+        if stamp is None or engine is None or engine.weights is None or stamp[0]() is not engine:
+            return []
+        params, held = list(self.model.parameters()), engine.weights.held
+        if len(params) != len(stamp[1]) or len(held) < len(params):
+            return []
+        for p, (q, version, ptr), h in zip(params, stamp[1], held):
+            if p is not q or p._version != version or p.data_ptr() != ptr or (p.dtype, p.shape) != (h.dtype, h.shape):
+                return []
+        return list(zip(params, held))
+
+    def device_copies(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """For ``HostWeightsOnPredict``: the kept engine's copies of the model's weights, where they hold
+        the parameters' current values (decided in ``setup``); asked once per predict."""
+        pairs, self._lendable = getattr(self, "_lendable", []), []
+        return pairs
 
     def on_predict_start(self) -> None:
         self.decode_engine()
@@ -102,9 +133,28 @@ class EngineOnPredict:
     def on_predict_end(self) -> None:
         if self.engine is not None:
             self.engine_stats = self.engine.stats()
+            self._stamp = self._stamp_weights(self.engine)
         if self.engine is not None and self.engine.device.type == "cuda":
             pl.utilities.rank_zero_info(self.engine.report())
             if self.engine.gpu_memory_utilization is not None:
                 # a capped process: what the forwards cached goes back to the GPU's other tenants (the
                 # engine's weights, graphs and state stay, within the cap)
                 torch.cuda.empty_cache()
+
+    def _stamp_weights(self, engine: DecodeEngine) -> Any:
+        """The engine and each parameter with its version counter, taken when every parameter reads
+        the engine's copy (else None). ``cpu()`` completes it once the weights are back on the host."""
+        held = engine.weights.held if engine.weights is not None else []
+        params = list(self.model.parameters())
+        if not params or len(held) < len(params) or any(p.data_ptr() != h.data_ptr() for p, h in zip(params, held)):
+            return None
+        return weakref.ref(engine), [(p, p._version, None) for p in params]
+
+    def cpu(self) -> Any:
+        out = super().cpu()
+        stamp = getattr(self, "_stamp", None)
+        if stamp is not None and stamp[1] and stamp[1][0][2] is None:  # taken at predict end: the move back
+            params = [p for p, _, _ in stamp[1]]  # copied the engine's values to where these now point
+            same = all(p._version == v and p.device.type == "cpu" for p, v, _ in stamp[1])
+            self._stamp = (stamp[0], [(p, p._version, p.data_ptr()) for p in params]) if same else None
+        return out

@@ -79,6 +79,7 @@ class HostWeights:
                  pin_cast: Callable[[int], torch.Tensor] | None = None) -> None:  # fmt: skip
         self._pairs = pairs
         self._pin_cast = pin_cast
+        self._lent: dict[int, tuple[int, int]] = {}  # id(param) -> (device data_ptr, param._version) when lent
 
     @classmethod
     def hold(cls, module: nn.Module, pin: Callable[[int], torch.Tensor] | None = None,
@@ -94,16 +95,28 @@ class HostWeights:
             _pack_or_warn(params, pin)
         return cls([(p, p.data) for p in params], pin_cast)
 
+    def lend(self, param: nn.Parameter, device_copy: torch.Tensor) -> None:
+        """Points ``param`` at ``device_copy``, a tensor elsewhere that holds the same values as its
+        host tensor (the caller vouches for that), so the move to that device has nothing to copy.
+        :meth:`restore` then points it back without copying unless something wrote to it meanwhile."""
+        param.data = device_copy
+        self._lent[id(param)] = (device_copy.data_ptr(), param._version)
+
     def restore(self) -> int:
         """Copies every moved parameter's values into its held host tensor and points it there;
         returns how many moved. Parameters that changed dtype or shape are packed by ``pin_cast`` if
-        given, else left where they are. Releases what it held: a second call does nothing."""
-        pairs, self._pairs = self._pairs, []
+        given, else left where they are; lent ones that nothing wrote to are pointed back uncopied.
+        Releases what it held: a second call does nothing."""
+        pairs, self._pairs, lent, self._lent = self._pairs, [], self._lent, {}
         moved, cast = 0, []
         with torch.no_grad():
             for param, host in pairs:
                 data = param.data
                 if data.data_ptr() == host.data_ptr():
+                    continue
+                if lent.get(id(param)) == (data.data_ptr(), param._version):  # unchanged since lent
+                    param.data = host
+                    moved += 1
                     continue
                 if data.shape != host.shape or data.dtype != host.dtype:
                     cast.append(param)
@@ -129,7 +142,9 @@ CASTS = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "64-true": torch
 class HostWeightsOnPredict:
     """LightningModule mixin (first base): during ``predict`` it holds the parameters' host tensors
     from the ``setup`` hook (before Lightning moves the module) and ``cpu()`` restores into them.
-    ``Code2WavModule`` has it; any LightningModule can take it."""
+    ``Code2WavModule`` has it; any LightningModule can take it. A module that keeps copies of its
+    weights on the device across predicts defines ``device_copies()``: (parameter, device tensor)
+    pairs whose values are the parameter's; those parameters are lent their copy instead of moved."""
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
@@ -142,6 +157,11 @@ class HostWeightsOnPredict:
             HostWeights.hold(self, pin=pinned_bytes if pin else None, pin_cast=pinned_bytes if cuda else None)
             if stage == "predict" else None
         )  # fmt: skip
+        copies = getattr(self, "device_copies", None)
+        pairs = copies() if copies is not None else []
+        if self._host_weights is not None:
+            for param, device_copy in pairs:
+                self._host_weights.lend(param, device_copy)
 
     def cpu(self) -> Any:
         held, self._host_weights = getattr(self, "_host_weights", None), None
