@@ -51,8 +51,8 @@ def pack(params: list[nn.Parameter], allocate: Callable[[int], torch.Tensor] = p
     """Moves the weights of ``params`` (on the CPU, or on a GPU: copied back) into one host buffer from
     ``allocate`` (pinned memory by default), values kept: each parameter's data becomes a view of it.
     Returns the bytes packed (0 when they share one buffer already, share memory with each other, or
-    none is contiguous)."""
-    todo = [p for p in params if p.device.type in ("cpu", "cuda") and p.data.is_contiguous()]
+    none is one dense block: contiguous or with its dims in another order)."""
+    todo = [p for p in params if p.device.type in ("cpu", "cuda") and _dense(p.data)]
     storages = {(p.device, p.data.untyped_storage().data_ptr()) for p in todo}
     if not todo or len(storages) == 1 or len(storages) < len(todo):  # packed, or weights sharing memory
         return 0
@@ -70,6 +70,17 @@ def pack(params: list[nn.Parameter], allocate: Callable[[int], torch.Tensor] = p
     for device in devices:  # the copies land before anyone reads the host tensors
         torch.cuda.current_stream(device).synchronize()
     return total
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """One block of memory in some order of its dims (contiguous, or the decode engine's convolution
+    weights with their channels innermost)."""
+    size = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.shape[d] != 1 and t.stride(d) != size:
+            return False
+        size *= t.shape[d]
+    return True
 
 
 class HostWeights:
