@@ -92,7 +92,7 @@ class DecodeEngine:
         use_graphs = cuda_graphs and (capture is not None or self.device.type == "cuda")
         capture = capture or TorchGraphCapture()
         self.graphs = GraphCache(self._forward, capture) if use_graphs else None
-        self.weights = BoundWeights(model) if use_graphs else None
+        self.weights = BoundWeights(model, conv_weights_channels_last=True) if use_graphs else None
         self.graph_frames = graph_frames if use_graphs else 0
         if frames_per_forward is None:
             if budget is None:
@@ -128,7 +128,7 @@ class DecodeEngine:
         if (ref.device, ref.dtype) != (self.device, self.dtype):
             return False
         if self.weights is None and self.graphs is not None:  # closed: graphs captured from now on
-            self.weights = BoundWeights(self.model)
+            self.weights = BoundWeights(self.model, conv_weights_channels_last=True)
         return self.weights.refresh() if self.weights is not None else True
 
     def close(self) -> None:

@@ -189,10 +189,12 @@ def conv_layout(w: torch.Tensor) -> torch.Tensor:
 class BoundWeights:
     """The device tensors captured graphs read, kept across Lightning's moves (module docstring)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, conv_weights_channels_last: bool = False) -> None:
+        """``conv_weights_channels_last``: move the convolution weights to :func:`conv_layout` now
+        (before any capture: a graph captured earlier would read the old tensors)."""
         self.model = model
-        convs = {id(m.weight) for m in model.modules()
-                 if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and m.kernel_size[0] > 1}  # fmt: skip
+        convs = {id(m.weight) for m in model.modules() if conv_weights_channels_last
+                 and isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and m.kernel_size[0] > 1}  # fmt: skip
         self.held = []
         with torch.no_grad():
             for t in self._tensors():
