@@ -22,8 +22,10 @@ fine-tuning too). The held convolution weights are channels-last: the decoder's 
 time-major, so cuDNN would otherwise convert each weight at every call (:func:`conv_layout`; 20
 weight copies per forward for qwen3-omni, ~0.17 ms of an H200's time per forward, seen in the
 kernels of a 1-frame streaming step). The parameters read them in that layout while the engine
-holds them; the move back to the host (``runner/host_weights.py``) writes them contiguous. Not done:
-graphs are not shared across processes or devices.
+holds them; the move back to the host (``runner/host_weights.py``) writes them contiguous. Only the
+decode engine asks for that layout, at its build, before any capture; fit's training graph binds its
+weights after capturing and keeps their layout. Not done: graphs are not shared across processes or
+devices.
 """
 
 from __future__ import annotations
