@@ -117,7 +117,7 @@ class EngineOnPredict:
         if len(params) != len(stamp[1]) or len(held) < len(params):
             return []
         for p, (q, version, ptr), h in zip(params, stamp[1], held):
-            if p is not q or p._version != version or p.data_ptr() != ptr or (p.dtype, p.shape) != (h.dtype, h.shape):
+            if p is not q() or p._version != version or p.data_ptr() != ptr or (p.dtype, p.shape) != (h.dtype, h.shape):
                 return []
         return list(zip(params, held))
 
@@ -148,13 +148,14 @@ class EngineOnPredict:
         params = list(self.model.parameters())
         if not params or len(held) < len(params) or any(p.data_ptr() != h.data_ptr() for p, h in zip(params, held)):
             return None
-        return weakref.ref(engine), [(p, p._version, None) for p in params]
+        return weakref.ref(engine), [(weakref.ref(p), p._version, None) for p in params]  # not kept alive
 
     def cpu(self) -> Any:
         out = super().cpu()
         stamp = getattr(self, "_stamp", None)
         if stamp is not None and stamp[1] and stamp[1][0][2] is None:  # taken at predict end: the move back
-            params = [p for p, _, _ in stamp[1]]  # copied the engine's values to where these now point
-            same = all(p._version == v and p.device.type == "cpu" for p, v, _ in stamp[1])
-            self._stamp = (stamp[0], [(p, p._version, p.data_ptr()) for p in params]) if same else None
+            params = [ref() for ref, _, _ in stamp[1]]  # copied the engine's values to where these now point
+            same = all(p is not None and p._version == v and p.device.type == "cpu"
+                       for p, (_, v, _) in zip(params, stamp[1]))  # fmt: skip
+            self._stamp = (stamp[0], [(weakref.ref(p), p._version, p.data_ptr()) for p in params]) if same else None
         return out
