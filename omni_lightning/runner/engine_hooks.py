@@ -107,18 +107,15 @@ class EngineOnPredict:
             self._lendable = []
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
-    def _current_copies(self, stamp: Any) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def _current_copies(self, stamp: WeightStamp | None) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The kept engine's weight tensors paired with the model's parameters, if ``stamp`` (taken at
-        the last predict's end) shows that none was replaced or written to since; else []."""
+        the last predict's end) shows that none was replaced, moved or written to since; else []."""
         engine = self.engine
-        if stamp is None or engine is None or engine.weights is None or stamp[0]() is not engine:
+        if stamp is None or engine is None or engine.weights is None or not stamp.holds(engine, self.model):
             return []
         params, held = list(self.model.parameters()), engine.weights.held
-        if len(params) != len(stamp[1]) or len(held) < len(params):
+        if any((p.dtype, p.shape) != (h.dtype, h.shape) for p, h in zip(params, held)):
             return []
-        for p, (q, version, ptr), h in zip(params, stamp[1], held):
-            if p is not q() or p._version != version or p.data_ptr() != ptr or (p.dtype, p.shape) != (h.dtype, h.shape):
-                return []
         return list(zip(params, held))
 
     def device_copies(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -141,21 +138,52 @@ class EngineOnPredict:
                 # engine's weights, graphs and state stay, within the cap)
                 torch.cuda.empty_cache()
 
-    def _stamp_weights(self, engine: DecodeEngine) -> Any:
-        """The engine and each parameter with its version counter, taken when every parameter reads
-        the engine's copy (else None). ``cpu()`` completes it once the weights are back on the host."""
+    def _stamp_weights(self, engine: DecodeEngine) -> WeightStamp | None:
+        """A stamp of the parameters, taken when every one reads the engine's copy (else None)."""
         held = engine.weights.held if engine.weights is not None else []
         params = list(self.model.parameters())
         if not params or len(held) < len(params) or any(p.data_ptr() != h.data_ptr() for p, h in zip(params, held)):
             return None
-        return weakref.ref(engine), [(weakref.ref(p), p._version, None) for p in params]  # not kept alive
+        return WeightStamp(weakref.ref(engine), params)
 
     def cpu(self) -> Any:
         out = super().cpu()
-        stamp = getattr(self, "_stamp", None)
-        if stamp is not None and stamp[1] and stamp[1][0][2] is None:  # taken at predict end: the move back
-            params = [ref() for ref, _, _ in stamp[1]]  # copied the engine's values to where these now point
-            same = all(p is not None and p._version == v and p.device.type == "cpu"
-                       for p, (_, v, _) in zip(params, stamp[1]))  # fmt: skip
-            self._stamp = (stamp[0], [(weakref.ref(p), p._version, p.data_ptr()) for p in params]) if same else None
+        if getattr(self, "_stamp", None) is not None and not self._stamp.home():
+            self._stamp = None  # written to between the predict's end and the move back, or not moved home
         return out
+
+
+class WeightStamp:
+    """The model's parameters at a predict's end, when they read the kept engine's copies: weak
+    references, version counters, and (once ``cpu()`` has moved them home) their host addresses.
+    While none is replaced, moved or written to, the engine's copies hold their values."""
+
+    def __init__(self, engine: weakref.ref, params: list[torch.nn.Parameter]) -> None:
+        self.engine = engine
+        self.params = [weakref.ref(p) for p in params]  # a replaced model's weights are not kept alive
+        self.versions = [p._version for p in params]
+        self.host_ptrs: list[int] | None = None
+
+    def _alive(self) -> list[torch.nn.Parameter] | None:
+        params = [ref() for ref in self.params]
+        if any(p is None or p._version != v for p, v in zip(params, self.versions)):
+            return None
+        return params  # type: ignore[return-value]
+
+    def home(self) -> bool:
+        """Notes where the parameters now are on the host (first call only); False if one was written
+        to or is not on the CPU."""
+        if self.host_ptrs is not None:
+            return True
+        params = self._alive()
+        if params is None or any(p.device.type != "cpu" for p in params):
+            return False
+        self.host_ptrs = [p.data_ptr() for p in params]
+        return True
+
+    def holds(self, engine: DecodeEngine, model: torch.nn.Module) -> bool:
+        """Whether ``engine``'s copies still hold ``model``'s parameters' values."""
+        params = self._alive()
+        return (self.engine() is engine and self.host_ptrs is not None and params is not None
+                and [id(p) for p in params] == [id(p) for p in model.parameters()]
+                and self.host_ptrs == [p.data_ptr() for p in params])  # fmt: skip
