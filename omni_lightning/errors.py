@@ -8,6 +8,18 @@ working. Standard library only: the command line raises it before torch loads.
 
 from __future__ import annotations
 
+import numbers
+
 
 class UsageError(ValueError):
     """A mistake the user can fix (the message says what and how); exit status 2 on the command line."""
+
+
+def check_count(name: str, value: object, minimum: int = 1, none_ok: bool = False) -> None:
+    """UsageError naming ``name`` unless ``value`` is an int (not a bool) >= ``minimum`` (or None when
+    ``none_ok``): a string or float from a config is refused here, not by a comparison deep inside."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        also = " (or None)" if none_ok else ""
+        raise UsageError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")

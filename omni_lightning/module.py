@@ -11,10 +11,11 @@ import lightning.pytorch as pl
 import torch
 
 from omni_lightning.engine import DecodeEngine, StreamingDecoder
+from omni_lightning.errors import check_count
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.kernels import Kernels
-from omni_lightning.models import Code2Wav, Code2WavConfig, resolve_config, validate_codes
+from omni_lightning.models import Code2Wav, Code2WavConfig, validate_codes
 from omni_lightning.runner.engine_hooks import EngineOnPredict
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
@@ -95,12 +96,9 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         log_samples: int = 4,
     ) -> None:
         super().__init__()
-        if model is None:
-            model = Code2Wav.from_pretrained(checkpoint) if checkpoint else Code2Wav(resolve_config(config))
-        if frames_per_forward is not None and frames_per_forward < 1:
-            raise ValueError(f"frames_per_forward must be >= 1 or None (memory budget), got {frames_per_forward}")
-        if graph_frames < 0:
-            raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
+        model = Code2Wav.resolve(model, checkpoint, config)
+        check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
+        check_count("graph_frames", graph_frames, minimum=0)  # 0: no CUDA graphs
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         check_fine_tuning_settings(self.hparams)

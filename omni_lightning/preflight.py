@@ -18,14 +18,13 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
+from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
-from omni_lightning.data.sources import list_source
+from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
 
@@ -226,36 +225,6 @@ def finished_job(command: CommandLine | None) -> str | None:
     finished.compact()
     stats = {"skipped": len(command.predict_ids)}
     return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
-
-
-def check_source(flag: str, value: str) -> None:
-    """A data source: a folder holding code files, or a non-empty JSONL manifest."""
-    path = Path(value)
-    fix = f"give a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
-    if not path.exists():
-        raise UsageError(f"{flag} {value} does not exist: {fix}")
-    if path.is_dir():
-        codes, others = scan_folder(path)
-        if not codes:
-            seen = f" (it holds {len(others)} other file(s), e.g. {others[0].name})" if others else " (it is empty)"
-            raise UsageError(f"{flag} {value} holds no code files{seen}: {fix}")
-        return
-    if path.suffix in CODE_SUFFIXES:
-        raise UsageError(f"{flag} {value} is a single code file: give its folder, or a JSONL manifest listing it")
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            first = next((line for line in f if line.strip()), None)
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({type(err).__name__}): {fix}") from err
-    if first is None:
-        raise UsageError(f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
-                         '{"id": "utt1", "codes": "codes/utt1.npy"}')  # fmt: skip
-    try:
-        row = json.loads(first)
-    except json.JSONDecodeError:
-        row = None
-    if not isinstance(row, dict):
-        raise UsageError(f"{flag} {value} is not a JSONL manifest (its first line is not a JSON object): {fix}")
 
 
 def check_preset(value: str) -> None:

@@ -96,8 +96,8 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
            "--data.predict", str(src), "--out_dir", str(tmp_path / "out"), "--trainer.accelerator", "cpu"]  # fmt: skip
     mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
-        "--model.frames_per_forward": ("0", "the configuration could not be built: frames_per_forward"),
-        "--data.batch_size": ("0", "batch_size and max_frames must be >= 1, got 0"),
+        "--model.frames_per_forward": ("0", "frames_per_forward must be an integer >= 1 (or None), got 0"),
+        "--data.batch_size": ("0", "batch_size must be an integer >= 1, got 0"),
         "--trainer.devices": ("0", "`Trainer(devices='0')` value is not a valid input"),
     }
     for flag, (value, message) in mistakes.items():

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from omni_lightning import Code2WavConfig, Code2WavModule, CodesDataModule, CodesDataset, Trainer, WaveformWriter
 from omni_lightning.callbacks.progress import AudioProgressBar
 from omni_lightning.data.output_folder import file_name
+from omni_lightning.errors import UsageError
 from omni_lightning.models import validate_codes
 
 TINY = Code2WavConfig.from_name("tiny")
@@ -194,6 +195,36 @@ def test_duplicate_ids_stop_the_job_before_any_decode_or_are_numbered_on_request
     torch.save(torch.from_numpy(items[1][1]), folder / "u.pt")
     with pytest.raises(ValueError, match=r"'u': u.npy, u.pt"):
         CodesDataset(str(folder), TINY)
+
+
+def test_a_single_code_file_or_a_binary_file_as_a_source_is_a_usage_error_naming_it(tmp_path):
+    """From Python as on the command line: a code file is not a manifest (it used to be read as one
+    and fail with a UnicodeDecodeError)."""
+    np.save(tmp_path / "a.npy", random_codes(1, 3)[0].numpy())
+    (tmp_path / "blob.jsonl").write_bytes(b"\x93\xff\x00binary")
+    (tmp_path / "late.jsonl").write_bytes(b'{"id": "x", "codes": "a.npy"}\n\xff\xfe\n')
+    with pytest.raises(UsageError, match=r"a.npy is a single code file: give its folder, or a JSONL manifest"):
+        CodesDataset(str(tmp_path / "a.npy"), TINY)
+    with pytest.raises(UsageError, match=r"blob.jsonl cannot be read as a JSONL manifest \(UnicodeDecodeError\)"):
+        CodesDataModule(predict=str(tmp_path / "blob.jsonl"), config="tiny").setup("predict")
+    with pytest.raises(UsageError, match=r"late.jsonl cannot be read as .*UnicodeDecodeError"):
+        CodesDataset(str(tmp_path / "late.jsonl"), TINY)
+    with pytest.raises(UsageError, match=r"missing does not exist"):
+        CodesDataset(str(tmp_path / "missing"), TINY)
+
+
+def test_an_id_in_two_predict_sources_stops_a_writer_job_before_any_decode_with_or_without_skip_done(tmp_path, model):
+    codes = random_codes(2, 3, seed=9)
+    module = Code2WavModule(model=model)
+    for skip_done in (None, tmp_path / "out"):
+        data = CodesDataModule(predict=[{"a": codes[0], "b": codes[1]}, {"a": codes[1]}], skip_done=skip_done)
+        writer = WaveformWriter(tmp_path / "out")
+        with pytest.raises(UsageError, match=r"1 group\(s\) of requests share ids.*nothing was decoded.*'a', 'a'"):
+            Trainer(**trainer_kwargs(callbacks=[writer])).predict(module, datamodule=data, return_predictions=False)
+        assert not list(tmp_path.rglob("*.wav"))
+    # without a writer the repeat names nothing: each source is its own dataloader, as in Lightning
+    preds = Trainer(**trainer_kwargs()).predict(module, datamodule=data)
+    assert [[i for out in p for i in out.req_ids] for p in preds] == [["a", "b"], ["a"]]
 
 
 # --- findings 3, 4, 5: the command line ---------------------------------------------------------------

@@ -4,7 +4,8 @@ the predict loop's thread, resumable, nothing lost.
 - Names, formats and what is finished are ``data/output_folder.py``'s: file names come from ids
   injectively and never leave ``out_dir``; WAV as PCM_16, PCM_24 or FLOAT, FLAC as PCM_16 or PCM_24.
   Before anything is decoded the writer refuses a job in which two requests share an id (over all
-  predict sources) or a file name (on a case-insensitive file system, names that differ only by case).
+  predict sources) or a file name (on a case-insensitive file system, names that differ only by case):
+  the ids a ``CodesDataModule`` listed (``predict_plan``); for other data, at the first repeat.
 - **Off the critical path.** At each batch end the writer takes the previous batch (its host copy,
   ``AsyncD2HCallback``, ran under the step that just launched), decides on the loop's thread which
   of its requests to write, and hands them to a :class:`WriteQueue`. A background thread encodes the
@@ -42,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
+from omni_lightning.callbacks.audio_files import encode_durably
 from omni_lightning.callbacks.write_queue import WriteQueue
 from omni_lightning.data.output_folder import (
     MANIFEST,
@@ -63,7 +64,7 @@ from omni_lightning.data.output_folder import (
     remove_temp_files,
     summary_line,
 )
-from omni_lightning.errors import UsageError
+from omni_lightning.errors import UsageError, check_count
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 
@@ -78,6 +79,8 @@ class WaveformWriter(BasePredictionWriter):
                  max_pending: int = 4, encoders: int | None = None) -> None:  # fmt: skip
         super().__init__(write_interval="batch")
         check_format(audio_format, subtype)
+        check_count("max_pending", max_pending)
+        check_count("encoders", encoders, none_ok=True)  # None: up to 4, one per core
         self.out_dir = Path(out_dir)
         self.subtype, self.audio_format = subtype, audio_format
         self.max_pending = max_pending
@@ -120,10 +123,11 @@ class WaveformWriter(BasePredictionWriter):
             return
         rank, world = trainer.global_rank, trainer.world_size
         self._manifest = self.out_dir / (MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl")
-        plan = getattr(trainer.datamodule, "predict_plan", None)
-        if not (isinstance(plan, PredictPlan) and plan.out_dir.resolve() == self.out_dir.resolve()):
-            plan = None  # no data module told of this folder: the writer reads it itself
-        finished = plan.finished if plan is not None else None
+        listed = getattr(trainer.datamodule, "predict_plan", None)  # the job's ids, listed by the data module
+        listed = listed if isinstance(listed, PredictPlan) else None
+        plan = listed if listed is not None and listed.out_dir is not None and (
+            listed.out_dir.resolve() == self.out_dir.resolve()) else None  # the data skipped this folder's finished
+        finished = plan.finished if plan is not None else None  # else the writer reads the folder itself
         if rank == 0:
             try:
                 self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -139,8 +143,9 @@ class WaveformWriter(BasePredictionWriter):
         self._claimed, self._ok_now, self.failed = set(), set(), {}
         self.stats = self._zero_stats()
         self._expected, self.unread = set(), []
+        if listed is not None:  # before anything is decoded, on every rank alike
+            check_names(listed.ids, self._fold)
         if plan is not None:
-            check_names(plan.ids, self._fold)  # before anything is decoded, on every rank alike
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
         self._close(drain=False)
@@ -220,24 +225,10 @@ class WaveformWriter(BasePredictionWriter):
                 self.stats["error"] += 1
 
     def _encode(self, file: tuple[str, Any, int]) -> tuple[str, str, int, int, str | None]:
-        """One file into its durable temp file; a failure is this request's (its reason returned)."""
-        import soundfile as sf
-
         req_id, wav, sr = file
         name = file_name(req_id, self.audio_format)
-        tmp = self.out_dir / f".{name}.tmp"
-        try:
-            data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else wav.reshape(-1)
-            if self.subtype == "PCM_16":  # libsndfile truncates toward -inf (a -0.5 LSB bias): round here
-                data = np.clip(np.rint(data * np.float32(32768)), -32768, 32767).astype(np.int16)
-            with open(tmp, "wb") as f:
-                sf.write(f, data, sr, subtype=self.subtype, format=self.audio_format.upper())
-                f.flush()
-                os.fsync(f.fileno())
-        except Exception as err:  # whatever encoding or the disk raises, it is this request's failure
-            tmp.unlink(missing_ok=True)
-            return req_id, name, 0, sr, f"could not write {name}: {type(err).__name__}: {err}"
-        return req_id, name, int(data.shape[0]), sr, None
+        n_samples, problem = encode_durably(self.out_dir / f".{name}.tmp", wav, sr, self.audio_format, self.subtype)
+        return req_id, name, n_samples, sr, problem and f"could not write {name}: {problem}"
 
     # --- run end or error: drain, merge, summary -------------------------------------------------------
 

@@ -14,7 +14,7 @@ from omni_lightning.data.dataset import BAD_INPUT_MODES, CodesDataset
 from omni_lightning.data.output_folder import Finished, PredictPlan
 from omni_lightning.data.sampler import LengthBucketBatchSampler
 from omni_lightning.data.sources import DUPLICATE_ID_MODES
-from omni_lightning.errors import UsageError
+from omni_lightning.errors import UsageError, check_count
 from omni_lightning.models import Code2WavConfig
 
 Source = str | Path | list
@@ -28,19 +28,22 @@ class CodesDataModule(pl.LightningDataModule):
 
     ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
     ``"raise"`` stops before any compute. ``duplicate_ids``: ``"error"`` (default) refuses a source
-    whose ids repeat, ``"rename"`` numbers the repeats (see ``CodesDataset``). ``crop_frames``: random
+    whose ids repeat, ``"rename"`` numbers the repeats (see ``CodesDataset``); ids may repeat across
+    predict sources (one dataloader each), but a ``WaveformWriter`` refuses such a job before any
+    decode, as each id names one file. ``crop_frames``: random
     training crops. ``num_workers``: loader processes; None picks 0 for data already in memory
     (tensors: a worker would only add a fork and a copy of every batch through shared memory) and
     otherwise Lightning's suggestion for this machine (0 when it suggests one or fewer, else up to
     4), so file reading overlaps compute where there are cores to spare. On CUDA, batches are
     collated into pinned memory, so their copy to the GPU does not wait for a staging copy.
 
+    ``predict_plan`` records the predict job in ``setup`` (every id over all sources, input files not
+    read, and with ``skip_done`` what was finished), which a writer reads before anything is decoded.
     ``skip_done``: a ``WaveformWriter``'s output folder (or its ``output_folder.Finished``, already
     read). The predict requests its manifest lists as finished (read once, in ``setup``) are neither
-    read nor decoded, so a
-    rerun resumes; ``predict_plan`` then records the job (every id, what was finished, input files
-    not read), which the writer reads instead of the folder. The command line sets it to
-    ``--out_dir``. Without it every request is decoded and the writer still writes no finished id twice.
+    read nor decoded, so a rerun resumes; the writer then reads the plan instead of the folder. The
+    command line sets it to ``--out_dir``. Without it every request is decoded and the writer still
+    writes no finished id twice.
     """
 
     def __init__(
@@ -62,10 +65,9 @@ class CodesDataModule(pl.LightningDataModule):
         super().__init__()
         # checked here, where a mistake is the caller's, not inside a dataloader hook: Lightning 2.6
         # leaves DataLoader.__init__ patched when a hook raises
-        if batch_size < 1 or (max_frames is not None and max_frames < 1):
-            raise UsageError(f"batch_size and max_frames must be >= 1, got {batch_size} and {max_frames}")
-        if num_workers is not None and num_workers < 0:
-            raise UsageError(f"num_workers must be >= 0 (or None: chosen for this machine), got {num_workers}")
+        check_count("batch_size", batch_size)
+        check_count("max_frames", max_frames, none_ok=True)
+        check_count("num_workers", num_workers, minimum=0, none_ok=True)  # None: chosen for this machine
         if on_bad_input not in BAD_INPUT_MODES:
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if duplicate_ids not in DUPLICATE_ID_MODES:
@@ -144,9 +146,8 @@ class CodesDataModule(pl.LightningDataModule):
         skip = finished.ids if finished is not None else set()
         datasets = [self._dataset(s, skip=skip) for s in (sources if many else [sources])]
         self.datasets["predict"] = datasets
-        if finished is not None:
-            ids = [i for ds in datasets for i in (*ds.skipped, *ds.ids)]
-            self.predict_plan = PredictPlan(finished, ids, [p for ds in datasets for p in ds.unread])
+        ids = [i for ds in datasets for i in (*ds.skipped, *ds.ids)]
+        self.predict_plan = PredictPlan(finished, ids, [p for ds in datasets for p in ds.unread])
 
     def _workers(self, dataset: CodesDataset) -> int:
         if self.num_workers is not None:

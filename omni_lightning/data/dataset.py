@@ -120,6 +120,9 @@ class CodesDataset(Dataset):
         if isinstance(source, (str, Path)):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
+            if not hasattr(source, "__iter__"):
+                raise UsageError(f"a data source is a folder, a JSONL manifest, or a list or dict of codes; got "
+                                 f"{type(source).__name__} {source!r:.60}")  # fmt: skip
             items = source.items() if isinstance(source, Mapping) else enumerate(source)
             self.entries = [Entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)

@@ -212,23 +212,24 @@ def remove_temp_files(out_dir: Path) -> int:
 @dataclass
 class PredictPlan:
     """What a predict job is, decided before anything is decoded: every request id (over all
-    sources), the folder's finished requests (not read, not decoded), the input files not read."""
+    sources), the output folder's finished requests (not read, not decoded; None: no folder was
+    read, every request is decoded), the input files not read."""
 
-    finished: Finished
+    finished: Finished | None
     ids: list[str]
     unread: list[Path] = field(default_factory=list)
 
     @property
-    def out_dir(self) -> Path:
-        return self.finished.out_dir
+    def out_dir(self) -> Path | None:
+        return self.finished.out_dir if self.finished is not None else None
 
     @property
     def pending(self) -> list[str]:
-        return [i for i in self.ids if i not in self.finished]
+        return [i for i in self.ids if self.finished is None or i not in self.finished]
 
     @property
     def skipped(self) -> int:
-        return sum(1 for i in self.ids if i in self.finished)
+        return len(self.ids) - len(self.pending)
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:

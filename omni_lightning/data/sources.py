@@ -18,6 +18,7 @@ from omni_lightning.data.files import CODE_SUFFIXES, scan_folder
 from omni_lightning.errors import UsageError
 
 DUPLICATE_ID_MODES = ("error", "rename")
+SOURCE_FIX = f"give a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
 
 
 @dataclass
@@ -31,31 +32,72 @@ class Entry:
     checked_version: int | None = None  # a tensor in memory: its version counter when its values passed
 
 
-def list_source(source: str | Path, duplicate_ids: str = "error") -> tuple[list[Entry], list[Path]]:
+def list_source(source: str | Path, duplicate_ids: str = "error",
+                name: str = "data source") -> tuple[list[Entry], list[Path]]:  # fmt: skip
     """``(entries, unread files)`` of a folder or a manifest, ids made unique (see :func:`unique_ids`).
 
-    UsageError when the source is neither, a folder holds no code file or a manifest no request.
+    UsageError naming ``name`` and the source when it is neither (see :func:`check_source`), a folder
+    holds no code file or a manifest no request.
     """
     path = Path(source)
     unread: list[Path] = []
     if path.is_dir():
         files, unread = scan_folder(path)
         if not files:
-            raise UsageError(f"no code files ({', '.join(CODE_SUFFIXES)}) in {path}")
+            raise _no_code_files(name, source, unread)
         entries = [Entry(req_id, p, where=str(p.relative_to(path))) for req_id, p in files]
-    elif path.is_file():
-        entries = read_manifest_entries(path)
     else:
-        raise UsageError(f"data source {path} is neither a manifest file nor a folder")
+        check_source(name, source)
+        entries = read_manifest_entries(path)
     unique_ids(entries, source, duplicate_ids)
     return entries, unread
+
+
+def check_source(flag: str, value: str | Path) -> None:
+    """A data source: a folder holding code files, or a non-empty JSONL manifest (its first non-blank
+    line a JSON object). UsageError naming ``flag`` and ``value`` otherwise (a single code file, a
+    binary or unreadable file, ...)."""
+    path = Path(value)
+    if not path.exists():
+        raise UsageError(f"{flag} {value} does not exist: {SOURCE_FIX}")
+    if path.is_dir():
+        codes, others = scan_folder(path)
+        if not codes:
+            raise _no_code_files(flag, value, others)
+        return
+    if path.suffix in CODE_SUFFIXES:
+        raise UsageError(f"{flag} {value} is a single code file: give its folder, or a JSONL manifest listing it")
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            first = next((line for line in f if line.strip()), None)
+    except (OSError, UnicodeDecodeError) as err:
+        problem = type(err).__name__
+        raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({problem}): {SOURCE_FIX}") from err
+    if first is None:
+        raise UsageError(f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
+                         '{"id": "utt1", "codes": "codes/utt1.npy"}')  # fmt: skip
+    try:
+        row = json.loads(first)
+    except json.JSONDecodeError:
+        row = None
+    if not isinstance(row, dict):
+        raise UsageError(f"{flag} {value} is not a JSONL manifest (its first line is not a JSON object): {SOURCE_FIX}")
+
+
+def _no_code_files(flag: str, value: str | Path, others: list[Path]) -> UsageError:
+    seen = f" (it holds {len(others)} other file(s), e.g. {others[0].name})" if others else " (it is empty)"
+    return UsageError(f"{flag} {value} holds no code files{seen}: {SOURCE_FIX}")
 
 
 def read_manifest_entries(path: Path) -> list[Entry]:
     """One entry per non-blank line; a line that is not a JSON object or names no codes is a bad entry
     (its id ``line-<n>`` or its own), never the end of the job. No ``id``: the codes file's stem."""
     entries = []
-    for line_no, line in enumerate(path.read_text(encoding="utf-8-sig").splitlines(), start=1):
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"manifest {path} cannot be read as UTF-8 JSON lines ({type(err).__name__}: {err})") from err
+    for line_no, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"line {line_no}"

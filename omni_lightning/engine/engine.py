@@ -42,6 +42,7 @@ from omni_lightning.engine.plan import Planner
 from omni_lightning.engine.work import Work, gather, scatter, to_device
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
+from omni_lightning.models.codes import check_lengths
 from omni_lightning.models.state import DecodeState, host_to_device
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,7 @@ class DecodeEngine:
             raise ValueError(f"graph_share must be in (0, 1], got {graph_share}")
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        self.model = model
-        self.gpu_memory_utilization = gpu_memory_utilization
+        self.model, self.gpu_memory_utilization = model, gpu_memory_utilization
         ref = next(model.parameters())
         self.device, self.dtype = ref.device, ref.dtype
         self.out_dtype = out_dtype
@@ -154,10 +154,10 @@ class DecodeEngine:
     # --- decoding --------------------------------------------------------------------------------
 
     def decode(self, codes: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a validated right-padded
-        batch ``codes [B, Q, T]``, each equal to its whole decode; in request order."""
+        """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a right-padded batch ``codes
+        [B, Q, T]`` whose values were validated (the lengths are checked here), each equal to its whole decode."""
+        queue = deque(enumerate(check_lengths(lengths, codes.shape[0], codes.shape[-1]).tolist()))
         codes = codes.to(self.device, non_blocking=True)
-        queue = deque(enumerate(lengths))
         active: list[tuple[int, Work]] = []
         outs: list[torch.Tensor | None] = [None] * len(lengths)
         try:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_lightning.engine.engine import DecodeEngine
+from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
 
 STEP_FRAMES = 16  # frames per stream a full step may push and still replay a CUDA graph (default budget)
@@ -55,8 +56,7 @@ class StreamingDecoder:
     def __init__(self, model: Code2Wav, max_streams: int = 64, cuda_graphs: bool = True,
                  frames_per_forward: int | None = None, engine: DecodeEngine | None = None,
                  gpu_memory_utilization: float | None = None) -> None:  # fmt: skip
-        if max_streams < 1:
-            raise ValueError(f"max_streams must be >= 1, got {max_streams}")
+        check_count("max_streams", max_streams)
         self.model, self.config = model, model.config
         # every stream's step of up to STEP_FRAMES frames replays a CUDA graph (a 64 x 10 step ran
         # eagerly, bound by the host's launches); its graphs take most of the budget (budget.py)

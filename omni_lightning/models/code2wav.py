@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from omni_lightning.errors import UsageError, check_count
 from omni_lightning.kernels import Kernels
-from omni_lightning.models.codes import check_codes_layout, validate_codes
+from omni_lightning.models.codes import check_codes_layout, check_lengths, validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
     CausalConv1d,
@@ -151,15 +152,16 @@ class Code2Wav(nn.Module):
 
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
-        validated on the CPU already (the check on a GPU tensor synchronizes the device). One
+        validated on the CPU already (the check on a GPU tensor synchronizes the device); the
+        lengths are checked either way (one per request, each in ``[1, T]``). One
         forward over the whole batch: for long requests or bounded memory use ``chunked_decode`` or
         the decode engine (``omni_lightning.engine``).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
-        elif lengths is None:
-            lengths = torch.full((codes.shape[0],), codes.shape[-1], dtype=torch.long)
-        n = [int(x) for x in (lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)]
+        else:
+            lengths = check_lengths(lengths, codes.shape[0], codes.shape[-1], req_ids)
+        n = lengths.tolist()
         codes = codes[..., : max(n)]
         if codes.dtype not in (torch.int32, torch.int64):  # uint16 & co. have no clamp kernel
             codes = codes.long()
@@ -176,14 +178,27 @@ class Code2Wav(nn.Module):
         decode (no context is re-decoded, nothing is approximated). One request ``[1, Q, T]`` gives
         ``[1, N]``, as ``decode`` gives per request.
         """
-        if chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1 frame, got {chunk_size}")
+        check_count("chunk_size", chunk_size)
         if validate:
             validate_codes(codes, self.config)
         state = self.new_state(codes.shape[0])
         starts = range(0, codes.shape[-1], chunk_size)
         pieces = [self(codes[..., start : start + chunk_size], state) for start in starts]
         return torch.cat(pieces, dim=-1)[:, 0, self.config.tail :]
+
+    @classmethod
+    def resolve(cls, model: Code2Wav | None, checkpoint: str | Path | None = None,
+                config: Code2WavConfig | str = "qwen3-omni") -> Code2Wav:  # fmt: skip
+        """``model`` itself; None: loaded from ``checkpoint``, else built from ``config`` (random weights).
+        UsageError naming a ``model`` that is not a ``Code2Wav`` (a preset's name, say)."""
+        if model is None:
+            return cls.from_pretrained(checkpoint) if checkpoint else cls(resolve_config(config))
+        if not isinstance(model, Code2Wav):
+            named = isinstance(model, str)
+            hint = f"; pass config={model!r} (a preset) or checkpoint={model!r} (weights)" if named else ""
+            raise UsageError(f"model must be a Code2Wav (or None: built from checkpoint or config), got "
+                             f"{type(model).__name__} {model!r:.60}{hint}")  # fmt: skip
+        return model
 
     @classmethod
     def from_pretrained(

@@ -34,6 +34,25 @@ def check_codes_layout(codes: Any, config: Code2WavConfig, req_ids: Sequence[str
         raise ValueError(f"{_name(req_ids, 0)} is empty (0 frames)")
 
 
+def check_lengths(lengths: Any, batch: int, n_frames: int, req_ids: Sequence[str] | None = None) -> torch.Tensor:
+    """``lengths`` (None: every request ``n_frames`` long) as int64 on the CPU, after checking that
+    there is one per request, each in ``[1, n_frames]``; ``ValueError`` naming the request otherwise."""
+    if lengths is None:
+        return torch.full((batch,), n_frames, dtype=torch.long)
+    lengths = torch.as_tensor(lengths)
+    if lengths.numel() == 0:  # [] (a batch of only bad requests) is float32 to torch
+        lengths = lengths.long()
+    if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.shape != (batch,):
+        raise ValueError(f"lengths must be integers of shape [{batch}], got {lengths.dtype} {tuple(lengths.shape)}")
+    lengths = lengths.to(device="cpu", dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        if n < 1:
+            raise ValueError(f"{_name(req_ids, i)} is empty (length {n})")
+        if n > n_frames:
+            raise ValueError(f"{_name(req_ids, i)} has length {n}, longer than the {n_frames} padded frames")
+    return lengths
+
+
 def validate_codes(
     codes: Any,
     config: Code2WavConfig,
@@ -57,19 +76,7 @@ def validate_codes(
     def name(i: int) -> str:
         return _name(req_ids, i)
 
-    if lengths is None:
-        lengths = torch.full((batch,), n_frames, dtype=torch.long)
-    else:
-        lengths = torch.as_tensor(lengths)
-        if lengths.dtype == torch.bool or lengths.is_floating_point() or lengths.shape != (batch,):
-            raise ValueError(f"lengths must be integers of shape [{batch}], got {lengths.dtype} "
-                             f"{tuple(lengths.shape)}")  # fmt: skip
-        lengths = lengths.to(device="cpu", dtype=torch.long)
-        for i, n in enumerate(lengths.tolist()):
-            if n < 1:
-                raise ValueError(f"{name(i)} is empty (length {n})")
-            if n > n_frames:
-                raise ValueError(f"{name(i)} has length {n}, longer than the {n_frames} padded frames")
+    lengths = check_lengths(lengths, batch, n_frames, req_ids)
     frame = torch.arange(n_frames, device=codes.device)
     in_request = (frame[None, :] < lengths.to(codes.device)[:, None])[:, None, :]
     wide = codes if codes.dtype == torch.long else codes.long()  # uint64 past int64's range wraps negative: still bad

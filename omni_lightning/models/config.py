@@ -104,7 +104,7 @@ class Code2WavConfig:
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})"
             )
-        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.num_attention_heads >= 1 and self.hidden_size % self.num_attention_heads:
             problems.append(
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); set head_dim"
