@@ -40,6 +40,24 @@ def check_ckpt_path(sub: str, value: str) -> None:
         raise UsageError(f"--ckpt_path {value} cannot be read ({type(err).__name__}): {fix}") from err
     if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or its legacy pickle
         raise UsageError(f"--ckpt_path {value} is not a checkpoint torch saved: {fix}")
+    if head.startswith(b"PK"):
+        _check_lightning_archive(value, fix)
+
+
+def _check_lightning_archive(value: str, fix: str) -> None:
+    """A zip that torch saved holds ``<name>/data.pkl``, the pickled object without its tensors (small);
+    a Lightning checkpoint's names its ``pytorch-lightning_version``. Refuses a truncated archive, a
+    saved tensor or state dict, or a code file, which Lightning would fail on deep inside."""
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(value) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+            data = archive.read(pickles[0]) if pickles else b""
+    except (OSError, zipfile.BadZipFile, EOFError) as err:
+        raise UsageError(f"--ckpt_path {value} cannot be read as a checkpoint ({err}), truncated?: {fix}") from err
+    if b"pytorch-lightning_version" not in data:
+        raise UsageError(f"--ckpt_path {value} is not a Lightning checkpoint (a saved tensor or state dict?): {fix}")
 
 
 def check_timings(value: str) -> None:
@@ -77,8 +95,13 @@ def check_checkpoint(value: str) -> None:
 
 def check_out_dir(value: str) -> None:
     path = Path(value)
+    if path.is_symlink() and not path.exists():
+        raise UsageError(f"--out_dir {value} is a link to {os.readlink(path)}, which does not exist: give a folder")
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out_dir {value} is a file: give a folder (it is created when missing)")
+    if (path / "manifest.jsonl").is_dir():
+        raise UsageError(f"--out_dir {value} holds a folder named manifest.jsonl, where the job's manifest goes: "
+                         "move it, or give another --out_dir")  # fmt: skip
     parent = path
     while not parent.exists():
         parent = parent.parent

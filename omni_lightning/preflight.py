@@ -200,9 +200,15 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
         command.predict_ids = ids
 
 
+BOOLEANS = ("true", "yes", "on", "false", "no", "off")  # what the argument parser takes for a bool
+
+
 def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any) -> None:
     """The weights guard: UsageError when ``sub`` needs weights and none are given (see the module docstring)."""
-    random = random_weights is True or str(random_weights).strip().lower() in ("true", "yes", "on", "1")
+    text = str(random_weights).strip().lower()
+    if random_weights is not None and not isinstance(random_weights, bool) and text not in BOOLEANS:
+        raise UsageError(f"--model.random_weights must be true or false, got {random_weights!r}")
+    random = random_weights is True or text in ("true", "yes", "on")
     if sub in NEEDS_WEIGHTS and not checkpoint and not ckpt_path and not random:
         raise UsageError(
             f"{sub} has no weights: give --model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) or "

@@ -112,6 +112,28 @@ def test_broken_folders(tmp_path, model):
         Code2Wav.from_pretrained(folder)
 
 
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c: [1, 2], r"config.json holds \[1, 2\], not the JSON object of a model config"),
+        (lambda c: None, r"config.json holds null"),
+        (lambda c: "hello", r'config.json holds "hello"'),
+        (lambda c: {"code2wav_config": 5}, r"config.json: a Code2Wav config is a JSON object, got int 5"),
+        (lambda c: {**c, "upsample_rates": None}, r"config.json: .*upsample_rates must be a list of integers, got No"),
+        (lambda c: {**c, "codebook_size": "big"}, r"config.json: .*codebook_size must be an integer, got 'big'"),
+        (lambda c: {**c, "rope_parameters": "x"}, r"config.json: rope_parameters must be a JSON object, got 'x'"),
+        (lambda c: {**c, "hidden_act": 3}, r"config.json: .*hidden_act must be a str, got 3"),
+    ],
+)
+def test_a_malformed_config_json_is_a_value_error_naming_the_file_and_key(tmp_path, model, edit, match):
+    """Not an AttributeError or TypeError from deep inside: the command line reports it as the user's."""
+    folder = model.save_pretrained(tmp_path / "c2w")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(edit(config)))
+    with pytest.raises(ValueError, match=match):
+        Code2Wav.from_pretrained(folder)
+
+
 def test_transformers_loads_our_export_with_identical_outputs(tmp_path, model):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 

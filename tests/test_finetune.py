@@ -245,7 +245,7 @@ def test_a_gan_batch_too_short_for_the_discriminators_names_its_requests(pairs, 
     (tmp_path / "m.jsonl").write_text(json.dumps({"id": "tiny clip", "codes": str(train.parent / row["codes"]),
                                                   "audio": str(tmp_path / "tiny.wav")}) + "\n")  # fmt: skip
     data = CodesDataModule(train=str(tmp_path / "m.jsonl"), batch_size=1)
-    with pytest.raises(ValueError, match=r"need >= 1025 samples: request\(s\) \['tiny clip'\] have fewer"):
+    with pytest.raises(UsageError, match=r"need >= 1025 samples: request\(s\) \['tiny clip'\] have fewer"):
         Trainer(**fit_kwargs(2)).fit(student(adversarial=True), datamodule=data)
 
 

@@ -227,6 +227,44 @@ def test_an_id_in_two_predict_sources_stops_a_writer_job_before_any_decode_with_
     assert [[i for out in p for i in out.req_ids] for p in preds] == [["a", "b"], ["a"]]
 
 
+def test_links_to_folders_and_odd_manifest_ids_are_reported_never_dropped_or_rewritten_silently(tmp_path, model):
+    codes = random_codes(1, 3, seed=4)[0].numpy()
+    (tmp_path / "elsewhere").mkdir()
+    np.save(tmp_path / "elsewhere" / "x.npy", codes)
+    folder = tmp_path / "in"
+    folder.mkdir()
+    np.save(folder / "a.npy", codes)
+    (folder / "linked").symlink_to(tmp_path / "elsewhere")  # not followed: listed as not read
+    dataset = CodesDataset(str(folder), TINY)
+    assert dataset.ids == ["a"] and [p.name for p in dataset.unread] == ["linked"]
+    (tmp_path / "only").mkdir()
+    (tmp_path / "only" / "linked").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UsageError, match=r"holds no code files \(it holds 1 other file\(s\), e.g. linked\)"):
+        CodesDataset(str(tmp_path / "only"), TINY)
+
+    lines = [{"id": "", "codes": "elsewhere/x.npy"}, {"id": True, "codes": "in/a.npy"},
+             {"id": {"k": 1}, "codes": "in/a.npy"}, {"id": 7, "codes": "in/a.npy"}]  # fmt: skip
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    dataset = CodesDataset(str(tmp_path / "m.jsonl"), TINY, on_bad_input="skip")
+    assert dataset.ids == ["x", "line-2", "line-3", "7"]  # "" takes the file's name, as no id does
+    must = "'id' must be a string (or a number), got"
+    assert dataset.bad == {"line-2": f"{tmp_path / 'm.jsonl'}:2: {must} true",
+                           "line-3": f"{tmp_path / 'm.jsonl'}:3: {must} {{\"k\": 1}}"}
+
+
+def test_a_predict_limited_to_no_batch_counts_every_request_as_not_run(tmp_path, model):
+    """Lightning runs no predict hook after ``setup`` at ``limit_predict_batches=0``: the counts the
+    writer set there are the summary."""
+    (tmp_path / "out" / ".a.wav.tmp").mkdir(parents=True)  # a folder so named is the user's: kept
+    writer = WaveformWriter(tmp_path / "out")
+    data = CodesDataModule(predict={"a": random_codes(1, 3)[0], "b": random_codes(1, 4)[0]}, skip_done=tmp_path / "out")
+    Trainer(**trainer_kwargs(callbacks=[writer], limit_predict_batches=0)).predict(
+        Code2WavModule(model=model), datamodule=data, return_predictions=False)  # fmt: skip
+    assert writer.stats["missing"] == 2 and writer.stats["limited"] and not writer.any_failed
+    assert "2 requests not run (the trainer limits predict batches" in writer.summary()
+    assert (tmp_path / "out" / ".a.wav.tmp").is_dir()
+
+
 # --- findings 3, 4, 5: the command line ---------------------------------------------------------------
 
 
@@ -246,7 +284,7 @@ def test_cli_job_accounts_for_every_file_and_exits_3_when_a_request_failed(tmp_p
     assert proc.returncode == 3, log
     assert "predict: 3 requests written" in log and "0 already done, 1 failed" in log, log
     assert "failed float: request 'float': codes have dtype float64" in log
-    assert "1 input files not read (not code files)" in log and "notes.txt" in log
+    assert "1 input files not read (not code files, or links to folders)" in log and "notes.txt" in log
     got = rows(out)
     assert {k: v["status"] for k, v in got.items()} == {"good": "ok", "x/a": "ok", "x_a": "ok", "float": "error"}
     assert got["x_a"]["path"] == "x_a.wav" != got["x/a"]["path"]
@@ -274,17 +312,28 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     np.save(tmp_path / "one.npy", random_codes(1, 3)[0].numpy())
     good = ["predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt), "--out_dir",
             str(tmp_path / "out"), "--data.predict", str(tmp_path)]  # fmt: skip
+    torch.save(torch.zeros(3), tmp_path / "tensor.ckpt")  # files torch saved that are no Lightning checkpoint
+    torch.save({"state_dict": {"w": torch.zeros(3)}}, tmp_path / "state.ckpt")
+    (tmp_path / "cut.ckpt").write_bytes((tmp_path / "state.ckpt").read_bytes()[:300])
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    (tmp_path / "taken" / "manifest.jsonl").mkdir(parents=True)
     cases = {
         "--data.predict": [(str(tmp_path / "nope"), "does not exist"), (str(tmp_path / "empty"), "holds no code files"),
                            (str(tmp_path / "manifst.jsonl"), "does not exist"),
                            (str(tmp_path / "one.npy"), "is a single code file")],
         "--model.checkpoint": [(str(tmp_path / "nockpt"), "does not exist"),
                                (str(tmp_path / "empty"), "no config.json")],
-        "--out_dir": [(str(tmp_path / "afile"), "is a file: give a folder")],
+        "--out_dir": [(str(tmp_path / "afile"), "is a file: give a folder"),
+                      (str(tmp_path / "dangling"), "which does not exist: give a folder"),
+                      (str(tmp_path / "taken"), "holds a folder named manifest.jsonl")],
+        "--model.random_weights": [("maybe", "--model.random_weights must be true or false, got 'maybe'")],
         "--ckpt_path": [(str(tmp_path / "x.ckpt"), "does not exist"), ("last", "and predict runs no fit"),
                         (str(ckpt), "is a folder: give a Lightning .ckpt file"),
                         (str(ckpt / "model.safetensors"), "is a safetensors file"),
-                        (str(tmp_path / "afile"), "is not a checkpoint torch saved")],
+                        (str(tmp_path / "afile"), "is not a checkpoint torch saved"),
+                        (str(tmp_path / "tensor.ckpt"), "is not a Lightning checkpoint (a saved tensor or state"),
+                        (str(tmp_path / "state.ckpt"), "is not a Lightning checkpoint"),
+                        (str(tmp_path / "cut.ckpt"), "cannot be read as a checkpoint")],
         "--timings": [(str(tmp_path / "nodir" / "t.json"), "does not exist"), (str(tmp_path), "is a folder")],
         "--config": [("configs/nope.yaml", "config file configs/nope.yaml does not exist")],
     }  # fmt: skip

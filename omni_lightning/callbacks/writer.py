@@ -129,13 +129,13 @@ class WaveformWriter(BasePredictionWriter):
             listed.out_dir.resolve() == self.out_dir.resolve()) else None  # the data skipped this folder's finished
         finished = plan.finished if plan is not None else None  # else the writer reads the folder itself
         if rank == 0:
-            try:
+            try:  # a read-only file system, a folder where the manifest goes: the folder is the user's choice
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-            except OSError as err:  # a read-only or special file system: the folder is the user's choice
-                raise UsageError(f"output folder {self.out_dir} cannot be created ({err}): pick another") from err
-            remove_temp_files(self.out_dir)
-            finished = finished or Finished.read(self.out_dir)
-            finished.compact()
+                remove_temp_files(self.out_dir)
+                finished = finished or Finished.read(self.out_dir)
+                finished.compact()
+            except OSError as err:
+                raise UsageError(f"output folder {self.out_dir} cannot be used ({err}): pick another") from err
         trainer.strategy.barrier("WaveformWriter.setup")
         self._finished = finished or Finished.read(self.out_dir)
         self._fold = case_insensitive(self.out_dir)
@@ -148,6 +148,10 @@ class WaveformWriter(BasePredictionWriter):
         if plan is not None:
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
+        limit = trainer.limit_predict_batches  # 0 runs no predict hook after this one: the counts stand as set here
+        self.stats["limited"] = bool(trainer.fast_dev_run) or isinstance(limit, int) or (limit if limit is not None
+                                                                                         else 1.0) < 1.0  # fmt: skip
+        self.stats["missing"] = len(self._expected - self._finished.ids)  # none run yet
         self._close(drain=False)
         self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="omni-lightning-encoder")
         self._queue = WriteQueue(self._write_batch, self.max_pending)
@@ -262,8 +266,6 @@ class WaveformWriter(BasePredictionWriter):
         self._flush()
         self._close(drain=True)
         self.stats["seconds"] = time.perf_counter() - self._start
-        limit = trainer.limit_predict_batches
-        self.stats["limited"] = bool(trainer.fast_dev_run) or isinstance(limit, int) or (limit or 1.0) < 1.0
         if trainer.world_size == 1:
             recorded = self._finished.ids | self._ok_now | set(self.failed)
             self.stats["missing"] = len(self._expected - recorded)

@@ -130,7 +130,8 @@ class CodesDataset(Dataset):
             from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
             suffixes = ", ".join(CODE_SUFFIXES)
-            rank_zero_warn(f"{_listing(self.unread, self.source)} not read: not code files ({suffixes})")
+            what = f"not code files ({suffixes}) or links to folders"
+            rank_zero_warn(f"{_listing(self.unread, self.source)} not read: {what}")
         self.skipped = [e.id for e in self.entries if e.id in skip]  # finished already: never opened
         if self.skipped:
             self.entries = [e for e in self.entries if e.id not in skip]

@@ -3,7 +3,8 @@ before torch or Lightning is imported.
 
 Every code file under the folder is a request, subfolders included (``x/a.npy`` has the id ``x/a``).
 Every other file is listed as not read (never dropped silently); the dataset reports them.
-Symbolic links to folders are not followed (a link cycle cannot make a scan endless).
+Symbolic links to folders are not followed (a link cycle cannot make a scan endless, and a link
+cannot pull in files from outside the folder): they are listed as not read too.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def scan_folder(folder: str | Path) -> tuple[list[tuple[str, Path]], list[Path]]
     others: list[Path] = []
     for root, dirs, files in os.walk(folder):
         dirs.sort()
+        others.extend(Path(root) / d for d in dirs if os.path.islink(os.path.join(root, d)))
         for name in sorted(files):
             path = Path(root) / name
             if path.suffix in CODE_SUFFIXES:

@@ -204,6 +204,7 @@ def remove_temp_files(out_dir: Path) -> int:
     manifest's, the case probe's); returns how many. A user's other ``.tmp`` files are kept."""
     patterns = (".*.wav.tmp", ".*.flac.tmp", f".{MANIFEST}.tmp", ".Case-Probe-*.tmp")
     temps = sorted({t for pattern in patterns for t in out_dir.glob(pattern)})
+    temps = [t for t in temps if not t.is_dir() or t.is_symlink()]  # a folder so named is the user's
     for tmp in temps:
         tmp.unlink(missing_ok=True)
     return len(temps)
@@ -246,5 +247,5 @@ def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None
         text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        text += f"; {len(unread)} input files not read (not code files): {names}"
+        text += f"; {len(unread)} input files not read (not code files, or links to folders): {names}"
     return text

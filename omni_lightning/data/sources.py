@@ -90,8 +90,9 @@ def _no_code_files(flag: str, value: str | Path, others: list[Path]) -> UsageErr
 
 
 def read_manifest_entries(path: Path) -> list[Entry]:
-    """One entry per non-blank line; a line that is not a JSON object or names no codes is a bad entry
-    (its id ``line-<n>`` or its own), never the end of the job. No ``id``: the codes file's stem."""
+    """One entry per non-blank line; a line that is not a JSON object, names no codes or has an id that
+    is not a string or number is a bad entry (its id ``line-<n>`` or its own), never the end of the
+    job. No ``id`` (or ``""``): the codes file's stem."""
     entries = []
     try:
         text = path.read_text(encoding="utf-8-sig")
@@ -111,7 +112,11 @@ def read_manifest_entries(path: Path) -> list[Entry]:
             continue
         codes = row.get("codes")
         req_id = row.get("id")
-        req_id = str(req_id) if req_id is not None else (Path(codes).stem if isinstance(codes, str) else "")
+        if isinstance(req_id, bool) or not isinstance(req_id, (str, int, float, type(None))):
+            reason = f"{path}:{line_no}: 'id' must be a string (or a number), got {json.dumps(req_id)}"
+            entries.append(Entry(f"line-{line_no}", Path(), error=reason, where=where))
+            continue
+        req_id = str(req_id) if req_id not in (None, "") else (Path(codes).stem if isinstance(codes, str) else "")
         req_id = req_id or f"line-{line_no}"
         if not isinstance(codes, str):
             entries.append(Entry(req_id, Path(), error=f"{path}:{line_no}: no 'codes' path", where=where))

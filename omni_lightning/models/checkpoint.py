@@ -84,7 +84,7 @@ def load_pretrained(
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
     raw = read_config_json(folder)
-    config = Code2WavConfig.from_hf(raw)
+    config = Code2WavConfig.from_hf(raw, where=folder / "config.json")
     prefix = FULL_MODEL_PREFIX if "code2wav_config" in raw else ""
     device = torch.device(device or "cpu")
     state = read_state_dict(folder, prefix, device)

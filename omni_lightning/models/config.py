@@ -42,6 +42,9 @@ PRESETS["tiny"] = {
 }  # fmt: skip
 
 ACTIVATIONS = ("silu", "gelu", "relu")  # names; models/layers.py maps them to functions
+# the fields that count something, each at least 1
+_COUNTS = ("codebook_size", "num_quantizers", "hidden_size", "num_hidden_layers", "num_attention_heads",
+           "num_key_value_heads", "intermediate_size", "sliding_window", "decoder_dim", "sample_rate")  # fmt: skip
 
 # transformers' generic config keys that say nothing about the architecture.
 _HF_BOOKKEEPING = {
@@ -53,16 +56,19 @@ _HF_BOOKKEEPING = {
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
-    """A folder's (or a file's) ``config.json``; ValueError when it is missing or not JSON."""
+    """A folder's (or a file's) ``config.json``; ValueError when it is missing or not a JSON object."""
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json at {path}")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as err:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from err
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} holds {json.dumps(raw)[:40]}, not the JSON object of a model config")
+    return raw
 
 
 @dataclass
@@ -91,12 +97,11 @@ class Code2WavConfig:
     sample_rate: int = 24000
 
     def __post_init__(self) -> None:
-        self.upsampling_ratios = tuple(int(r) for r in self.upsampling_ratios)
-        self.upsample_rates = tuple(int(r) for r in self.upsample_rates)
+        wrong = self._coerce_types()  # a string or null from a config.json is named here, not met deep inside
+        if wrong:
+            raise ValueError("invalid Code2WavConfig: " + "; ".join(wrong))
         problems = []
-        for f in ("codebook_size", "num_quantizers", "hidden_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads", "intermediate_size",
-                  "sliding_window", "decoder_dim", "sample_rate"):  # fmt: skip
+        for f in _COUNTS:
             if int(getattr(self, f)) < 1:
                 problems.append(f"{f} must be >= 1, got {getattr(self, f)}")
         if self.num_attention_heads % max(self.num_key_value_heads, 1):
@@ -121,6 +126,40 @@ class Code2WavConfig:
         if problems:
             raise ValueError("invalid Code2WavConfig: " + "; ".join(problems))
 
+    def _coerce_types(self) -> list[str]:
+        """Makes each field its type (an integral float to int, a list of rates to a tuple); returns
+        one line per field that cannot be, naming it and its value."""
+        wrong = []
+
+        def integer(value: Any) -> int | None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+                return None
+            return int(value)
+
+        for f in (*_COUNTS, "max_position_embeddings", *(["head_dim"] if self.head_dim is not None else [])):
+            value = integer(getattr(self, f))
+            if value is None:
+                wrong.append(f"{f} must be an integer, got {getattr(self, f)!r}")
+            else:
+                setattr(self, f, value)
+        for f in ("rope_theta", "rms_norm_eps", "layer_scale_initial_scale"):
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                wrong.append(f"{f} must be a number, got {value!r}")
+            else:
+                setattr(self, f, float(value))
+        for f in ("upsampling_ratios", "upsample_rates"):
+            value = getattr(self, f)
+            rates = [integer(r) for r in value] if isinstance(value, (list, tuple)) else [None]
+            if None in rates:
+                wrong.append(f"{f} must be a list of integers, got {value!r}")
+            else:
+                setattr(self, f, tuple(rates))
+        for f, kind in (("name", str), ("hidden_act", str), ("attention_bias", bool)):
+            if not isinstance(getattr(self, f), kind):
+                wrong.append(f"{f} must be a {kind.__name__}, got {getattr(self, f)!r}")
+        return wrong
+
     @classmethod
     def from_name(cls, name: str, /, **overrides: Any) -> Code2WavConfig:
         if name not in PRESETS:
@@ -128,12 +167,25 @@ class Code2WavConfig:
         return cls(**{"name": name, **PRESETS[name], **overrides})
 
     @classmethod
-    def from_hf(cls, source: dict | str | Path) -> Code2WavConfig:
-        """Reads a standalone Code2Wav ``config.json`` or a full Qwen3-Omni one (``code2wav_config``)."""
+    def from_hf(cls, source: dict | str | Path, where: str | Path = "config") -> Code2WavConfig:
+        """Reads a standalone Code2Wav ``config.json`` or a full Qwen3-Omni one (``code2wav_config``).
+        ValueError naming ``where`` (the file a dict came from) and the key of any problem."""
         if isinstance(source, (str, Path)):
-            source = read_config_json(source)
-        hf = dict(source.get("code2wav_config", source))
+            source, where = read_config_json(source), source
+        try:
+            return cls._from_hf(source)
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+
+    @classmethod
+    def _from_hf(cls, source: Any) -> Code2WavConfig:
+        hf = source.get("code2wav_config", source) if isinstance(source, dict) else source
+        if not isinstance(hf, dict):
+            raise ValueError(f"a Code2Wav config is a JSON object, got {type(hf).__name__} {hf!r:.60}")
+        hf = dict(hf)
         rope = hf.pop("rope_parameters", None) or hf.pop("rope_scaling", None) or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters must be a JSON object, got {rope!r:.60}")
         if "rope_theta" not in hf and "rope_theta" in rope:
             hf["rope_theta"] = rope["rope_theta"]
         if rope.get("rope_type", "default") != "default":

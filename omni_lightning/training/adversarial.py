@@ -29,6 +29,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from omni_lightning.errors import UsageError
 from omni_lightning.training.discriminators import Discriminators
 
 
@@ -90,7 +91,7 @@ class AdversarialStep:
         need = self.discriminators.min_samples
         if shortest < need:
             short = [r for r, n in zip(batch["req_ids"], lengths.tolist()) if n < need]
-            raise ValueError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need >= "
+            raise UsageError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need >= "
                              f"{need} samples: request(s) {short[:5]} have fewer (shortest {shortest}); longer "
                              "crops (crop_frames) or longer audio")  # fmt: skip
         return shortest
