@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.callbacks import BasePredictionWriter
-from lightning.pytorch.cli import LightningCLI, SaveConfigCallback
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
@@ -38,6 +38,14 @@ class SaveConfigWithLogger(SaveConfigCallback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if trainer.logger is not None:
             super().setup(trainer, pl_module, stage)
+
+
+class OneLineErrorParser(LightningArgumentParser):
+    """Its errors are the parser's tip (``--help``) and one ``error:`` line, not the ~100 lines of
+    usage argparse prints above them (the usage of every trainer, model and data option)."""
+
+    def print_usage(self, file: Any = None) -> None:  # argparse calls it only from error()
+        pass
 
 
 class OmniCLI(LightningCLI):
@@ -175,6 +183,7 @@ def run_lightning_cli(
         args=argv,
         save_config_callback=SaveConfigWithLogger,
         save_config_kwargs={"overwrite": True},
+        parser_class=OneLineErrorParser,
         parser_kwargs={
             "prog": "omni-lightning",
             "description": description,

@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import soundfile as sf
 import torch
 from helpers import ROOT, cli, random_codes, save_model
@@ -104,6 +105,12 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
         assert main([*job, flag, value]) == 2
         err = capsys.readouterr().err
         assert f"error: {message}" in err and "Traceback" not in err, err
+
+    with pytest.raises(SystemExit) as exited:  # the parser's own error (it exits): no 100-line usage above it
+        main([*job, "--data.batch_size", "abc"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert 'error: Parser key "data.batch_size"' in err and "usage:" not in err and err.count("\n") <= 4, err
 
     def broken(self, batch):
         raise ValueError("an internal check failed")  # a bug deep inside: not the user's mistake
