@@ -15,7 +15,8 @@ from omni_lightning.errors import check_count
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.kernels import Kernels
-from omni_lightning.models import Code2Wav, Code2WavConfig, validate_codes
+from omni_lightning.models import Code2Wav, Code2WavConfig
+from omni_lightning.models.codes import validate_batch
 from omni_lightning.runner.engine_hooks import EngineOnPredict
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
@@ -148,9 +149,9 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
     # --- predict ---------------------------------------------------------------------------------
 
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        """Validates codes on the CPU, before they reach the GPU; records lengths as Python ints (the
-        codes' ``n_frames``; a paired batch's shortest audio, ``shortest``, which the GAN step cuts at:
-        read here, it costs the training step no wait for the device)."""
+        """Validates codes on the CPU, before the GPU (in predict a bad request leaves the batch for its
+        ``errors``); records lengths as Python ints (``n_frames``; a paired batch's shortest audio,
+        ``shortest``, which the GAN step cuts at: read here, it costs the step no wait for the device)."""
         if isinstance(batch, torch.Tensor):
             batch = {"codes": batch}
         if isinstance(batch, dict) and isinstance(batch.get("audio_lengths"), torch.Tensor):
@@ -161,7 +162,8 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
             if isinstance(codes, torch.Tensor) and codes.numel() == 0 and codes.shape[0] == 0:  # only bad requests
                 batch["n_frames"] = []
             else:
-                lengths = validate_codes(codes, self.config, batch.get("lengths"), batch.get("req_ids"))
+                predicting = self._trainer is not None and self.trainer.predicting  # a bad request fails alone
+                lengths = validate_batch(batch, self.config, drop_bad=predicting)
                 batch["lengths"] = lengths
                 batch["n_frames"] = lengths.tolist()
         return batch

@@ -81,7 +81,8 @@ def _read_config(text: str) -> dict[str, Any]:
     path = Path(text)
     inline = not path.is_file() and (":" in text or "{" in text)  # jsonargparse also takes YAML inline
     if not path.is_file() and not inline:
-        raise UsageError(f"config file {text} does not exist: check the path (the examples are in configs/)")
+        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise UsageError(f"config file {text} {what}: check the path (the examples are in configs/)")
     try:
         data = yaml.safe_load(text if inline else path.read_text())
     except (yaml.YAMLError, UnicodeDecodeError) as err:

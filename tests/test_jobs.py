@@ -16,6 +16,7 @@ import torch
 from conftest import random_codes, random_model
 from helpers import ROOT, cli, save_model, trainer_kwargs
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader
 
 from omni_lightning import Code2WavConfig, Code2WavModule, CodesDataModule, CodesDataset, Trainer, WaveformWriter
 from omni_lightning.callbacks.progress import AudioProgressBar
@@ -126,6 +127,31 @@ def test_a_tensor_in_memory_written_after_its_check_is_checked_again_when_loaded
     with torch.inference_mode():
         made["ok"][0, 0] = 9000  # written after the build: caught when loaded, as every time
     assert "code 9000 at codebook 0, frame 0" in ds[0]["error"]
+
+
+def test_a_bad_request_in_a_users_own_batch_fails_alone_in_predict_and_the_others_are_decoded(tmp_path, model):
+    """A user's DataLoader (or codes written through a NumPy view after the dataset checked them: no
+    version counter moves) can bring a bad request to the module's own check: in predict it fails
+    alone, recorded with its reason, as a bad request the data finds does. A batch problem is raised."""
+    good, bad = random_codes(1, 7, seed=1)[0], random_codes(1, 5, seed=2)[0]
+    bad[3, 2] = 5000
+    codes = torch.zeros(3, 16, 7, dtype=torch.long)
+    codes[0], codes[1, :, :5], codes[2] = good, bad, good
+    batch = {"codes": codes, "lengths": torch.tensor([7, 5, 7]), "req_ids": ["g1", "b", "g2"]}
+    writer = WaveformWriter(tmp_path / "out")
+    loader = DataLoader([batch], batch_size=None)  # the batches as they are
+    preds = Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), loader)
+    (out,) = preds
+    assert out.req_ids == ["g1", "g2"] and list(out.errors) == ["b"]
+    assert out.errors["b"].startswith("request 'b': code 5000 at codebook 3, frame 2 is outside [0, 2048)")
+    with torch.inference_mode():
+        want = model(good[None])[0]
+    assert all(torch.allclose(p["model_outputs"], want, atol=1e-5) for p in out.pooler_output)
+    got = rows(tmp_path / "out")
+    assert got["b"]["status"] == "error" and got["g1"]["status"] == got["g2"]["status"] == "ok"
+    with pytest.raises(ValueError, match="has 8 codebooks"):  # the batch's own problem: not one request's
+        broken = DataLoader([{**batch, "codes": codes[:, :8]}], batch_size=None)
+        Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), broken)
 
 
 # --- finding 2: ids -----------------------------------------------------------------------------------
@@ -335,7 +361,8 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
                         (str(tmp_path / "state.ckpt"), "is not a Lightning checkpoint"),
                         (str(tmp_path / "cut.ckpt"), "cannot be read as a checkpoint")],
         "--timings": [(str(tmp_path / "nodir" / "t.json"), "does not exist"), (str(tmp_path), "is a folder")],
-        "--config": [("configs/nope.yaml", "config file configs/nope.yaml does not exist")],
+        "--config": [("configs/nope.yaml", "config file configs/nope.yaml does not exist"),
+                     ("configs", "config file configs is a folder, not a YAML file")],
     }  # fmt: skip
     runs, wanted = [], []
     for flag, values in cases.items():

@@ -90,3 +90,37 @@ def validate_codes(
             f"[0, {config.codebook_size}) ({int(bad.sum())} bad values in the {'batch' if batch > 1 else 'request'})"
         )
     return lengths
+
+
+def validate_batch(batch: dict[str, Any], config: Code2WavConfig, drop_bad: bool = False) -> torch.Tensor:
+    """:func:`validate_codes` of ``batch["codes"]`` with its ``lengths`` and ``req_ids``; returns the lengths.
+
+    ``drop_bad`` (predict, a batch with ``req_ids``): a request whose codes fail is taken out of the
+    batch (``codes``, ``lengths``, ``req_ids``, in place) into ``batch["errors"]`` with its reason, so
+    it fails alone, as a bad request the data found does, and the others are decoded. A problem of
+    the batch itself (its type, rank or codebook count, lengths that do not fit it) is raised. The
+    whole batch is checked first; only a batch that fails is checked request by request.
+    """
+    codes, lengths, req_ids = batch["codes"], batch.get("lengths"), batch.get("req_ids")
+    try:
+        return validate_codes(codes, config, lengths, req_ids)
+    except ValueError:
+        if not drop_bad or req_ids is None:
+            raise
+        check_codes_layout(codes, config)  # the batch's own problems are raised, naming no request
+        n_frames = check_lengths(lengths, codes.shape[0], codes.shape[-1], req_ids).tolist()
+        if len(req_ids) != codes.shape[0]:
+            raise
+    keep, errors = [], {}
+    for i, (req_id, n) in enumerate(zip(req_ids, n_frames)):
+        try:
+            validate_codes(codes[i : i + 1, :, :n], config, req_ids=[req_id])
+            keep.append(i)
+        except ValueError as err:
+            errors[req_id] = str(err)
+    index = torch.tensor(keep, dtype=torch.long)
+    batch["codes"] = codes.index_select(0, index.to(codes.device))
+    batch["req_ids"] = [req_ids[i] for i in keep]
+    batch["errors"] = {**(batch.get("errors") or {}), **errors}
+    batch["lengths"] = torch.tensor([n_frames[i] for i in keep], dtype=torch.long)
+    return batch["lengths"]
