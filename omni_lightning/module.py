@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -20,6 +19,7 @@ from omni_lightning.models.codes import validate_batch
 from omni_lightning.runner.engine_hooks import EngineOnPredict
 from omni_lightning.runner.host_weights import HostWeightsOnPredict
 from omni_lightning.runner.output import MultimodalOutputs
+from omni_lightning.runner.stream_hooks import StreamsOnModule
 from omni_lightning.training.adversarial import AdversarialStep, find_unused_parameters_under_ddp
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
@@ -37,7 +37,7 @@ warnings.filterwarnings(
 )
 
 
-class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.LightningModule):
+class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, TrainingKernels, pl.LightningModule):
     """Code2Wav in Lightning: predict (vLLM-Omni runner semantics), fine-tune, evaluate.
 
     The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
@@ -110,7 +110,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         self.training_graph: TrainingGraph | None = None  # fit's CUDA graphs of the generator, set in `setup`
         self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
         self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
-        self._stream_decoder: StreamingDecoder | None = None
+        self._stream_decoder: StreamingDecoder | None = None  # module.stream's (runner/stream_hooks.py)
         self.skipped_requests = SkippedRequests()  # bad requests fit and evaluation left out, each warned once
         freeze_parameters(self.model, freeze or [], train_only)
         self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
@@ -186,27 +186,6 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, TrainingKernels, pl.
         """Float32 waveforms of a (validated) batch, in request order."""
         n_frames = batch.get("n_frames") or self.on_before_batch_transfer(batch, 0)["n_frames"]
         return self.decode_engine().decode(batch["codes"], n_frames)
-
-    # --- streaming ---------------------------------------------------------------------------------
-
-    def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
-                          gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
-        """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time
-        (``gpu_memory_utilization``: its memory budget's share of the GPU, as the Trainer's)."""
-        return StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs and self.fast_path,
-                                gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
-
-    def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
-        """Decodes one request as its code chunks ``[Q, n]`` arrive: yields float32 ``[1, m]`` per chunk.
-
-        The pieces concatenate to ``decode`` of all the frames (a chunk's last samples come with the
-        next chunk: the decoder looks one frame ahead); each chunk costs its own frames only. Up to 8
-        iterators may interleave. The model's current weights are used (no EMA swap, unlike predict).
-        """
-        decoder = self._stream_decoder
-        if decoder is None or decoder.cuda_graphs != cuda_graphs or not decoder.reads(self.model):
-            decoder = self._stream_decoder = self.streaming_decoder(max_streams=8, cuda_graphs=cuda_graphs)
-        yield from decoder.stream(code_chunks)
 
     # --- fine-tuning -------------------------------------------------------------------------------
 

@@ -6,7 +6,16 @@ import pytest
 import torch
 from conftest import random_codes, random_model
 
-from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule, StreamingDecoder
+from omni_lightning import (
+    Code2Wav,
+    Code2WavConfig,
+    Code2WavModule,
+    CodesDataModule,
+    DecodeEngine,
+    StreamingDecoder,
+    Trainer,
+)
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.engine.plan import CHUNKS
 from omni_lightning.models.state import ALIGN
 
@@ -167,7 +176,7 @@ def test_bad_chunks_raise_for_their_stream_only(odd_model):
         assert max_diff(torch.cat(out["a"], -1), odd_model.decode(codes["a"][None, :, :6])[0]) <= 1e-5
         assert max_diff(torch.cat(out["b"], -1), odd_model.decode(codes["b"][None])[0]) <= 1e-5
     decoder.open("c")
-    with pytest.raises(ValueError, match="all 2 stream slots are in use"):
+    with pytest.raises(ValueError, match="all 2 stream slots of this decoder are in use"):
         decoder.open("d")
     with pytest.raises(ValueError, match="stream 'c' is already open"):
         decoder.open("c")
@@ -303,3 +312,106 @@ def test_chunks_of_any_integer_dtype_stream_exactly(odd_model, dtype):
         bad[0, 0] = odd_model.config.codebook_size
         with pytest.raises(ValueError, match=r"stream 's': code 2048 at codebook 0, frame 9 is outside"):
             decoder.step({"s": bad.to(dtype)})
+
+
+def test_a_batch_decode_on_an_engine_whose_slots_streams_hold_raises_instead_of_waiting(tiny):
+    """``engine=`` shares one engine: with every slot held by an open stream, a decode has nothing to
+    run and nothing will free a slot, so it says so (it used to loop for ever)."""
+    engine = DecodeEngine(tiny, max_rows=2)
+    decoder = StreamingDecoder(tiny, engine=engine)
+    held = [decoder.open(), decoder.open()]
+    with pytest.raises(ValueError, match=r"all 2 decode slots are in use \(by open streams\)"):
+        engine.decode(random_codes(1, 5, tiny.config), [5])
+    decoder.close(held[0])
+    codes = random_codes(1, 5, tiny.config, seed=3)
+    with torch.no_grad():
+        assert max_diff(engine.decode(codes, [5])[0], tiny.decode(codes)[0]) <= 1e-5
+
+
+def test_warmup_decodes_its_own_scratch_streams_only(tiny):
+    decoder = StreamingDecoder(tiny, max_streams=4)
+    codes = random_codes(1, 9, tiny.config, seed=5)[0]
+    sid = decoder.open()
+    decoder.step({sid: codes[:, :5]})
+    first = decoder.step({sid: codes[:, 5:5]})[sid]  # nothing new
+    decoder.push(sid, codes[:, 5:])  # pushed, not yet stepped: warmup must leave it queued
+    decoder.warmup(chunk_sizes=(1, 3), batch_sizes=(1, 2))
+    assert decoder.frames(sid) == 5 and first.shape[-1] == 0
+    rest = decoder.step()[sid]
+    assert rest.shape[-1] == 4 * tiny.config.total_upsample
+
+
+def test_a_step_whose_forward_fails_marks_its_streams_failed_and_spares_the_others(tiny):
+    """A forward that raises mid-step (not out of memory) may leave a stream's state half advanced:
+    the stream refuses further use, close() frees it, and a new stream decodes exactly."""
+    decoder = StreamingDecoder(tiny, max_streams=4, frames_per_forward=4)
+    codes = random_codes(1, 12, tiny.config, seed=6)[0]
+    a, b = decoder.open(), decoder.open()
+    decoder.step({b: codes[:, :2]})
+    calls = []
+
+    def fail_on_the_second_forward(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected failure")
+
+    hook = tiny.register_forward_pre_hook(fail_on_the_second_forward)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            decoder.step({a: codes[:, :10]})  # 10 frames at 4 per forward: three forwards
+    finally:
+        hook.remove()
+    with pytest.raises(ValueError, match=r"stream 0 failed in an earlier step \(RuntimeError: injected failure\)"):
+        decoder.step({a: codes[:, 10:]})
+    assert decoder.close(a).shape[-1] == 0 and decoder.streams == [b]
+    out = torch.cat([decoder.step({b: codes[:, 2:]})[b]], dim=-1)  # b was not in the failed step
+    assert out.shape[-1] == 10 * tiny.config.total_upsample
+    c = decoder.open()
+    whole = torch.cat([decoder.step({c: codes})[c], decoder.close(c)], dim=-1)
+    with torch.no_grad():
+        assert max_diff(whole, tiny.decode(codes[None])[0]) <= 1e-5
+
+
+def test_an_iterator_whose_stream_was_closed_never_touches_a_new_stream_with_its_id(tiny):
+    decoder = StreamingDecoder(tiny, max_streams=4)
+    codes = random_codes(1, 6, tiny.config, seed=8)[0]
+    old = decoder.stream([codes[:, :2], codes[:, 2:4]], stream_id="x")
+    next(old)
+    decoder.close("x")
+    decoder.open("x")
+    decoder.step({"x": codes[:, :3]})
+    with pytest.raises(ValueError, match="stream 'x' was closed and its id taken by another stream"):
+        next(old)
+    assert decoder.streams == ["x"] and decoder.frames("x") == 3  # the new stream is untouched
+
+
+def test_step_takes_a_mapping_and_says_so(tiny):
+    decoder = StreamingDecoder(tiny)
+    with pytest.raises(ValueError, match=r"step\(\) takes a mapping \{stream id: codes"):
+        decoder.step([random_codes(1, 2, tiny.config)[0]])
+    with pytest.raises(ValueError, match="frames_per_forward must be an integer >= 1"):
+        StreamingDecoder(tiny, frames_per_forward=1.5)
+
+
+def test_fit_retires_the_modules_streaming_decoders(tmp_path):
+    """A stream's state was decoded with the weights of its first steps; fit changes them in place, so
+    the module's decoders are retired when fit starts: their streams raise, saying why, and
+    ``module.stream`` builds a new decoder on the tuned weights."""
+    teacher = make_teacher("tiny")
+    train = make_demo_data(tmp_path, 4, 1.0, 1.5, teacher=teacher, seed=0, name="train.jsonl")
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    decoder = module.streaming_decoder(max_streams=4)
+    codes = random_codes(1, 6, module.config, seed=9)[0]
+    sid = decoder.open()
+    decoder.step({sid: codes[:, :3]})
+    next(module.stream([codes[:, :2], codes[:, 2:]]))
+    trainer = Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(module, datamodule=CodesDataModule(train=str(train), batch_size=2, crop_frames=10))
+    with pytest.raises(ValueError, match="decoder was retired: its module started trainer.fit"):
+        decoder.step({sid: codes[:, 3:]})
+    with pytest.raises(ValueError, match="decoder was retired"):
+        decoder.open()
+    pieces = list(module.stream([codes[:, :2], codes[:, 2:]]))  # a new decoder, on the tuned weights
+    with torch.no_grad():
+        assert max_diff(torch.cat(pieces, dim=-1), module.model.decode(codes[None])[0]) <= 1e-5

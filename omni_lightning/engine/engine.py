@@ -142,7 +142,7 @@ class DecodeEngine:
     def acquire(self) -> int:
         """A free slot, fresh; ValueError when all ``max_rows`` are in use."""
         if not self._free:
-            raise ValueError(f"all {self.max_rows} decode slots are in use")
+            raise ValueError(f"all {self.max_rows} decode slots are in use (by open streams): close some first")
         return self._free.popleft()
 
     def release(self, *slots: int) -> None:
@@ -162,7 +162,7 @@ class DecodeEngine:
         outs: list[torch.Tensor | None] = [None] * len(lengths)
         try:
             while queue or active:
-                while queue and self._free:  # requests take slots as they free up
+                while queue and (self._free or not active):  # take slots as they free up; none at all: acquire() raises
                     i, n = queue.popleft()
                     active.append((i, self._work(self.acquire(), codes[i, :, :n], fresh=True)))
                 self._advance([w for _, w in active], until_one_done=bool(queue), pad_in_time=True)

@@ -7,9 +7,16 @@ budget as batch decode), and closing a stream frees its slot. After ``n`` frames
 emitted ``output_length(n)`` samples, all that ``decode`` of those frames gives: the decoder's
 one-frame look-ahead is carried as state, so nothing is held back and nothing is decoded twice.
 
+A step whose forward raises (not out of memory, which the engine absorbs) may have advanced some of
+its streams' state and not others: those streams are marked failed, and any later use of them raises
+(``close`` still frees them). ``retire`` ends every stream of a decoder whose weights are about to
+change (``Code2WavModule`` does so when ``fit`` starts): a stream's state only matches the weights it
+was decoded with.
+
 Not done, and why: no thread safety (one scheduling loop drives a decoder, as a server's step loop);
 no re-reading of parameters that were replaced rather than updated in place (``model.to(...)`` after
-building the decoder: build a new one; ``reads`` tells).
+building the decoder: build a new one; ``reads`` tells); no detection of weights written in place
+while a stream is open outside ``fit`` (it would cost a pass over every parameter per step).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ class _Stream:
     slot: int
     frames: int = 0  # frames decoded so far
     pending: list[torch.Tensor] = field(default_factory=list)
+    failed: str | None = None  # why a step left this stream's state unusable
 
 
 class StreamingDecoder:
@@ -57,6 +65,7 @@ class StreamingDecoder:
                  frames_per_forward: int | None = None, engine: DecodeEngine | None = None,
                  gpu_memory_utilization: float | None = None) -> None:  # fmt: skip
         check_count("max_streams", max_streams)
+        check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         self.model, self.config = model, model.config
         # every stream's step of up to STEP_FRAMES frames replays a CUDA graph (a 64 x 10 step ran
         # eagerly, bound by the host's launches); its graphs take most of the budget (budget.py)
@@ -72,6 +81,7 @@ class StreamingDecoder:
         self._streams: dict[Hashable, _Stream] = {}
         self._closed: OrderedDict[Hashable, None] = OrderedDict()  # recent ids, for clear messages
         self._next_id = 0
+        self.retired: str | None = None  # why this decoder serves no more streams (see ``retire``)
 
     @property
     def streams(self) -> list[Hashable]:
@@ -92,8 +102,15 @@ class StreamingDecoder:
         """Frames of ``stream_id`` decoded so far (pushed but not stepped frames not counted)."""
         return self._get(stream_id).frames
 
+    def retire(self, reason: str) -> None:
+        """Closes every stream and refuses any later use, giving ``reason``."""
+        for sid in list(self._streams):
+            self._release(sid)
+        self.retired = reason
+
     def open(self, stream_id: Hashable | None = None) -> Hashable:
         """Starts a stream in a free slot; returns its id (``stream_id``, or a new integer)."""
+        self._check_serving()
         if stream_id is None:
             while self._next_id in self._streams:
                 self._next_id += 1
@@ -105,8 +122,9 @@ class StreamingDecoder:
         try:
             slot = self.engine.acquire()
         except ValueError:
-            raise ValueError(f"cannot open stream {stream_id!r}: all {self.max_streams} stream slots are in use; "
-                             "close a stream or build the decoder with a larger max_streams") from None  # fmt: skip
+            raise ValueError(f"cannot open a stream: all {self.max_streams} stream slots of this decoder are in use; "
+                             "close a stream (or finish an iterator) first, or use a decoder with a larger "
+                             "max_streams (module.streaming_decoder(max_streams=...))") from None  # fmt: skip
         self._closed.pop(stream_id, None)
         self._streams[stream_id] = _Stream(slot)
         return stream_id
@@ -119,6 +137,10 @@ class StreamingDecoder:
     def step(self, chunks: Mapping[Hashable, torch.Tensor] | None = None) -> dict[Hashable, torch.Tensor]:
         """Pushes ``chunks`` (all checked before any is queued), then advances every stream with
         pushed frames; returns ``{stream: samples [1, m]}`` for those streams."""
+        if chunks is not None and not isinstance(chunks, Mapping):
+            raise ValueError(f"step() takes a mapping {{stream id: codes [codebooks, frames]}} (or nothing), got "
+                             f"{type(chunks).__name__}; push(stream, codes) queues one stream's chunk")  # fmt: skip
+        self._check_serving()
         if chunks:
             checked = {sid: self._checked(sid, self._get(sid), codes) for sid, codes in chunks.items()}
             for sid, codes in checked.items():
@@ -128,9 +150,10 @@ class StreamingDecoder:
     def close(self, stream_id: Hashable) -> torch.Tensor:
         """Ends a stream: decodes its pushed frames, frees its slot, returns their samples ``[1, m]``
         (``[1, 0]`` with nothing pushed since the last step: nothing is held back)."""
-        stream = self._get(stream_id)
+        stream = self._get(stream_id, usable=False)
         try:
-            rest = self._decode([stream_id])[stream_id] if stream.pending else self._empty()
+            usable = stream.failed is None and self.retired is None
+            rest = self._decode([stream_id])[stream_id] if stream.pending and usable else self._empty()
         finally:
             self._release(stream_id)
         return rest
@@ -139,12 +162,17 @@ class StreamingDecoder:
         """Decodes one stream: yields ``[1, m]`` per chunk of ``code_chunks``; closes it at the end
         (also when the iteration stops early or a chunk is bad). Other streams are not advanced."""
         sid = self.open(stream_id)
+        own = self._streams[sid]  # an id closed and opened again belongs to another stream
         try:
             for codes in code_chunks:
+                if self._streams.get(sid) is not own:
+                    self._get(sid)  # raises: closed, or retired
+                    raise ValueError(f"stream {sid!r} was closed and its id taken by another stream")
                 self.push(sid, codes)
                 yield self._decode([sid])[sid]
         finally:
-            self._release(sid)
+            if self._streams.get(sid) is own:
+                self._release(sid)
 
     def warmup(self, chunk_sizes: Iterable[int] = (1,), batch_sizes: Iterable[int] = (1,)) -> float:
         """Runs (and on CUDA captures) these shapes now on fresh scratch streams; returns seconds."""
@@ -154,7 +182,9 @@ class StreamingDecoder:
                 sids = [self.open() for _ in range(min(b, self.max_streams - len(self._streams)))]
                 try:
                     codes = torch.zeros((self.config.num_quantizers, c), dtype=torch.long)
-                    self.step(dict.fromkeys(sids, codes))
+                    for sid in sids:  # its own streams only: other streams' pushed frames stay queued
+                        self._streams[sid].pending.append(codes)
+                    self._decode(sids)
                 finally:
                     for sid in sids:
                         self._release(sid)
@@ -168,7 +198,12 @@ class StreamingDecoder:
             s.pending = []
             if codes.shape[1]:
                 chunks[sid] = (s.slot, codes, s.frames == 0)
-        out = self.engine.advance(chunks) if chunks else {}
+        try:
+            out = self.engine.advance(chunks) if chunks else {}
+        except BaseException as err:  # some forwards of the step may have committed: the states are unknown
+            for sid in chunks:
+                self._streams[sid].failed = f"{type(err).__name__}: {err}"
+            raise
         for sid, (_, codes, _) in chunks.items():
             self._streams[sid].frames += codes.shape[1]
         return {sid: out[sid] if sid in out else self._empty() for sid in sids}
@@ -176,14 +211,23 @@ class StreamingDecoder:
     def _empty(self) -> torch.Tensor:
         return torch.empty((1, 0), dtype=self.engine.out_dtype, device=self.engine.device)
 
-    def _get(self, stream_id: Hashable) -> _Stream:
+    def _get(self, stream_id: Hashable, usable: bool = True) -> _Stream:
         _check_hashable(stream_id)
         stream = self._streams.get(stream_id)
         if stream is None:
+            self._check_serving()
             if stream_id in self._closed:
                 raise ValueError(f"stream {stream_id!r} is closed: a chunk after close() needs a new stream")
             raise ValueError(f"unknown stream {stream_id!r}: open() it first")
+        if usable and stream.failed is not None:
+            raise ValueError(f"stream {stream_id!r} failed in an earlier step ({stream.failed}), which may have "
+                             "advanced part of its state: close() it and decode the request again in a new stream")
         return stream
+
+    def _check_serving(self) -> None:
+        if self.retired is not None:
+            raise ValueError(f"this streaming decoder was retired: {self.retired}; its streams were closed. "
+                             "Build a new decoder (module.streaming_decoder()) for the current weights")
 
     def _release(self, stream_id: Hashable) -> None:
         stream = self._streams.pop(stream_id, None)
