@@ -264,8 +264,8 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, Tra
         codes, audio, lengths = self._paired(batch, stage)
         wav = self.generate(codes)
         rec = self.reconstruction(wav, audio, lengths)
-        self.log_dict({f"{stage}/{k}": v for k, v in rec.items()}, batch_size=codes.shape[0], sync_dist=True)
-        self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths)
+        # reduced with the metrics at epoch end (evaluation/metrics.py): a rank with no batch joins that too
+        self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths, losses=rec)
         return {"wav": wav.detach()}  # EvaluationMedia logs samples from it
 
     def on_validation_epoch_end(self) -> None:

@@ -4,6 +4,7 @@ in ``<record>.rank<r>.pt``.
 
     python tests/ddp_jobs.py predict RECORD OUT_DIR --devices 2 --lengths 3 40 7 ...
     python tests/ddp_jobs.py fit RECORD --devices 2 --batch-size 2 --steps 4 [--gan] [--ema] [--resume CKPT]
+    python tests/ddp_jobs.py validate RECORD --devices 2 --good 3 [--bad]
 """
 
 import argparse
@@ -82,6 +83,31 @@ def fit(args: argparse.Namespace) -> None:
     torch.save({"steps": log.steps, "state": state}, f"{args.record}.rank{trainer.global_rank}.pt")
 
 
+def validate(args: argparse.Namespace) -> None:
+    """``--good`` requests, batches of one; ``--bad``: one more, the longest (so rank 0's first), whose
+    audio holds a NaN: skipped as it is read, so with one good request rank 0 has nothing to score."""
+    import json
+
+    import numpy as np
+    import soundfile as sf
+
+    data = Path(args.record).parent / "pairs"
+    if not (data / "val.jsonl").exists():  # rank 0 makes it before it starts the other ranks
+        manifest = make_demo_data(data, args.good, 1.0, 1.5, teacher=make_teacher("tiny"), seed=4, name="val.jsonl")
+        if args.bad:
+            np.save(data / "bad.npy", random_codes(1, 40, seed=9)[0].numpy())
+            audio = np.zeros(40 * 1920, dtype=np.float32)
+            audio[100] = np.nan
+            sf.write(data / "bad.wav", audio, 24000, subtype="FLOAT")
+            with open(manifest, "a") as f:
+                f.write(json.dumps({"id": "bad", "codes": "bad.npy", "audio": "bad.wav"}) + "\n")
+    trainer = Trainer(**QUIET, devices=args.devices, strategy="ddp" if args.devices > 1 else "auto")
+    datamodule = CodesDataModule(val=str(data / "val.jsonl"), batch_size=1, num_workers=0, on_bad_input="skip")
+    trainer.validate(Code2WavModule(model=random_model("tiny", seed=7)), datamodule=datamodule)
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    torch.save({"metrics": metrics}, f"{args.record}.rank{trainer.global_rank}.pt")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="job", required=True)
@@ -99,8 +125,13 @@ def main() -> None:
     f.add_argument("--ema", action="store_true")
     f.add_argument("--resume", default=None)
     f.add_argument("--save", default=None)
+    v = sub.add_parser("validate")
+    v.add_argument("record")
+    v.add_argument("--devices", type=int, default=2)
+    v.add_argument("--good", type=int, default=3)
+    v.add_argument("--bad", action="store_true")
     args = parser.parse_args()
-    predict(args) if args.job == "predict" else fit(args)
+    {"predict": predict, "fit": fit, "validate": validate}[args.job](args)
 
 
 if __name__ == "__main__":

@@ -113,6 +113,23 @@ def test_ddp_fit_has_the_losses_of_one_process_at_the_same_global_batch(tmp_path
     assert_same_training(records(tmp_path / "one", 1)[0], records(tmp_path / "two"))
 
 
+def test_ddp_validation_has_one_process_metrics_on_uneven_splits_and_a_rank_with_nothing_to_score(tmp_path):
+    """3 requests on 2 ranks (2 and 1 batches): the metrics of one process. Then a rank whose only
+    request is skipped as bad input: it still joins the epoch-end reduction (its losses were logged
+    per step with sync_dist before, and the other rank waited for ever)."""
+    for case, flags in (("uneven", ["--good", "3"]), ("nothing", ["--good", "1", "--bad"])):
+        run_job("validate", tmp_path / case / "one", "--devices", "1", *flags)
+        run_job("validate", tmp_path / case / "two", *flags, timeout=300)
+        two = records(tmp_path / case / "two")
+        expected = records(tmp_path / case / "one", 1)[0]["metrics"]
+        assert expected["val/requests"] == (3 if case == "uneven" else 1)
+        for rank in two:
+            got = rank["metrics"]
+            assert sorted(got) == sorted(expected)
+            for key in ("val/loss", "val/mel", "val/stft", "val/mel_distance", "val/si_sdr", "val/requests"):
+                assert got[key] == pytest.approx(expected[key], rel=1e-5), (case, key)
+
+
 def assert_same_training(one, ranks, keys=("train/loss", "train/mel", "train/stft"), close_from=2, drifting=()):
     """Each step's items are the one-process batch's, split; the ranks' mean loss is its loss: to 1e-5
     (relative) before step ``close_from``, 3e-2 from there: float rounding grows tenfold a step (AdamW

@@ -91,6 +91,21 @@ def test_metrics_on_known_signals():
     assert metrics.compute()["si_sdr"] > 100 and metrics.compute()["audio_s"] == 1.0
 
 
+def test_an_evaluation_that_scored_nothing_is_nan_not_perfect():
+    """A checkpoint monitor (mode min) must not take an epoch whose requests were all skipped for its best."""
+    empty = AudioMetrics().compute()
+    assert all(math.isnan(float(empty[name])) for name in NAMES) and empty["requests"] == 0
+    assert "loss" not in empty  # no batch brought losses
+    metrics = AudioMetrics()
+    clean = torch.sin(torch.arange(4800) / 10.0)
+    metrics.update(clean[None, None], clean[None], torch.tensor([4800]), losses={"loss": torch.tensor(2.0),
+                   "mel": torch.tensor(0.5), "stft": torch.tensor(1.5)})  # fmt: skip
+    metrics.update(clean.repeat(3, 1)[:, None], clean.repeat(3, 1), torch.tensor([4800] * 3),
+                   losses={"loss": torch.tensor(1.0), "mel": torch.tensor(0.25), "stft": torch.tensor(0.75)})
+    out = metrics.compute()  # losses are batch means: weighted by batch size, as Lightning's logging did
+    assert out["loss"] == pytest.approx((2.0 + 3 * 1.0) / 4) and out["mel"] == pytest.approx((0.5 + 0.75) / 4)
+
+
 def test_a_padded_batch_scores_like_each_request_cut():
     """One batched update (no per-request loop) equals the per-request definitions: spectral
     distances on each cut request, SI-SDR and SNR from torchmetrics on it; padding is junk here."""

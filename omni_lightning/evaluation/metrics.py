@@ -4,7 +4,11 @@ Per request, on its real samples only: mel L1 distance (log-mel, multi-resolutio
 STFT distance (spectral convergence + log magnitude), SI-SDR and SNR (torchmetrics' functional
 implementations, without zero-mean). The run-level values are means over requests, reduced across
 ranks, plus the request count, audio seconds and audio seconds per wall-clock second since the last
-``reset``.
+``reset``. With no request scored the means are NaN, not 0 (a checkpoint monitor must not take an
+epoch that scored nothing for its best). The module's reconstruction losses (``loss``, ``mel``,
+``stft``, batch means) are accumulated here too, weighted by batch size, and reduced as the
+metrics are at epoch end: logged per step with ``sync_dist``, a rank that had no batch to score (its
+requests all skipped as bad input) never joined the others' reduction, and DDP waited for ever.
 
 A batch is scored at once on the device, with no host sync: the spectral distances by the losses'
 batched path (each item on its own frames, ``training/spectrogram.py``), SI-SDR and SNR on the batch
@@ -23,6 +27,7 @@ from torchmetrics.functional.audio import scale_invariant_signal_distortion_rati
 from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
 NAMES = ("mel_distance", "stft_distance", "si_sdr", "snr")
+LOSSES = ("loss", "mel", "stft")  # the module's reconstruction losses (training/losses.py), batch means
 
 
 def batch_metrics(
@@ -69,7 +74,10 @@ class AudioMetrics(Metric):
         self.stft = MultiResolutionSTFTLoss()
         for name in NAMES:
             self.add_state(name, torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        for name in LOSSES:
+            self.add_state(f"sum_{name}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("loss_requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("audio_s", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self._t0 = time.perf_counter()
 
@@ -77,17 +85,27 @@ class AudioMetrics(Metric):
         super().reset()
         self._t0 = time.perf_counter()
 
-    def update(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor) -> None:
-        """``pred`` [B, 1, T] or [B, T], ``target`` [B, N], ``lengths`` real samples per request."""
+    def update(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor,
+               losses: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+        """``pred`` [B, 1, T] or [B, T], ``target`` [B, N], ``lengths`` real samples per request;
+        ``losses``: the batch's mean reconstruction losses (:data:`LOSSES`), if any."""
         lengths = lengths.to(pred.device).clamp(max=min(pred.shape[-1], target.shape[-1]))
+        for name, value in (losses or {}).items():
+            if name in LOSSES:
+                setattr(self, f"sum_{name}", getattr(self, f"sum_{name}") + value.detach().double() * lengths.numel())
+        if losses:
+            self.loss_requests += lengths.numel()
         for name, values in batch_metrics(pred, target, lengths, self.mel, self.stft).items():
             setattr(self, name, getattr(self, name) + values.double().sum())
         self.requests += lengths.numel()
         self.audio_s += lengths.sum().double() / self.sample_rate
 
     def compute(self) -> dict[str, torch.Tensor]:
-        count = self.requests.clamp_min(1).double()
-        out = {name: getattr(self, name) / count for name in NAMES}
+        nan = torch.tensor(float("nan"), dtype=torch.float64, device=self.requests.device)
+        count = self.requests.double()
+        out = {name: getattr(self, name) / count if self.requests else nan for name in NAMES}
+        if self.loss_requests:  # every rank has the same states here: they were reduced
+            out.update({name: getattr(self, f"sum_{name}") / self.loss_requests.double() for name in LOSSES})
         out["requests"] = self.requests.double()
         out["audio_s"] = self.audio_s
         out["audio_s_per_s"] = self.audio_s / max(time.perf_counter() - self._t0, 1e-9)
