@@ -80,7 +80,7 @@ class OmniCLI(LightningCLI):
         if self.subcommand is None:
             return  # run=False (benchmarks): the caller decides what runs
         config = self.config[self.subcommand]
-        _drop_progress_bars_if_disabled(config.get("trainer"))
+        _drop_callbacks_turned_off(config.get("trainer"))
         model = config.get("model")
         if model is None or "random_weights" not in model:
             return  # another model class: its own rules
@@ -146,24 +146,31 @@ class OmniCLI(LightningCLI):
             print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
 
 
-def _drop_progress_bars_if_disabled(trainer: Any) -> None:
-    """``--trainer.enable_progress_bar false`` wins over a progress bar in the config's callbacks
-    (``configs/predict.yaml`` lists ``AudioProgressBar``): Lightning refuses the pair."""
-    if trainer is None or trainer.get("enable_progress_bar") is not False or not trainer.get("callbacks"):
+def _drop_callbacks_turned_off(trainer: Any) -> None:
+    """A flag that turns a feature off wins over the config's callbacks for it, which Lightning would
+    refuse beside the flag: ``--trainer.enable_progress_bar false`` drops a progress bar
+    (``configs/predict.yaml`` lists ``AudioProgressBar``), ``--trainer.logger false`` a
+    ``LearningRateMonitor`` (``configs/finetune.yaml`` lists one; with no logger it has nowhere to log)."""
+    if trainer is None or not trainer.get("callbacks"):
         return
     import importlib
 
-    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 
-    def is_bar(callback: Any) -> bool:
+    off = tuple(cls for cls, flag in ((ProgressBar, "enable_progress_bar"), (LearningRateMonitor, "logger"))
+                if trainer.get(flag) is False)  # fmt: skip
+    if not off:
+        return
+
+    def turned_off(callback: Any) -> bool:
         path = callback.get("class_path") if hasattr(callback, "get") else None
         if not isinstance(path, str) or "." not in path:
-            return isinstance(callback, ProgressBar)
+            return isinstance(callback, off)
         module, name = path.rsplit(".", 1)
         cls = getattr(importlib.import_module(module), name, None)
-        return isinstance(cls, type) and issubclass(cls, ProgressBar)
+        return isinstance(cls, type) and issubclass(cls, off)
 
-    trainer.callbacks = [c for c in trainer.callbacks if not is_bar(c)]
+    trainer.callbacks = [c for c in trainer.callbacks if not turned_off(c)]
 
 
 def run_lightning_cli(
