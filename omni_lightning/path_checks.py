@@ -8,9 +8,11 @@ saved the file: its first bytes), which takes torch.
 from __future__ import annotations
 
 import os
+import zipfile
 from pathlib import Path
 from typing import Any
 
+from omni_lightning.data.files import torch_save_format
 from omni_lightning.data.output_folder import MANIFEST
 from omni_lightning.errors import UsageError
 
@@ -33,14 +35,12 @@ def check_ckpt_path(sub: str, value: str) -> None:
         what = "a folder" if path.is_dir() else "a safetensors file"
         raise UsageError(f"--ckpt_path {value} is {what}: {fix}; a Code2Wav or Qwen3-Omni checkpoint folder "
                          "goes to --model.checkpoint")  # fmt: skip
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4)
-    except OSError as err:
-        raise UsageError(f"--ckpt_path {value} cannot be read ({type(err).__name__}): {fix}") from err
-    if not head.startswith((b"PK\x03\x04", b"\x80")):  # torch.save's zip archive, or its legacy pickle
+    if not os.access(path, os.R_OK):
+        raise UsageError(f"--ckpt_path {value} cannot be read (no permission): {fix}")
+    saved_as = torch_save_format(path)
+    if saved_as is None:
         raise UsageError(f"--ckpt_path {value} is not a checkpoint torch saved: {fix}")
-    if head.startswith(b"PK"):
+    if saved_as == "zip":
         _check_lightning_archive(value, fix)
 
 
@@ -48,8 +48,6 @@ def _check_lightning_archive(value: str, fix: str) -> None:
     """A zip that torch saved holds ``<name>/data.pkl``, the pickled object without its tensors (small);
     a Lightning checkpoint's names its ``pytorch-lightning_version``. Refuses a truncated archive, a
     saved tensor or state dict, or a code file, which Lightning would fail on deep inside."""
-    import zipfile
-
     try:
         with zipfile.ZipFile(value) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]

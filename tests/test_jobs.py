@@ -278,6 +278,14 @@ def test_links_to_folders_and_odd_manifest_ids_are_reported_never_dropped_or_rew
                            "line-3": f"{tmp_path / 'm.jsonl'}:3: {must} {{\"k\": 1}}"}
 
 
+def test_a_pt_file_that_torch_did_not_write_is_told_apart_from_one_holding_other_objects(tmp_path):
+    (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 4)
+    torch.save(np.zeros((16, 3), dtype=np.int64), tmp_path / "array.pt")
+    bad = CodesDataset(str(tmp_path), TINY, on_bad_input="skip").bad
+    assert "is not a file torch.save wrote (corrupt, or another format)" in bad["noise"]
+    assert "holds objects other than tensors (a numpy array saved with torch.save?)" in bad["array"]
+
+
 def test_a_predict_limited_to_no_batch_counts_every_request_as_not_run(tmp_path, model):
     """Lightning runs no predict hook after ``setup`` at ``limit_predict_batches=0``: the counts the
     writer set there are the summary."""

@@ -33,3 +33,14 @@ def scan_folder(folder: str | Path) -> tuple[list[tuple[str, Path]], list[Path]]
             else:
                 others.append(path)
     return codes, others
+
+
+def torch_save_format(path: str | Path) -> str | None:
+    """How ``path`` begins: as ``torch.save``'s zip archive (``"zip"``), as its legacy pickle
+    (``"pickle"``), or as neither, or unreadable (None)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4)
+    except OSError:
+        return None
+    return "zip" if head == b"PK\x03\x04" else "pickle" if head.startswith(b"\x80") else None

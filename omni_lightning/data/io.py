@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from omni_lightning.data.files import CODE_SUFFIXES
+from omni_lightning.data.files import CODE_SUFFIXES, torch_save_format
 
 
 def load_codes_file(path: Path) -> torch.Tensor:
@@ -34,6 +34,8 @@ def load_codes_file(path: Path) -> torch.Tensor:
 
             value = load_file(str(path))
     except Exception as err:  # corrupt files raise anything from pickle, zip, numpy or safetensors
+        if path.suffix == ".pt" and torch_save_format(path) is None:
+            raise ValueError(f"codes file {path} is not a file torch.save wrote (corrupt, or another format)") from err
         if type(err).__name__ == "UnpicklingError" and "Weights only load failed" in str(err):
             raise ValueError(f"codes file {path} holds objects other than tensors (a numpy array saved with "
                              "torch.save?): save a torch tensor, or the array as .npy") from err  # fmt: skip
