@@ -291,6 +291,22 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
     assert_weights(first, {n: saved["current_model_state"][f"model.{n}"] for n in weights(first)})
 
 
+def test_a_fit_resumed_at_an_epoch_end_takes_the_crops_and_weights_of_an_uninterrupted_one(pairs, tmp_path):
+    """Training crops are keyed on (seed, epoch, request), so the resumed epoch crops as the
+    uninterrupted run's did (a crop generator not in the checkpoint used to start over: epoch 0's
+    crops again)."""
+    whole_log, whole = LossLog(), student(total_steps=100)  # a fixed schedule: runs of other lengths agree
+    Trainer(**fit_kwargs(4, callbacks=[whole_log])).fit(whole, datamodule=datamodule(pairs))
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
+    first = Trainer(**fit_kwargs(2, callbacks=[ckpt], enable_checkpointing=True))
+    first.fit(student(total_steps=100), datamodule=datamodule(pairs))  # 8 requests, 4 a batch: one epoch
+    log, resumed = LossLog(), student(total_steps=100)
+    Trainer(**fit_kwargs(4, callbacks=[log])).fit(resumed, datamodule=datamodule(pairs),
+                                                 ckpt_path=str(tmp_path / "last.ckpt"))  # fmt: skip
+    assert log.first_step == 2 and log.losses == whole_log.losses[2:]
+    assert_weights(resumed, weights(whole))
+
+
 def test_export_loads_into_transformers_with_equal_outputs(pairs, tmp_path):
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
 

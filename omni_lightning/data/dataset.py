@@ -91,7 +91,10 @@ class CodesDataset(Dataset):
     """Requests of codec codes; see the module docstring for sources, checks and the audio rule.
 
     ``crop_frames``: training crops: a random window of that many frames (with the matching audio
-    span) per item; shorter requests are kept whole.
+    span) per item; shorter requests are kept whole. Once ``set_epoch`` is called (the data module's
+    batch sampler does, each epoch) a crop is drawn from ``(seed, epoch, index)`` alone, so a fit
+    resumed from a checkpoint takes the crops of an uninterrupted one, with any number of loader
+    workers or ranks; before it, from a generator (per loader worker, see ``_crop_rng``).
     """
 
     def __init__(
@@ -114,7 +117,8 @@ class CodesDataset(Dataset):
         self.on_bad_input = on_bad_input
         self.load_audio = load_audio
         self.crop_frames = crop_frames
-        self._rng = random.Random(seed)
+        self.seed, self._rng = seed, random.Random(seed)
+        self.epoch: int | None = None  # set by set_epoch: crops keyed on (seed, epoch, index)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
         if isinstance(source, (str, Path)):
@@ -176,12 +180,17 @@ class CodesDataset(Dataset):
         entry.checked_version = version
         return out
 
-    def _crop_rng(self) -> random.Random:
-        """In a loader worker, a generator seeded by torch's per-worker, per-epoch seed: each worker
-        holds a copy of this dataset, and copies of one generator would crop alike in every worker
-        and every epoch."""
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _crop_rng(self, index: int) -> random.Random:
+        """After ``set_epoch``, a generator of ``(seed, epoch, index)``. Before it, in a loader worker, a
+        generator seeded by torch's per-worker, per-epoch seed (each worker holds a copy of this
+        dataset, and copies of one generator would crop alike in every worker and every epoch)."""
         from torch.utils.data import get_worker_info
 
+        if self.epoch is not None:  # a str seed is hashed with SHA-512: the same in every process
+            return random.Random(f"{self.seed}:{self.epoch}:{index}")
         info = get_worker_info()
         if info is None:
             return self._rng
@@ -232,7 +241,7 @@ class CodesDataset(Dataset):
             if audio is not None:  # a crop starts inside the real audio: past its end the target is all padding
                 covered = -(-audio.shape[0] // self.config.total_upsample)  # frames the audio reaches into
                 last = max(0, min(last, covered - self.crop_frames))
-            start = self._crop_rng().randrange(last + 1)
+            start = self._crop_rng(index).randrange(last + 1)
             item["codes"] = codes = codes[:, start : start + self.crop_frames]
         if audio is not None:
             # the rule: request samples [start * up, start * up + output_length(n)) of the audio

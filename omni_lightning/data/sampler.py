@@ -79,9 +79,15 @@ class LengthBucketBatchSampler(BatchSampler):
             raise ValueError(f"rank must be in [0, {self.num_replicas}), got {self.rank}")
 
     def set_epoch(self, epoch: int) -> None:
+        """The shuffle's epoch; passed on to the inner sampler and to the dataset it reads, if they take
+        one (``CodesDataset`` keys its training crops on it)."""
         self.epoch = epoch
-        if hasattr(self.sampler.inner, "set_epoch"):
-            self.sampler.inner.set_epoch(epoch)
+        inner = self.sampler.inner
+        if hasattr(inner, "set_epoch"):
+            inner.set_epoch(epoch)
+        dataset = getattr(inner, "dataset", None) or getattr(inner, "data_source", None)
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
 
     def _indices(self) -> list[int]:
         """Every index to split: a distributed sampler's whole dataset, else what ``sampler`` yields."""
