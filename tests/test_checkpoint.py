@@ -112,6 +112,16 @@ def test_broken_folders(tmp_path, model):
         Code2Wav.from_pretrained(folder)
 
 
+def test_integer_weights_are_refused_naming_the_tensor(tmp_path, model):
+    folder = model.save_pretrained(tmp_path / "c2w")
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    key = next(iter(state))
+    state[key] = state[key].round().to(torch.int64)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"tensors that are not floating point.*{key} \(torch.int64\)"):
+        Code2Wav.from_pretrained(folder)
+
+
 @pytest.mark.parametrize(
     "edit, match",
     [

@@ -99,13 +99,16 @@ def load_pretrained(
         for k, shape in expected.items()
         if k in state and state[k].shape != shape
     )
-    if missing or unexpected or misshaped:
+    # an integer or bool tensor where a weight goes: a damaged or foreign file, not weights to cast
+    not_float = sorted(f"{k} ({state[k].dtype})" for k in expected if k in state and not state[k].is_floating_point())
+    if missing or unexpected or misshaped or not_float:
         parts = [
             _listing(title, items)
             for title, items in (
                 ("missing keys", missing),
                 ("unexpected keys", unexpected),
                 ("mis-shaped tensors (checkpoint != model)", misshaped),
+                ("tensors that are not floating point", not_float),
             )  # fmt: skip
             if items
         ]
