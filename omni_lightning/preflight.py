@@ -186,6 +186,7 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
     keys = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[command.sub]
     mode = str(data.get("duplicate_ids") or "error")
     ids: list[str] | None = []
+    where: dict[str, list[str]] = {}  # predict: id -> the sources that list it
     for key in keys:
         sources = data.get(key)
         for source in sources if isinstance(sources, list) else [sources]:
@@ -196,7 +197,15 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
             if key == "predict" and ids is not None:
                 ids.extend(e.id for e in entries)
                 command.unread.extend(unread)
+                for e in entries:
+                    where.setdefault(e.id, []).append(source)
     if command.sub == "predict" and ids is not None:
+        shared = [f"{i!r} ({', '.join(s)})" for i, s in where.items() if len(s) > 1]
+        if shared:
+            more = f" ... ({len(shared) - 10} more)" if len(shared) > 10 else ""
+            raise UsageError(f"{len(shared)} request id(s) occur in more than one --data.predict source, and each id "
+                             f"names one output file; nothing was decoded (duplicate_ids rename numbers repeats within "
+                             f"a source only). Make them unique: {'; '.join(shared[:10])}{more}")  # fmt: skip
         check_names(ids)
         command.predict_ids = ids
 

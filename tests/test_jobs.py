@@ -382,6 +382,11 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     wanted.append(("'tinyy'", "is not a preset: use one of qwen3-omni, tiny"))
     runs.append(["predict", "--config", "configs/predict.yaml", "--out_dir", str(tmp_path / "out")])
     wanted.append(("--data.predict", "is not set"))
+    for twin in ("s1", "s2"):  # one id in two sources: refused naming both, whatever duplicate_ids says
+        (tmp_path / twin).mkdir()
+        np.save(tmp_path / twin / "a.npy", random_codes(1, 3)[0].numpy())
+    runs.append([*good[:-1], f"[{tmp_path / 's1'}, {tmp_path / 's2'}]", "--data.duplicate_ids", "rename"])
+    wanted.append((f"'a' ({tmp_path / 's1'}, {tmp_path / 's2'})", "occur in more than one --data.predict source"))
     own = tmp_path / "job"  # an input manifest where the job writes its own: it would be replaced
     own.mkdir()
     (own / "manifest.jsonl").write_text(json.dumps({"id": "a", "codes": str(tmp_path / "one.npy")}) + "\n")
