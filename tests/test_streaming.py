@@ -415,3 +415,14 @@ def test_fit_retires_the_modules_streaming_decoders(tmp_path):
     pieces = list(module.stream([codes[:, :2], codes[:, 2:]]))  # a new decoder, on the tuned weights
     with torch.no_grad():
         assert max_diff(torch.cat(pieces, dim=-1), module.model.decode(codes[None])[0]) <= 1e-5
+
+
+def test_a_module_that_made_a_streaming_decoder_still_pickles(tiny):
+    """The module keeps weak references to its decoders (to retire them at fit); a copy or pickle of
+    it (torch.save of the module, a spawned process) takes none of them."""
+    import pickle
+
+    module = Code2WavModule(model=tiny)
+    module.streaming_decoder(max_streams=2)
+    copied = pickle.loads(pickle.dumps(module))
+    assert copied.streaming_decoder(max_streams=1).max_streams == 1

@@ -51,6 +51,11 @@ class StreamsOnModule:
                 decoder.retire("its module started trainer.fit, which changes the weights its streams were "
                                "decoded with")  # fmt: skip
 
+    def __getstate__(self) -> dict:
+        state = dict(super().__getstate__())  # a copy or pickle of the module (torch.save, spawn) takes no
+        state.pop("_streaming_decoders", None)  # weak references: they cannot be pickled
+        return state
+
     def _decoders(self) -> weakref.WeakSet:
         if "_streaming_decoders" not in self.__dict__:  # a WeakSet: a decoder the caller dropped is not kept
             self.__dict__["_streaming_decoders"] = weakref.WeakSet()
