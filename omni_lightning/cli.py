@@ -178,8 +178,8 @@ def _write_timings(path: str, timings: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(timings, f, indent=1, default=str)
     start = timings["process_start"]
-    steps = [("Lightning loaded", "imported"), ("built", "built"), ("first batch", "first_batch"),
-             ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
+    steps = [("arguments checked", "checked"), ("Lightning loaded", "imported"), ("built", "built"),
+             ("first batch", "first_batch"), ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
     line = ", ".join(f"{label} {timings[key] - start:.2f} s" for label, key in steps if timings.get(key))
     extra = []
     if "data_wait_s" in timings:

@@ -122,6 +122,22 @@ def test_chunked_decode_is_exact_with_memory_bounded_by_the_chunk(tiny_model):
     assert theirs.shape[-1] == full.shape[-1] - 555 * 4
 
 
+def test_a_forward_with_state_runs_under_grad_mode_as_the_readme_shows(tiny_model):
+    """README's snippet has no ``no_grad``: a forward with a state under grad mode (parameters that
+    require grad, as ``from_pretrained`` gives them) returns audio with its graph and leaves the state
+    detached; chunked decode works there too (both used to raise from the state's in-place write)."""
+    codes = random_codes(2, 30, seed=12)
+    assert all(p.requires_grad for p in tiny_model.parameters())
+    state = tiny_model.new_state(2)
+    first, second = tiny_model(codes[..., :13], state), tiny_model(codes[..., 13:], state)
+    assert first.requires_grad and not any(t.requires_grad for t in state.tensors.values())
+    chunked = tiny_model.chunked_decode(codes, chunk_size=7)
+    with torch.no_grad():
+        full = tiny_model(codes)
+    pieces = torch.cat([first, second], dim=-1)[..., tiny_model.config.tail :]
+    assert max_diff(pieces.detach(), full) <= 1e-5 and max_diff(chunked.detach(), full[:, 0]) <= 1e-5
+
+
 def test_chunked_decode_rejects_bad_chunking(tiny_model):
     codes = random_codes(1, 10)
     with pytest.raises(ValueError, match="chunk_size"):

@@ -146,6 +146,8 @@ def test_bad_manifest_raise_stops_before_compute(tmp_path, model):
     assert "missing: codes file" in msg and "does not exist" in msg
     assert "range: request 'range': code 5000 at codebook 2, frame 1" in msg
     assert "corrupt: codes file" in msg and "could not be read" in msg
+    skipped = CodesDataset(str(manifest), "tiny", on_bad_input="skip").bad  # the same reasons in both modes
+    assert all(f"  {req_id}: {reason}" in msg for req_id, reason in skipped.items())
     module = CountingModule(model=model)
     dm = CodesDataModule(predict=str(manifest), on_bad_input="raise", batch_size=2)
     with pytest.raises(ValueError, match="bad request"):

@@ -259,7 +259,7 @@ def test_cli_predict_with_bad_entries_and_summary(tmp_path):
     assert [t[k] for k in order] == sorted(t[k] for k in order), t
     assert t["batches"] >= 1 and t["stats"]["ok"] == 2 and set(t["writer"]) == {"queue_wait_s", "write_busy_s",
                                                                                  "drain_s"}  # fmt: skip
-    assert "timings (since process start): Lightning loaded" in log
+    assert "timings (since process start): arguments checked" in log and "Lightning loaded" in log
 
 
 def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):

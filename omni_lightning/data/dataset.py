@@ -156,10 +156,11 @@ class CodesDataset(Dataset):
 
     def _scan(self, entry: Entry) -> None:
         try:
-            layout = None
-            if isinstance(entry.codes, Path) and self.on_bad_input == "skip":
-                layout = codes_file_layout(entry.codes)  # the values are checked when loaded
-            codes = check_layout(layout, self.config, entry.id) if layout is not None else self._load_codes(entry)
+            # a file's header first, in either mode: a corrupt one is named by what is wrong with it
+            layout = codes_file_layout(entry.codes) if isinstance(entry.codes, Path) else None
+            codes = check_layout(layout, self.config, entry.id) if layout is not None else None
+            if codes is None or self.on_bad_input == "raise":  # raise: the values too, before any compute
+                codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
             if entry.audio is not None and self.load_audio:
                 check_audio(entry.audio)

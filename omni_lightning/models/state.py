@@ -160,10 +160,13 @@ class Step:
         return buf
 
     def commit(self) -> None:
-        """Writes the queued histories and advances the rows' positions."""
+        """Writes the queued histories and advances the rows' positions. The state carries values, not
+        gradients: a forward with a state under grad mode (a plain ``model(codes, state)`` call) returns
+        audio with its graph, and the state it leaves is detached (no backward through earlier chunks)."""
         if self.state is None:
             return
-        for name, new in self._writes:
-            self.state.tensors[name].index_copy_(0, self.rows, new.to(self.state.tensors[name].dtype))
-        advance = self.valid if self.valid is not None else torch.full_like(self.rows, self.frames)
-        self.state.pos.index_add_(0, self.rows, advance)
+        with torch.no_grad():
+            for name, new in self._writes:
+                self.state.tensors[name].index_copy_(0, self.rows, new.to(self.state.tensors[name].dtype))
+            advance = self.valid if self.valid is not None else torch.full_like(self.rows, self.frames)
+            self.state.pos.index_add_(0, self.rows, advance)
