@@ -112,6 +112,18 @@ def test_broken_folders(tmp_path, model):
         Code2Wav.from_pretrained(folder)
 
 
+def test_config_fields_take_numpy_numbers_and_refuse_non_finite_ones():
+    import numpy as np
+
+    from omni_lightning import Code2WavConfig
+
+    cfg = Code2WavConfig.from_name("tiny", hidden_size=np.int64(64), upsample_rates=np.array([8, 5, 4, 3]),
+                                   rope_theta=np.float32(1e4))  # fmt: skip
+    assert type(cfg.hidden_size) is int and cfg.upsample_rates == (8, 5, 4, 3) and type(cfg.rope_theta) is float
+    with pytest.raises(ValueError, match="hidden_size must be an integer, got inf"):
+        Code2WavConfig.from_name("tiny", hidden_size=float("inf"))
+
+
 def test_integer_weights_are_refused_naming_the_tensor(tmp_path, model):
     folder = model.save_pretrained(tmp_path / "c2w")
     state = {k: v.contiguous() for k, v in model.state_dict().items()}

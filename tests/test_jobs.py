@@ -237,6 +237,10 @@ def test_a_single_code_file_or_a_binary_file_as_a_source_is_a_usage_error_naming
         CodesDataset(str(tmp_path / "late.jsonl"), TINY)
     with pytest.raises(UsageError, match=r"missing does not exist"):
         CodesDataset(str(tmp_path / "missing"), TINY)
+    # a manifest whose first line is broken is still a manifest in Python: that line is one bad request
+    (tmp_path / "torn.jsonl").write_text('{"id": "x", "co\n{"id": "a", "codes": "a.npy"}\n')
+    torn = CodesDataset(str(tmp_path / "torn.jsonl"), TINY, on_bad_input="skip")
+    assert torn.ids == ["line-1", "a"] and list(torn.bad) == ["line-1"]
 
 
 def test_an_id_in_two_predict_sources_stops_a_writer_job_before_any_decode_with_or_without_skip_done(tmp_path, model):

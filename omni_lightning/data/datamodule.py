@@ -181,7 +181,11 @@ class CodesDataModule(pl.LightningDataModule):
         return [self._loader(ds) for ds in self._require("predict")]
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self._require("fit"), shuffle=True)
+        dataset = self._require("fit")
+        # the epoch the fit starts at (a resumed one: restored already), set before Lightning makes the
+        # first iterator: loader workers copy the dataset then, before the sampler's set_epoch reaches it
+        dataset.set_epoch(self.trainer.current_epoch if self.trainer is not None else 0)
+        return self._loader(dataset, shuffle=True)
 
     def val_dataloader(self) -> DataLoader | list:
         fitting = self.trainer is not None and self.trainer.state.fn == "fit"  # TrainerFn is a str enum

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -131,10 +132,10 @@ class Code2WavConfig:
         one line per field that cannot be, naming it and its value."""
         wrong = []
 
-        def integer(value: Any) -> int | None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        def integer(value: Any) -> int | None:  # numpy numbers too
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
                 return None
-            return int(value)
+            return int(value) if value == int(value) else None
 
         for f in (*_COUNTS, "max_position_embeddings", *(["head_dim"] if self.head_dim is not None else [])):
             value = integer(getattr(self, f))
@@ -144,13 +145,14 @@ class Code2WavConfig:
                 setattr(self, f, value)
         for f in ("rope_theta", "rms_norm_eps", "layer_scale_initial_scale"):
             value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                wrong.append(f"{f} must be a number, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                wrong.append(f"{f} must be a finite number, got {value!r}")
             else:
                 setattr(self, f, float(value))
         for f in ("upsampling_ratios", "upsample_rates"):
             value = getattr(self, f)
-            rates = [integer(r) for r in value] if isinstance(value, (list, tuple)) else [None]
+            listed = hasattr(value, "__iter__") and not isinstance(value, (str, bytes, dict))  # a list, an array
+            rates = [integer(r) for r in value] if listed else [None]
             if None in rates:
                 wrong.append(f"{f} must be a list of integers, got {value!r}")
             else:
