@@ -231,7 +231,7 @@ def test_a_single_code_file_or_a_binary_file_as_a_source_is_a_usage_error_naming
     (tmp_path / "late.jsonl").write_bytes(b'{"id": "x", "codes": "a.npy"}\n\xff\xfe\n')
     with pytest.raises(UsageError, match=r"a.npy is a single code file: give its folder, or a JSONL manifest"):
         CodesDataset(str(tmp_path / "a.npy"), TINY)
-    with pytest.raises(UsageError, match=r"blob.jsonl cannot be read as a JSONL manifest \(UnicodeDecodeError\)"):
+    with pytest.raises(UsageError, match=r"blob.jsonl cannot be read as UTF-8 JSON lines \(UnicodeDecodeError"):
         CodesDataModule(predict=str(tmp_path / "blob.jsonl"), config="tiny").setup("predict")
     with pytest.raises(UsageError, match=r"late.jsonl cannot be read as .*UnicodeDecodeError"):
         CodesDataset(str(tmp_path / "late.jsonl"), TINY)

@@ -47,17 +47,18 @@ def list_source(source: str | Path, duplicate_ids: str = "error",
             raise _no_code_files(name, source, unread)
         entries = [Entry(req_id, p, where=str(p.relative_to(path))) for req_id, p in files]
     else:
-        check_source(name, source, first_line=False)  # a bad line is one bad entry (read_manifest_entries)
-        entries = read_manifest_entries(path)
+        if not path.exists() or path.suffix in CODE_SUFFIXES:
+            check_source(name, source)  # raises, saying which; a manifest is read once, below
+        entries = read_manifest_entries(path)  # a bad line is one bad entry; unreadable or empty: UsageError
     unique_ids(entries, source, duplicate_ids)
     return entries, unread
 
 
-def check_source(flag: str, value: str | Path, first_line: bool = True) -> None:
-    """A data source: a folder holding code files, or a non-empty JSONL manifest (with ``first_line``,
-    its first non-blank line a JSON object: the command line's guard against a file of another kind;
-    a dataset reads such a line as one bad entry). UsageError naming ``flag`` and ``value``
-    otherwise (a single code file, a binary or unreadable file, ...)."""
+def check_source(flag: str, value: str | Path) -> None:
+    """A data source: a folder holding code files, or a non-empty JSONL manifest whose first non-blank
+    line is a JSON object (the command line's guard against a file of another kind; a dataset reads
+    such a line as one bad entry). UsageError naming ``flag`` and ``value`` otherwise (a single code
+    file, a binary or unreadable file, ...)."""
     path = Path(value)
     if not path.exists():
         raise UsageError(f"{flag} {value} does not exist: {SOURCE_FIX}")
@@ -77,8 +78,6 @@ def check_source(flag: str, value: str | Path, first_line: bool = True) -> None:
     if first is None:
         raise UsageError(f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
                          '{"id": "utt1", "codes": "codes/utt1.npy"}')  # fmt: skip
-    if not first_line:
-        return
     try:
         row = json.loads(first)
     except json.JSONDecodeError:
