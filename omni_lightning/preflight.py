@@ -31,6 +31,7 @@ from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 OWN_CLASSES = {"model": "Code2WavModule", "data": "CodesDataModule"}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
@@ -153,7 +154,8 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
         for key in ("train", "val", "test", "predict"):
             source = data.get(key)
             for item in source if isinstance(source, list) else [source]:
-                if isinstance(item, str):
+                # a folder the subcommand reads is scanned once, by _list_requests, which checks it alike
+                if isinstance(item, str) and not (key in LISTED_DATA[sub] and Path(item).is_dir()):
                     check_source(f"--data.{key}", item)
         _list_requests(command, data)
     model = _group(values, "model")
@@ -183,7 +185,7 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
 def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
     """Lists the subcommand's requests (repeated ids refused as the dataset would); for predict,
     keeps every id for :func:`finished_job` and refuses ids two sources share."""
-    keys = {"fit": ["train", "val"], "validate": ["val"], "test": ["test"], "predict": ["predict"]}[command.sub]
+    keys = LISTED_DATA[command.sub]
     mode = str(data.get("duplicate_ids") or "error")
     ids: list[str] | None = []
     where: dict[str, list[str]] = {}  # predict: id -> the sources that list it
@@ -193,7 +195,7 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
             if not isinstance(source, str):
                 ids = None  # held in memory or given another way: the data module lists it
                 continue
-            entries, unread = list_source(source, mode)
+            entries, unread = list_source(source, mode, name=f"--data.{key}")
             if key == "predict" and ids is not None:
                 ids.extend(e.id for e in entries)
                 command.unread.extend(unread)

@@ -2,6 +2,7 @@
 
 import json
 import math
+from functools import partial
 
 import lightning.pytorch as pl
 import numpy as np
@@ -291,18 +292,20 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
     assert_weights(first, {n: saved["current_model_state"][f"model.{n}"] for n in weights(first)})
 
 
-def test_a_fit_resumed_at_an_epoch_end_takes_the_crops_and_weights_of_an_uninterrupted_one(pairs, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_fit_resumed_at_an_epoch_end_takes_the_crops_and_weights_of_an_uninterrupted_one(pairs, tmp_path, workers):
     """Training crops are keyed on (seed, epoch, request), so the resumed epoch crops as the
     uninterrupted run's did (a crop generator not in the checkpoint used to start over: epoch 0's
-    crops again)."""
+    crops again). With loader workers too: Lightning makes the resumed fit's first iterator before it
+    sets the epoch, and workers started there cropped and ordered batches with epoch 0."""
+    data = partial(datamodule, pairs, num_workers=workers)
     whole_log, whole = LossLog(), student(total_steps=100)  # a fixed schedule: runs of other lengths agree
-    Trainer(**fit_kwargs(4, callbacks=[whole_log])).fit(whole, datamodule=datamodule(pairs))
+    Trainer(**fit_kwargs(4, callbacks=[whole_log])).fit(whole, datamodule=data())
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True, every_n_train_steps=2)
     first = Trainer(**fit_kwargs(2, callbacks=[ckpt], enable_checkpointing=True))
-    first.fit(student(total_steps=100), datamodule=datamodule(pairs))  # 8 requests, 4 a batch: one epoch
+    first.fit(student(total_steps=100), datamodule=data())  # 8 requests, 4 a batch: one epoch
     log, resumed = LossLog(), student(total_steps=100)
-    Trainer(**fit_kwargs(4, callbacks=[log])).fit(resumed, datamodule=datamodule(pairs),
-                                                 ckpt_path=str(tmp_path / "last.ckpt"))  # fmt: skip
+    Trainer(**fit_kwargs(4, callbacks=[log])).fit(resumed, datamodule=data(), ckpt_path=str(tmp_path / "last.ckpt"))
     assert log.first_step == 2 and log.losses == whole_log.losses[2:]
     assert_weights(resumed, weights(whole))
 
@@ -437,7 +440,6 @@ def test_paired_data_alignment_resampling_and_crops(tmp_path):
 def test_ema_update_is_torchs_average_bit_for_bit_with_the_count_on_the_host():
     """``EMAWeights`` swaps torch's ``AveragedModel`` update (two reads of a device count per step,
     a launch per parameter) for one foreach lerp and a host count: the same weights, bit for bit."""
-    from functools import partial
 
     from torch.optim.swa_utils import AveragedModel
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -169,7 +169,8 @@ class CodesDataModule(pl.LightningDataModule):
             seed=self.seed, even_batches=shuffle, num_replicas=world, rank=rank,
         )  # fmt: skip
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        return DataLoader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
+        loader = StartsAtFirstBatch if shuffle else DataLoader
+        return loader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
                           pin_memory=pin)  # fmt: skip
 
     def _require(self, stage: str) -> Any:
@@ -182,8 +183,7 @@ class CodesDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         dataset = self._require("fit")
-        # the epoch the fit starts at (a resumed one: restored already), set before Lightning makes the
-        # first iterator: loader workers copy the dataset then, before the sampler's set_epoch reaches it
+        # crops keyed on the epoch even for a loader iterated outside a fit (Lightning sets it each epoch)
         dataset.set_epoch(self.trainer.current_epoch if self.trainer is not None else 0)
         return self._loader(dataset, shuffle=True)
 
@@ -195,6 +195,38 @@ class CodesDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self._require("test"))
+
+
+class StartsAtFirstBatch(DataLoader):
+    """The training loader: iterating it starts its workers and its batch sampler at the first batch.
+
+    Lightning makes a fit's first iterator while it sets up the data, before it sets the epoch of the
+    samplers. A plain loader with workers starts them there, each with a copy of the dataset, and
+    prefetches batches of indices. In a fit resumed from a checkpoint, that copy and those batches
+    took the epoch the loader was built with, not the one the fit resumes at: other crops and another
+    batch order than the uninterrupted run. Without workers nothing ran early, which is why only
+    resumes with workers differed. Deferred here, the epoch is set before anything reads it.
+    """
+
+    def __iter__(self) -> Iterator[Any]:
+        return _Deferred(super().__iter__)
+
+
+class _Deferred:
+    """An iterator made by ``start`` on the first ``next``."""
+
+    def __init__(self, start: Callable[[], Iterator[Any]]) -> None:
+        self._start: Callable[[], Iterator[Any]] | None = start
+        self._iterator: Iterator[Any] | None = None
+
+    def __iter__(self) -> _Deferred:
+        return self
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            assert self._start is not None
+            self._iterator, self._start = self._start(), None
+        return next(self._iterator)
 
 
 _ARGUMENT = {"predict": "predict", "fit": "train", "validate": "val", "test": "test"}  # stage -> constructor argument

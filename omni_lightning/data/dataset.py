@@ -93,10 +93,9 @@ class CodesDataset(Dataset):
     ``crop_frames``: training crops: a random window of that many frames (with the matching audio
     span) per item; shorter requests are kept whole. Once ``set_epoch`` is called (the data module's
     batch sampler does, each epoch) a crop is drawn from ``(seed, epoch, index)`` alone, so a fit
-    resumed from a checkpoint takes the crops of an uninterrupted one, on any rank. Not with loader
-    workers: Lightning makes a resumed fit's first iterator, and so the workers' copies of this
-    dataset, before it sets the epoch, so that epoch's workers crop with the epoch the data module
-    set when the loader was built. Before ``set_epoch``, crops come from a generator (per loader
+    resumed from a checkpoint takes the crops of an uninterrupted one, on any rank, with or without
+    loader workers (the data module's training loader starts them once the epoch is set; see
+    ``datamodule.StartsAtFirstBatch``). Before ``set_epoch``, crops come from a generator (per loader
     worker, see ``_crop_rng``).
     """
 
