@@ -125,8 +125,7 @@ class WaveformWriter(BasePredictionWriter):
         self._manifest = self.out_dir / (MANIFEST if world == 1 else f"manifest.rank{rank}.jsonl")
         listed = getattr(trainer.datamodule, "predict_plan", None)  # the job's ids, listed by the data module
         listed = listed if isinstance(listed, PredictPlan) else None
-        plan = listed if listed is not None and listed.out_dir is not None and (
-            listed.out_dir.resolve() == self.out_dir.resolve()) else None  # the data skipped this folder's finished
+        plan = listed if listed is not None and listed.skipped_in(self.out_dir) else None
         finished = plan.finished if plan is not None else None  # else the writer reads the folder itself
         if rank == 0:
             try:  # a read-only file system, a folder where the manifest goes: the folder is the user's choice

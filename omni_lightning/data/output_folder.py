@@ -224,6 +224,10 @@ class PredictPlan:
     def out_dir(self) -> Path | None:
         return self.finished.out_dir if self.finished is not None else None
 
+    def skipped_in(self, out_dir: Path) -> bool:
+        """Whether the data left out ``out_dir``'s finished requests (so a writer there takes this plan)."""
+        return self.out_dir is not None and self.out_dir.resolve() == Path(out_dir).resolve()
+
     @property
     def pending(self) -> list[str]:
         return [i for i in self.ids if self.finished is None or i not in self.finished]
