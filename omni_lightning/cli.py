@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
 
             check_timings(timings_path)
             timings_ok = True
+        if argv[:1] == ["--version"]:
+            from omni_lightning import __version__
+
+            print(f"omni-lightning {__version__}")
+            return EXIT_OK
         if argv and argv[0] == "demo":
             from omni_lightning.demo import main as demo_main
 

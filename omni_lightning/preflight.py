@@ -18,6 +18,7 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,12 +51,10 @@ class CommandLine:
 
 def check_command_line(argv: list[str]) -> CommandLine | None:
     """Raises UsageError for the first problem found in ``argv`` (the arguments after the program);
-    None when there is nothing to check (help, no subcommand)."""
+    None when there is nothing to check (help)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
-    sub_at = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
-    if sub_at is None:
-        return None  # the parser says which subcommands exist
+    sub_at = _subcommand_at(argv)
     sub = argv[sub_at]
     values: dict[str, Any] = {}
     for path in _config_paths(argv[:sub_at]):
@@ -64,6 +63,21 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
         _merge(values, _read_config(path))
     _merge(values, _options(argv[sub_at + 1 :]))
     return _check(sub, values)
+
+
+def _subcommand_at(argv: list[str]) -> int:
+    """Where the subcommand is: the first argument that is not an option or a ``--config`` value.
+    UsageError when there is none or it is not one (said here, not after Lightning loads)."""
+    choices = ", ".join((*SUBCOMMANDS, "demo"))
+    for i, arg in enumerate(argv):
+        if arg.startswith("-") or (i > 0 and argv[i - 1] in ("-c", "--config")):
+            continue
+        if arg in SUBCOMMANDS:
+            return i
+        close = difflib.get_close_matches(arg, [*SUBCOMMANDS, "demo"], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"{arg!r} is not a subcommand{hint}: use one of {choices}")
+    raise UsageError(f"no subcommand given: use one of {choices} (omni-lightning <subcommand> --help lists options)")
 
 
 def _config_paths(args: list[str]) -> list[str]:

@@ -18,6 +18,7 @@ from helpers import ROOT, cli, save_model, trainer_kwargs
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader
 
+import omni_lightning
 from omni_lightning import Code2WavConfig, Code2WavModule, CodesDataModule, CodesDataset, Trainer, WaveformWriter
 from omni_lightning.callbacks.progress import AudioProgressBar
 from omni_lightning.data.output_folder import file_name
@@ -410,6 +411,9 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
             runs.append([sub, *args, *random])
             wanted.append((f"{sub} has no weights", "--model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) "
                            "or --ckpt_path <Lightning .ckpt>; --model.random_weights true"))
+    runs += [["predcit", *good[1:]], [], ["--config", "configs/predict.yaml"]]  # said before Lightning loads
+    wanted += [("'predcit' is not a subcommand", "(did you mean predict?): use one of fit, validate, test, predict, "
+                "demo"), ("no subcommand given", "use one of fit"), ("no subcommand", "--help lists")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", CHECK_MISTAKES, json.dumps(runs)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     report = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -420,6 +424,9 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
 
     debug = cli("predict", "--config", "configs/nope.yaml", "--debug").communicate(timeout=300)[0]
     assert "Traceback" in debug and "UsageError" in debug  # --debug keeps the traceback
+    version = subprocess.run([sys.executable, "-m", "omni_lightning.cli", "--version"], cwd=ROOT, text=True,
+                             capture_output=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert version.returncode == 0 and version.stdout == f"omni-lightning {omni_lightning.__version__}\n"
 
 
 def test_a_rerun_with_nothing_left_to_do_ends_before_torch_is_imported(tmp_path):
