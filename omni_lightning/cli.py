@@ -10,7 +10,8 @@ Exit status: 0 done (predict: every request has its file); 1 an unexpected error
 environment: the traceback is printed); 2 a usage error (raised as one: a bad argument, path, preset,
 config, output format, duplicate ids, no weights; one ``error:`` line); 3 predict finished but some
 requests failed (each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C; the
-batches already decoded are written first). ``--debug`` (or OMNI_LIGHTNING_DEBUG=1) prints the
+batches already decoded are written first); 143 terminated (SIGTERM: stopped after the batch in
+progress, or the step in fit, the batches already decoded written). ``--debug`` (or OMNI_LIGHTNING_DEBUG=1) prints the
 traceback of usage errors too. ``--timings FILE`` writes the job's phase times (wall clock: process
 start, Lightning loaded, model and data built, first batch, last batch, writes drained, end) as JSON
 and prints them in one line.
@@ -30,7 +31,7 @@ from typing import Any
 
 from omni_lightning.console import compact_warnings, quiet_known_noise
 
-EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
 
 
@@ -42,6 +43,11 @@ def _is_usage_error(err: BaseException) -> bool:
         return True
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
     return exceptions is not None and isinstance(err, exceptions.MisconfigurationException)
+
+
+def _is_sigterm(err: BaseException) -> bool:
+    exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
+    return exceptions is not None and isinstance(err, exceptions.SIGTERMException)
 
 
 def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -101,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except SystemExit:
+    except SystemExit as exit_:
         if interrupted:  # Lightning turns Ctrl-C into exit(1) after its graceful shutdown
             print("error: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
+        if _is_sigterm(exit_):  # Lightning's loops stop after a batch; its exception exits 0 if let through
+            print("error: terminated (SIGTERM) after the batch in progress", file=sys.stderr)
+            return EXIT_TERMINATED
         raise
     except Exception as err:
         if not _is_usage_error(err):

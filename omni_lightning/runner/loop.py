@@ -13,6 +13,11 @@ or at epoch end, or at teardown after an error. Before the first batch it caps t
 (``gpu_memory_utilization``, when given; the share it had is put back at teardown) and calls the
 module's ``profile_run()`` if it has one.
 
+A SIGTERM (a scheduler's stop, ``kill``) ends the run after the batch in progress, raising Lightning's
+``SIGTERMException`` as its fit and evaluation loops do: the batches already decoded reach the
+callbacks' ``on_exception`` (a writer writes them). Stock's predict loop only records the signal and
+decodes everything.
+
 Under DDP (any number of processes and nodes) a rank that has no batch runs predict's hooks all the
 same (start, epoch start and end, end), with no step: stock skips them, and a callback whose end
 hook meets the other ranks (``WaveformWriter``'s merge) would wait forever.
@@ -45,6 +50,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from omni_lightning.runner.host_memory import release_free_host_memory
 from omni_lightning.runner.output import MultimodalOutputs, OmniModelRunnerOutput
@@ -147,6 +153,8 @@ class OmniPredictionLoop(_PredictionLoop):
         # output (no copy in flight) is built at once, as Lightning's loop moves predictions at once
         current = produced[-1] if produced else None
         self._settle(keep=current if current is not None and current.in_flight else None)
+        if self.trainer.received_sigterm and not self.batch_progress.is_last_batch:
+            raise SIGTERMException  # as stock's fit and evaluation loops do; stock's predict loop never stops
 
     def _step_batch(self, args: tuple, kwargs: dict, dataloader_iter: Iterator | None) -> Any:
         """The batch whose requests the step's outputs are: the step's own batch argument, or for a
