@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         restore_handler()
+        if "omni_lightning.data.folder_lock" in sys.modules:  # an output folder locked by the checks
+            sys.modules["omni_lightning.data.folder_lock"].unlock_all()
         if timings_ok:
             timings["end"] = time.time()
             try:

@@ -19,11 +19,13 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from omni_lightning.data.files import CODE_SUFFIXES
+from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
@@ -188,6 +190,8 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
         out_dir = values.get("out_dir")
         if isinstance(out_dir, str):
             check_out_dir(out_dir)
+            if Path(out_dir).is_dir() and _first_process():
+                lock_output_folder(out_dir)  # before anything tidies it; the writer finds it held
             if data is not None:
                 check_not_output_manifest(data.get("predict"), out_dir)
         check_format(str(values.get("format") or "wav"), str(values.get("subtype") or "PCM_16"))
@@ -226,6 +230,13 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
         command.predict_ids = ids
 
 
+def _first_process() -> bool:
+    """Whether this is a job's first process (rank 0): the other DDP ranks, started by Lightning, torchrun
+    or Slurm with the same arguments, run these checks too, while rank 0 holds the output folder."""
+    ranks = [os.environ.get(name, "") for name in ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK")]
+    return all(rank in ("", "0") for rank in ranks)
+
+
 BOOLEANS = ("true", "yes", "on", "false", "no", "off")  # what the argument parser takes for a bool
 
 
@@ -255,6 +266,7 @@ def finished_job(command: CommandLine | None) -> str | None:
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     remove_temp_files(finished.out_dir)
     finished.compact()
+    unlock_output_folder(finished.out_dir)  # taken by the checks: this job ends here
     stats = {"skipped": len(command.predict_ids)}
     return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
 

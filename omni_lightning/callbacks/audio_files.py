@@ -6,6 +6,8 @@ and the order of commits (``callbacks/writer.py``).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 from pathlib import Path
 from typing import Any
@@ -24,11 +26,22 @@ def encode_durably(path: Path, wav: Any, sr: int, audio_format: str, subtype: st
         data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else np.asarray(wav).reshape(-1)
         if subtype == "PCM_16":  # libsndfile truncates toward -inf (a -0.5 LSB bias): round here
             data = np.clip(np.rint(data * np.float32(32768)), -32768, 32767).astype(np.int16)
+        # encoded in memory, then written: libsndfile writing to a file swallows the disk's error (a full
+        # disk gave "AssertionError: " and a traceback on stderr per file); os.write raises it, named
+        encoded = io.BytesIO()
+        sf.write(encoded, data, sr, subtype=subtype, format=audio_format.upper())
         with open(path, "wb") as f:
-            sf.write(f, data, sr, subtype=subtype, format=audio_format.upper())
+            f.write(encoded.getbuffer())
             f.flush()
             os.fsync(f.fileno())
     except Exception as err:
-        path.unlink(missing_ok=True)
+        discard(path)
         return 0, f"{type(err).__name__}: {err}"
     return int(data.shape[0]), None
+
+
+def discard(path: Path) -> None:
+    """Removes ``path`` if it can: on a file system gone read-only the removal fails too, and the
+    request's failure (already recorded) is what matters; the next run's start removes the temp file."""
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)

@@ -25,6 +25,8 @@ the predict loop's thread, resumable, nothing lost.
   background thread (the manifest itself cannot be written) is raised in the loop at the next batch
   or at the end, never lost. On an exception or Ctrl-C in predict, the batches already computed are
   written before the error propagates.
+- **One job per folder.** Rank 0 holds the folder's lock (``data/folder_lock.py``) from set-up to
+  teardown; a second job on the same folder is refused with a UsageError before it changes anything.
 - **DDP.** Every rank writes only its own requests into ``manifest.rank<r>.jsonl``; rank 0 merges
   them into ``manifest.jsonl`` at the end (and compacts them at the next start, after a killed run).
   The counts (``stats``) are summed over ranks, so every rank's ``summary()`` and ``all_written``
@@ -36,6 +38,7 @@ the predict loop's thread, resumable, nothing lost.
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,8 +49,10 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
-from omni_lightning.callbacks.audio_files import encode_durably
+from omni_lightning.callbacks.audio_files import discard, encode_durably
+from omni_lightning.callbacks.file_claims import FileClaims, error_line
 from omni_lightning.callbacks.write_queue import WriteQueue
+from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
     MANIFEST,
     Finished,
@@ -56,7 +61,6 @@ from omni_lightning.data.output_folder import (
     check_format,
     check_names,
     file_name,
-    file_stem,
     fsync_folder,
     fsync_write,
     manifest_text,
@@ -85,7 +89,9 @@ class WaveformWriter(BasePredictionWriter):
         self.subtype, self.audio_format = subtype, audio_format
         self.max_pending = max_pending
         self.encoders = encoders or min(4, os.cpu_count() or 1)
-        self._pending: OmniModelRunnerOutput | None = None
+        # outputs not yet queued for the background thread, each with a number that the thread handles once
+        self._unsent: list[tuple[int, OmniModelRunnerOutput]] = []
+        self._numbers, self._handled = itertools.count(), set()
         self._manifest = self.out_dir / MANIFEST
         self.stats = self._zero_stats()
         self.failed: dict[str, str] = {}  # id -> reason, this run's (under DDP, rank 0: every rank's)
@@ -93,9 +99,7 @@ class WaveformWriter(BasePredictionWriter):
         self.timing: dict[str, float] = {}
         self._expected: set[str] = set()
         self._finished = Finished(self.out_dir)
-        self._fold = False  # the file system ignores case
-        self._owners: dict[str, str] = {}  # file stem (casefolded when _fold) -> the id written there
-        self._claimed: set[str] = set()  # ids handed to the background thread in this run
+        self._claims = FileClaims(self._finished)
         self._ok_now: set[str] = set()  # ids the background thread wrote in this run
         self._queue: WriteQueue | None = None
         self._pool: ThreadPoolExecutor | None = None
@@ -130,6 +134,7 @@ class WaveformWriter(BasePredictionWriter):
         if rank == 0:
             try:  # a read-only file system, a folder where the manifest goes: the folder is the user's choice
                 self.out_dir.mkdir(parents=True, exist_ok=True)
+                lock_output_folder(self.out_dir)  # held until teardown; another job's is a UsageError
                 remove_temp_files(self.out_dir)
                 finished = finished or Finished.read(self.out_dir)
                 finished.compact()
@@ -137,13 +142,14 @@ class WaveformWriter(BasePredictionWriter):
                 raise UsageError(f"output folder {self.out_dir} cannot be used ({err}): pick another") from err
         trainer.strategy.barrier("WaveformWriter.setup")
         self._finished = finished or Finished.read(self.out_dir)
-        self._fold = case_insensitive(self.out_dir)
-        self._owners = self._finished.owners(self._fold)
-        self._claimed, self._ok_now, self.failed = set(), set(), {}
+        fold = case_insensitive(self.out_dir)
+        self._claims = FileClaims(self._finished, fold, self.audio_format)
+        self._ok_now, self.failed = set(), {}
+        self._unsent, self._handled = [], set()
         self.stats = self._zero_stats()
         self._expected, self.unread = set(), []
         if listed is not None:  # before anything is decoded, on every rank alike
-            check_names(listed.ids, self._fold)
+            check_names(listed.ids, fold)
         if plan is not None:
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
@@ -163,44 +169,34 @@ class WaveformWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         if not isinstance(prediction, OmniModelRunnerOutput):
             raise TypeError(f"WaveformWriter needs OmniPredictionLoop outputs, got {type(prediction).__name__}")
-        previous, self._pending = self._pending, prediction
-        if previous is not None:
-            self._submit(previous)
+        self._unsent.append((next(self._numbers), prediction))
+        self._send(keep=1)  # the newest stays: its host copy runs under the next step
 
     def _flush(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._submit(pending)
+        self._send(keep=0)
 
-    def _submit(self, output: OmniModelRunnerOutput) -> None:
+    def _send(self, keep: int) -> None:
+        """Queues the unsent outputs but the last ``keep``. One leaves ``_unsent`` only once queued: a
+        Ctrl-C while the queue is full (``put`` waits) leaves it there for ``on_exception`` to send."""
+        while len(self._unsent) > keep:
+            self._submit(*self._unsent[0])
+            del self._unsent[0]
+
+    def _submit(self, number: int, output: OmniModelRunnerOutput) -> None:
         """Decides, on the loop's thread, what to write; queues it (waits only on a full queue)."""
-        files, lines = [], []
-        for req_id, payload in zip(output.req_ids, output.pooler_output):
-            # the data module skips finished requests and checks ids up front; plain dataloaders get this net
-            stem_key = self._key(file_stem(req_id))
-            owner = self._owners.get(stem_key)
-            if req_id in self._claimed:
-                lines.append(_error(req_id, "duplicate id: a request with this id was already written in this run"))
-            elif req_id in self._finished:  # finished by an earlier run, and the data was not told to skip it
-                self.stats["skipped"] += 1
-            elif owner is not None and owner != req_id:
-                lines.append(_error(req_id, f"its file name {file_name(req_id, self.audio_format)} is taken by "
-                                            f"request {owner!r}"))  # fmt: skip
-            else:
-                self._claimed.add(req_id)
-                self._owners[stem_key] = req_id
-                files.append((req_id, payload["model_outputs"], int(payload["sr"])))
-        lines += [_error(req_id, reason) for req_id, reason in output.errors.items()]
-        if files or lines:
-            self._queue.put((files, lines))
-
-    def _key(self, stem: str) -> str:
-        return stem.casefold() if self._fold else stem
+        decision = self._claims.decide(output)
+        if decision.files or decision.lines:
+            self._queue.put((number, decision.files, decision.lines))
+        self._claims.commit(decision)  # once queued: an interrupted call is made again alike
+        self.stats["skipped"] += decision.skipped
 
     # --- on the background thread --------------------------------------------------------------------
 
-    def _write_batch(self, work: tuple[list, list]) -> None:
-        files, lines = work
+    def _write_batch(self, work: tuple[int, list, list]) -> None:
+        number, files, lines = work
+        if number in self._handled:  # queued twice: an interrupt came after the put, before its bookkeeping
+            return
+        self._handled.add(number)
         written = list(self._pool.map(self._encode, files))
         committed = []
         for req_id, name, n_samples, sr, problem in written:
@@ -209,9 +205,9 @@ class WaveformWriter(BasePredictionWriter):
                     os.replace(self.out_dir / f".{name}.tmp", self.out_dir / name)
                 except OSError as err:
                     problem = f"could not write {name}: {type(err).__name__}: {err}"
-                    (self.out_dir / f".{name}.tmp").unlink(missing_ok=True)
+                    discard(self.out_dir / f".{name}.tmp")
             if problem is not None:
-                lines.append(_error(req_id, problem))
+                lines.append(error_line(req_id, problem))
                 continue
             committed.append(req_id)
             lines.append({"id": req_id, "path": name, "format": self.audio_format, "subtype": self.subtype,
@@ -246,7 +242,11 @@ class WaveformWriter(BasePredictionWriter):
             self._close(drain=False)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._close(drain=False)  # already closed, unless predict ended on a path that skipped its hooks
+        try:
+            self._close(drain=False)  # already closed, unless predict ended on a path that skipped its hooks
+        finally:
+            if stage == "predict" and trainer.global_rank == 0:
+                unlock_output_folder(self.out_dir)
 
     def _close(self, drain: bool) -> None:
         queue, self._queue = self._queue, None
@@ -274,7 +274,7 @@ class WaveformWriter(BasePredictionWriter):
         if trainer.global_rank == 0:
             rows = merge_manifests(self.out_dir)
             missing = len(self._expected - set(rows))
-            self.failed = {i: r["reason"] for i, r in rows.items() if r.get("status") == "error"}
+            self.failed = {i: r.get("reason", "?") for i, r in rows.items() if r.get("status") == "error"}
         # every rank wrote its own share: sum the counts, so each rank reports the whole job
         own = [self.stats["ok"], self.stats["error"], self.stats["audio_s"], missing]
         total = trainer.strategy.reduce(
@@ -285,8 +285,4 @@ class WaveformWriter(BasePredictionWriter):
 
     def summary(self) -> str:
         return summary_line(self.stats, self.out_dir, self.unread)
-
-
-def _error(req_id: str, reason: str) -> dict[str, Any]:
-    return {"id": req_id, "status": "error", "reason": reason}
 

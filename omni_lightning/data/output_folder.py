@@ -90,15 +90,16 @@ def case_insensitive(folder: Path) -> bool:
 
 
 def read_manifest(path: Path) -> list[dict[str, Any]]:
-    """The lines of a manifest; a torn last line (a killed writer) is ignored."""
+    """The lines of a manifest that are JSON objects with a string ``id``; any other line (a torn last
+    line of a killed writer, a hand edit: not UTF-8, not JSON, another kind of id) is ignored."""
     rows = []
     if path.is_file():
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
+                row = json.loads(line.decode("utf-8"))
+            except ValueError:  # UnicodeDecodeError and JSONDecodeError both are
                 continue
-            if isinstance(row, dict) and "id" in row:
+            if isinstance(row, dict) and isinstance(row.get("id"), str):
                 rows.append(row)
     return rows
 

@@ -1,0 +1,71 @@
+"""``FileClaims``: which requests of a batch ``WaveformWriter`` writes in this run, decided on the predict
+loop's thread before the batch is queued.
+
+A request gets a file once. Not when an earlier run finished it (counted as skipped: the data was
+not told to skip it). Not twice in a run (a repeated id is an error line). Not into a file name that
+another id holds (ids whose names differ only by case, on a file system that ignores case). The
+claims change only through :meth:`FileClaims.commit`, once the batch is queued, so a decision that
+was interrupted (Ctrl-C while the writer's queue is full) can be made again with the same result.
+
+What it does not do: name files or read the folder (``data/output_folder.py``), or write anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_lightning.data.output_folder import Finished, file_name, file_stem
+from omni_lightning.runner.output import OmniModelRunnerOutput
+
+
+@dataclass
+class Decision:
+    """A batch's work: files to write ``(id, waveform, sample rate)``, manifest error lines, how many
+    requests an earlier run finished, and the file names it claims (stem key -> id)."""
+
+    files: list[tuple[str, Any, int]] = field(default_factory=list)
+    lines: list[dict[str, Any]] = field(default_factory=list)
+    skipped: int = 0
+    claims: dict[str, str] = field(default_factory=dict)
+
+
+class FileClaims:
+    """The run's claims on file names over an output folder's finished requests (see the module docstring).
+    ``fold``: the file system ignores case, so names are compared casefolded."""
+
+    def __init__(self, finished: Finished, fold: bool = False, audio_format: str = "wav") -> None:
+        self.finished, self.fold, self.audio_format = finished, fold, audio_format
+        self.owners = finished.owners(fold)  # file stem key -> the id written there
+        self.claimed: set[str] = set()  # ids queued for writing in this run
+
+    def decide(self, output: OmniModelRunnerOutput) -> Decision:
+        d = Decision()
+        for req_id, payload in zip(output.req_ids, output.pooler_output):
+            # the data module skips finished requests and checks ids up front; plain dataloaders get this net
+            stem = file_stem(req_id)
+            key = stem.casefold() if self.fold else stem
+            owner = d.claims.get(key, self.owners.get(key))
+            if req_id in self.claimed or (owner == req_id and key in d.claims):
+                d.lines.append(error_line(req_id, "duplicate id: a request with this id was already written in "
+                                                  "this run"))  # fmt: skip
+            elif req_id in self.finished:
+                d.skipped += 1
+            elif owner is not None and owner != req_id:
+                taken = f"its file name {file_name(req_id, self.audio_format)} is taken by request {owner!r}"
+                d.lines.append(error_line(req_id, taken))
+            else:
+                d.claims[key] = req_id
+                d.files.append((req_id, payload["model_outputs"], int(payload["sr"])))
+        d.lines += [error_line(req_id, reason) for req_id, reason in output.errors.items()]
+        return d
+
+    def commit(self, decision: Decision) -> None:
+        """Records a queued decision's claims."""
+        self.claimed.update(decision.claims.values())
+        self.owners.update(decision.claims)
+
+
+def error_line(req_id: str, reason: str) -> dict[str, Any]:
+    """A manifest line for a request that failed."""
+    return {"id": req_id, "status": "error", "reason": reason}

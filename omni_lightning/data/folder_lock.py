@@ -1,0 +1,84 @@
+"""One predict job at a time per output folder: an advisory lock on ``<out_dir>/.omni-lightning.lock``.
+
+Two jobs writing one folder lose work: the second one's start tidies the folder (removes the temp
+files the first is writing, rewrites the manifest from what it read) while the first appends to it,
+so ids end up in the manifest twice or not at all. The first job to take the lock keeps it until its
+writer finishes (or the process ends: the kernel releases it, even after kill -9); another job is
+refused, naming the process that holds it. The lock file holds that pid; it is removed when the lock
+is released (a killed job leaves it, unlocked: the next job takes it).
+
+Standard library only (the command line takes the lock before torch loads). Re-entrant within a
+process: the command line's checks take it, the writer then finds it held. What it does not do:
+lock on Windows (no ``fcntl``: nothing is locked there), or lock a folder this process cannot write
+(the writer's set-up reports that folder as unusable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from omni_lightning.errors import UsageError
+
+LOCK_NAME = ".omni-lightning.lock"
+_held: dict[Path, int] = {}  # folder (resolved) -> the open lock file of this process
+
+
+def lock_output_folder(out_dir: str | Path) -> bool:
+    """Takes ``out_dir``'s lock for this process (True), or does nothing when it cannot be taken here
+    (False: no ``fcntl``, no such folder, a folder this process cannot write). UsageError when
+    another process holds it."""
+    try:
+        import fcntl
+    except ImportError:
+        return False
+    folder = Path(out_dir).resolve()
+    if folder in _held:
+        return True
+    path = folder / LOCK_NAME
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+            os.close(fd)
+            raise UsageError(
+                f"output folder {out_dir} is in use by another predict job (process {holder}): two jobs writing "
+                "one folder would lose or repeat requests. Wait for it to end, or give another --out_dir"
+            ) from None
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # the holder removed that file as it released it: lock the one there now
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _held[folder] = fd
+    return True
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def unlock_output_folder(out_dir: str | Path) -> None:
+    """Releases ``out_dir``'s lock if this process holds it, removing the lock file first (a process
+    that opened it meanwhile finds it gone once it has the lock, and tries again)."""
+    folder = Path(out_dir).resolve()
+    fd = _held.pop(folder, None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(folder / LOCK_NAME)
+        os.close(fd)  # closing the file releases its lock
+
+
+def unlock_all() -> None:
+    """Releases every lock this process holds (a command ending)."""
+    for folder in list(_held):
+        unlock_output_folder(folder)

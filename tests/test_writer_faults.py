@@ -1,0 +1,145 @@
+"""The writer under faults a real job meets: Ctrl-C while it hands a batch over, a second job on the
+same output folder, a disk that refuses bytes, a hand-edited manifest, a file system gone read-only."""
+
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import random_model
+from helpers import ROOT, cli, save_model, trainer_kwargs
+from lightning.pytorch.callbacks import Callback
+from test_writer import manifest_rows, write_codes
+
+from omni_lightning import Code2WavModule, CodesDataModule, Trainer, WaveformWriter
+from omni_lightning.callbacks.audio_files import encode_durably
+from omni_lightning.data.folder_lock import LOCK_NAME
+from omni_lightning.data.output_folder import Finished
+from omni_lightning.errors import UsageError
+
+
+class InterruptedPut(Callback):
+    """Stands in for a Ctrl-C that arrives while the writer hands its ``at``-th batch to the background
+    thread: before the batch is queued (the loop waiting on a full queue) or just after (before the
+    writer's own bookkeeping)."""
+
+    def __init__(self, writer: WaveformWriter, at: int, after: bool) -> None:
+        self.writer, self.at, self.after, self.calls = writer, at, after, 0
+
+    def on_predict_start(self, trainer, pl_module):
+        put = self.writer._queue.put
+
+        def interrupted(item):
+            self.calls += 1
+            if self.calls == self.at and not self.after:
+                raise KeyboardInterrupt
+            put(item)
+            if self.calls == self.at and self.after:
+                raise KeyboardInterrupt
+
+        self.writer._queue.put = interrupted
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_ctrl_c_while_a_batch_is_handed_over_writes_every_decoded_batch_once(tmp_path, after):
+    """The batch being handed over was dropped: the writer let go of it before the queue took it."""
+    manifest = write_codes(tmp_path / "data", [4] * 12)  # equal lengths: batches in id order
+    out = tmp_path / "out"
+    writer = WaveformWriter(out)
+    trainer = Trainer(**trainer_kwargs(callbacks=[writer, InterruptedPut(writer, at=2, after=after)]))
+    with pytest.raises(SystemExit):  # Lightning's graceful shutdown of a KeyboardInterrupt
+        trainer.predict(Code2WavModule(model=random_model("tiny")), return_predictions=False,
+                        datamodule=CodesDataModule(predict=str(manifest), batch_size=2))  # fmt: skip
+    ids = [r["id"] for r in manifest_rows(out)]
+    # the 2nd batch was handed over at the 3rd batch's end: three batches decoded, each written once
+    assert sorted(ids) == [f"r{i:03d}" for i in range(6)], ids
+    assert all(r["status"] == "ok" and (out / r["path"]).is_file() for r in manifest_rows(out))
+
+
+def hold_lock(folder: Path) -> subprocess.Popen:
+    """Another process that holds ``folder``'s lock until its stdin closes."""
+    code = ("import sys; from omni_lightning.data.folder_lock import lock_output_folder; "
+            f"lock_output_folder({str(folder)!r}); print('held', flush=True); sys.stdin.read()")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_a_second_job_on_an_output_folder_in_use_is_refused_and_changes_nothing(tmp_path):
+    """Two jobs on one folder used to interleave: ids twice in the manifest, others lost."""
+    ckpt = save_model(tmp_path / "ckpt")
+    manifest = write_codes(tmp_path / "data", [3, 4, 5])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".r000.wav.tmp").write_bytes(b"the other job is writing this")
+    other = hold_lock(out)
+    try:
+        start = time.time()
+        proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
+                   "--data.predict", str(manifest), "--out_dir", str(out))  # fmt: skip
+        log = proc.communicate(timeout=120)[0]
+        assert proc.returncode == 2 and f"is in use by another predict job (process {other.pid})" in log, log
+        assert time.time() - start < 60  # said by the checks, before the model loads
+        writer = WaveformWriter(out)  # the Python API is refused alike, at the writer's set-up
+        with pytest.raises(UsageError, match=f"in use by another predict job \\(process {other.pid}\\)"):
+            Trainer(**trainer_kwargs(callbacks=[writer])).predict(
+                Code2WavModule(model=random_model("tiny")), datamodule=CodesDataModule(predict=str(manifest)))
+        assert (out / ".r000.wav.tmp").exists() and not (out / "manifest.jsonl").exists()  # untouched
+    finally:
+        other.communicate(timeout=60)
+    proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt),
+               "--data.predict", str(manifest), "--out_dir", str(out))  # fmt: skip
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and len(manifest_rows(out)) == 3, log
+    assert not (out / LOCK_NAME).exists()  # released (and removed) as the job ended
+
+
+ENCODE_UNDER_A_LIMIT = """
+import resource, sys, numpy as np
+from pathlib import Path
+from omni_lightning.callbacks.audio_files import encode_durably
+resource.setrlimit(resource.RLIMIT_FSIZE, (10_000, 10_000))  # bytes a file may hold: the disk refuses more
+print(encode_durably(Path(sys.argv[1]), np.zeros(24_000, np.float32), 24_000, "wav", "PCM_16"))
+"""
+
+
+def test_a_disk_that_refuses_bytes_is_named_in_the_requests_failure(tmp_path):
+    """libsndfile writing to the file swallowed the error: the reason was "AssertionError: " and each
+    file printed a traceback."""
+    target = tmp_path / "a.wav"
+    proc = subprocess.run([sys.executable, "-c", ENCODE_UNDER_A_LIMIT, str(target)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "(0, 'OSError: [Errno 27] File too large')" in proc.stdout and proc.stderr == ""
+    assert not target.exists()
+
+
+def test_a_file_system_gone_read_only_fails_the_request_not_the_job(tmp_path, monkeypatch):
+    """Removing the half-written file raised too (EROFS) and ended the job."""
+
+    def refuse(self, missing_ok=False):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    samples, reason = encode_durably(tmp_path / "gone" / "a.wav", np.zeros(100, np.float32), 24_000, "wav", "FLOAT")
+    assert samples == 0 and reason.startswith("FileNotFoundError")
+
+
+def test_hand_edited_manifest_lines_are_ignored_not_fatal(tmp_path):
+    """A byte that is not UTF-8, or an id that is a list, crashed every later run before."""
+    (tmp_path / "a.wav").write_bytes(b"RIFF")
+    (tmp_path / "b.wav").write_bytes(b"RIFF")
+    lines = [json.dumps({"id": "a", "path": "a.wav", "status": "ok"}).encode(), b"\xff\xfe not text",
+             json.dumps({"id": ["b"], "path": "b.wav", "status": "ok"}).encode(),
+             json.dumps({"id": "b", "status": "error"}).encode()]  # fmt: skip
+    (tmp_path / "manifest.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    finished = Finished.read(tmp_path)
+    assert finished.ids == {"a"}
+    finished.compact()
+    assert manifest_rows(tmp_path) == [{"id": "a", "path": "a.wav", "status": "ok"}]
