@@ -426,3 +426,30 @@ def test_a_module_that_made_a_streaming_decoder_still_pickles(tiny):
     module.streaming_decoder(max_streams=2)
     copied = pickle.loads(pickle.dumps(module))
     assert copied.streaming_decoder(max_streams=1).max_streams == 1
+
+
+def test_a_module_that_predicted_pickles_and_copies_without_its_engine(tiny):
+    """predict keeps the engine and weak references to it: pickling failed after a predict (so did
+    ``ddp_spawn`` of that module), and a deep copy kept the original's engine, so a setting changed on
+    the copy was ignored. A copy or pickle now takes no engine and builds its own."""
+    import copy
+    import pickle
+
+    module = Code2WavModule(model=tiny)
+    codes = list(random_codes(3, 11, module.config, seed=2))
+
+    def predict(m):
+        trainer = Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        return trainer.predict(m, datamodule=CodesDataModule(predict=codes, batch_size=3))
+
+    predict(module)
+    assert module.engine is not None and module.engine.frames_per_forward != 8
+    restored = pickle.loads(pickle.dumps(module))
+    assert restored.engine is None
+    twin = copy.deepcopy(module)
+    twin.frames_per_forward = 8
+    out = predict(twin)
+    assert twin.engine is not module.engine and twin.engine.frames_per_forward == 8
+    with torch.no_grad():
+        for request, audio in zip(codes, out[0].pooler_output):
+            assert max_diff(audio["model_outputs"], module.model.decode(request[None])[0]) <= 1e-5

@@ -61,6 +61,17 @@ class EngineOnPredict:
             self._engine_built = (weakref.ref(self.engine), self._engine_settings())
         return self.engine
 
+    def __getstate__(self) -> dict:
+        # a copy or pickle of the module (deepcopy, torch.save, spawn) takes no engine: it holds device
+        # buffers and graphs of this module's weights, and weak references, which cannot be pickled. A
+        # copy kept the original's engine and its record of it, so settings changed on the copy were
+        # ignored; it now builds its own at its first predict
+        state = dict(super().__getstate__())
+        state["engine"] = None
+        for key in ("_engine_built", "_stamp", "_lendable"):
+            state.pop(key, None)
+        return state
+
     def _predict_cap(self) -> float | None:
         return getattr(getattr(self._trainer, "predict_loop", None), "gpu_memory_utilization", None)
 

@@ -52,8 +52,11 @@ class StreamsOnModule:
                                "decoded with")  # fmt: skip
 
     def __getstate__(self) -> dict:
-        state = dict(super().__getstate__())  # a copy or pickle of the module (torch.save, spawn) takes no
-        state.pop("_streaming_decoders", None)  # weak references: they cannot be pickled
+        # a copy or pickle of the module (deepcopy, torch.save, spawn) takes no decoder: weak references
+        # cannot be pickled, and a copy's streams are its own (module.stream makes its decoder anew)
+        state = dict(super().__getstate__())
+        state.pop("_streaming_decoders", None)
+        state["_stream_decoder"] = None
         return state
 
     def _decoders(self) -> weakref.WeakSet:
