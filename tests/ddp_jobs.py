@@ -2,7 +2,7 @@
 running this file again (a pytest process cannot be re-run that way). Each rank records what it saw
 in ``<record>.rank<r>.pt``.
 
-    python tests/ddp_jobs.py predict RECORD OUT_DIR --devices 2 --lengths 3 40 7 ...
+    python tests/ddp_jobs.py predict RECORD OUT_DIR --devices 2 --lengths 3 40 7 ... [--limit 0.5] [--decode-all]
     python tests/ddp_jobs.py fit RECORD --devices 2 --batch-size 2 --steps 4 [--gan] [--ema] [--resume CKPT]
     python tests/ddp_jobs.py validate RECORD --devices 2 --good 3 [--bad]
 """
@@ -54,9 +54,10 @@ class StepLog(pl.Callback):
 def predict(args: argparse.Namespace) -> None:
     requests = {f"r{i:02d}": random_codes(1, n, seed=i)[0] for i, n in enumerate(args.lengths)}
     writer, seen = WaveformWriter(args.out_dir), DecodedHere()
+    limit = float(args.limit) if "." in args.limit else int(args.limit)
     trainer = Trainer(**QUIET, devices=args.devices, strategy="ddp", use_distributed_sampler=False,
-                      callbacks=[writer, seen])  # fmt: skip
-    data = CodesDataModule(predict=requests, batch_size=2, skip_done=args.out_dir)
+                      callbacks=[writer, seen], limit_predict_batches=limit)  # fmt: skip
+    data = CodesDataModule(predict=requests, batch_size=2, skip_done=None if args.decode_all else args.out_dir)
     trainer.predict(Code2WavModule(model=random_model("tiny")), datamodule=data, return_predictions=False)
     record = {"req_ids": seen.req_ids, "hooks": seen.hooks, "stats": writer.stats, "summary": writer.summary()}
     torch.save(record, f"{args.record}.rank{trainer.global_rank}.pt")
@@ -116,6 +117,8 @@ def main() -> None:
     p.add_argument("out_dir")
     p.add_argument("--devices", type=int, default=2)
     p.add_argument("--lengths", type=int, nargs="+", required=True)
+    p.add_argument("--limit", default="1.0")  # limit_predict_batches: "2" batches, "0.5" of them
+    p.add_argument("--decode-all", action="store_true")  # the data is not told what is finished
     f = sub.add_parser("fit")
     f.add_argument("record")
     f.add_argument("--devices", type=int, default=2)

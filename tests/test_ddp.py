@@ -107,6 +107,26 @@ def test_ddp_predict_deals_requests_by_length_and_writes_each_once(tmp_path):
     assert not list(out.glob("manifest.rank*.jsonl"))  # one manifest: rank 0 merged the ranks' parts
 
 
+def test_ddp_predict_counts_reruns_over_ranks_and_refuses_a_limit_alike_on_every_rank(tmp_path):
+    """Found by a sweep: "already done" counted rank 0's share only when the data was not told what is
+    finished; limit_predict_batches=0 failed on an assertion in Lightning's loop; a fraction that left
+    one rank's share no batch was refused on that rank alone, the other failing in gloo (exit 1)."""
+    lengths = ["5", "6", "7", "8", "9"]  # batch 2: rank 0 gets 2 batches, rank 1 one
+    out, record = tmp_path / "out", tmp_path / "seen"
+    run_job("predict", record, out, "--lengths", *lengths, "--decode-all")
+    run_job("predict", record, out, "--lengths", *lengths, "--decode-all")  # decoded again, written no more
+    assert all((s["stats"]["ok"], s["stats"]["skipped"]) == (0, 5) for s in records(record))
+    run_job("predict", record, tmp_path / "none", "--lengths", *lengths, "--limit", "0")
+    assert all(s["stats"]["missing"] == 5 and s["stats"]["limited"] for s in records(record))
+    assert "5 requests not run" in records(record)[0]["summary"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    job = [sys.executable, str(JOBS), "predict", record, tmp_path / "half", "--lengths", *lengths, "--limit", "0.5"]
+    proc = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "limit_predict_batches=0.5 leaves a process of this 2-process job no batch" in said
+    assert "Connection closed" not in said and "Traceback" in said  # raised on rank 0 too, not lost in gloo
+
+
 def test_ddp_fit_has_the_losses_of_one_process_at_the_same_global_batch(tmp_path):
     run_job("fit", tmp_path / "one", "--devices", "1", "--batch-size", "4", "--steps", "4")
     run_job("fit", tmp_path / "two", "--devices", "2", "--batch-size", "2", "--steps", "4")

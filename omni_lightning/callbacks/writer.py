@@ -91,7 +91,7 @@ class WaveformWriter(BasePredictionWriter):
         self.encoders = encoders or min(4, os.cpu_count() or 1)
         # outputs not yet queued for the background thread, each with a number that the thread handles once
         self._unsent: list[tuple[int, OmniModelRunnerOutput]] = []
-        self._numbers, self._handled = itertools.count(), set()
+        self._numbers, self._handled, self._skipped_here = itertools.count(), set(), 0
         self._manifest = self.out_dir / MANIFEST
         self.stats = self._zero_stats()
         self.failed: dict[str, str] = {}  # id -> reason, this run's (under DDP, rank 0: every rank's)
@@ -145,7 +145,7 @@ class WaveformWriter(BasePredictionWriter):
         fold = case_insensitive(self.out_dir)
         self._claims = FileClaims(self._finished, fold, self.audio_format)
         self._ok_now, self.failed = set(), {}
-        self._unsent, self._handled = [], set()
+        self._unsent, self._handled, self._skipped_here = [], set(), 0
         self.stats = self._zero_stats()
         self._expected, self.unread = set(), []
         if listed is not None:  # before anything is decoded, on every rank alike
@@ -189,6 +189,7 @@ class WaveformWriter(BasePredictionWriter):
             self._queue.put((number, decision.files, decision.lines))
         self._claims.commit(decision)  # once queued: an interrupted call is made again alike
         self.stats["skipped"] += decision.skipped
+        self._skipped_here += decision.skipped  # this rank's (the plan's count is the whole job's)
 
     # --- on the background thread --------------------------------------------------------------------
 
@@ -276,12 +277,14 @@ class WaveformWriter(BasePredictionWriter):
             missing = len(self._expected - set(rows))
             self.failed = {i: r.get("reason", "?") for i, r in rows.items() if r.get("status") == "error"}
         # every rank wrote its own share: sum the counts, so each rank reports the whole job
-        own = [self.stats["ok"], self.stats["error"], self.stats["audio_s"], missing]
+        own = [self.stats["ok"], self.stats["error"], self.stats["audio_s"], missing, self._skipped_here]
         total = trainer.strategy.reduce(
             torch.tensor(own, dtype=torch.float64, device=trainer.strategy.root_device), reduce_op="sum"
         )
-        ok, error, audio_s, missing = total.tolist()  # rank 0 merged before it joined this reduce
-        self.stats.update(ok=round(ok), error=round(error), audio_s=audio_s, missing=round(missing))
+        ok, error, audio_s, missing, skipped = total.tolist()  # rank 0 merged before it joined this reduce
+        skipped += self.stats["skipped"] - self._skipped_here  # the plan's: the same on every rank
+        self.stats.update(ok=round(ok), error=round(error), audio_s=audio_s, missing=round(missing),
+                          skipped=round(skipped))  # fmt: skip
 
     def summary(self) -> str:
         return summary_line(self.stats, self.out_dir, self.unread)

@@ -50,8 +50,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
+from omni_lightning.errors import UsageError
 from omni_lightning.runner.host_memory import release_free_host_memory
 from omni_lightning.runner.output import MultimodalOutputs, OmniModelRunnerOutput
 
@@ -84,8 +85,29 @@ class OmniPredictionLoop(_PredictionLoop):
     @property
     def skip(self) -> bool:
         # under DDP a rank with no batch (its data split gave it none) still runs predict's start and end
-        # hooks, so collectives there (a writer's merge and counts) meet every rank's; stock skips them all
-        return super().skip and self.trainer.world_size == 1
+        # hooks, so collectives there (a writer's merge and counts) meet every rank's; stock skips them all.
+        # A limit of 0 batches skips on every rank alike: stock then builds no loader to run hooks over
+        return super().skip and (self.trainer.world_size == 1 or self.trainer.limit_predict_batches == 0)
+
+    def setup_data(self) -> None:
+        """Stock's, except that under DDP a fractional ``limit_predict_batches`` that leaves some rank's
+        share no batch is refused on every rank (stock refuses on that rank alone, and the others failed
+        in their next collective: exit 1, a gloo traceback). With several predict dataloaders a rank
+        may still refuse while the others check the next one's length: not covered."""
+        limit, world = self.trainer.limit_predict_batches, self.trainer.world_size
+        if world == 1 or not isinstance(limit, float) or limit in (0.0, 1.0):
+            return super().setup_data()
+        refused = None
+        try:
+            super().setup_data()
+        except MisconfigurationException as err:
+            refused = err
+        if self.trainer.strategy.reduce_boolean_decision(refused is not None, all=False):
+            raise UsageError(
+                f"limit_predict_batches={limit} leaves a process of this {world}-process job no batch: each process "
+                "predicts that fraction of its own share of the batches, rounded down. Give a whole number of "
+                "batches per process, or a larger fraction"
+            ) from refused
 
     def on_run_start(self) -> None:
         self._prepare_device()
