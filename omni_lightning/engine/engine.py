@@ -20,8 +20,8 @@ The engine owns what makes that fast and safe on a device:
 Outputs are float32 (``out_dtype``) in storage of their own on the device; the first ``tail`` samples
 of a request (time before its start, see ``models/layers.py``) are never emitted.
 
-Not done, and why: no thread safety (one loop drives an engine: the predict loop or a server's step
-loop); requests longer than what fits in one forward are not split across forwards in parallel (a
+Threads may share an engine: its public calls run one at a time (``engine/serial.py``). Not done,
+and why: requests longer than what fits in one forward are not split across forwards in parallel (a
 request's chunks depend on each other); graphs are per process and device.
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections import deque
 from collections.abc import Hashable, Sequence
@@ -39,6 +40,8 @@ import torch
 from omni_lightning.engine import budget as budgets
 from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
 from omni_lightning.engine.plan import Planner
+from omni_lightning.engine.serial import serialized
+from omni_lightning.engine.stats import EngineStats
 from omni_lightning.engine.work import Work, gather, scatter, to_device
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
@@ -48,7 +51,7 @@ from omni_lightning.models.state import DecodeState, host_to_device
 log = logging.getLogger(__name__)
 
 
-class DecodeEngine:
+class DecodeEngine(EngineStats):
     """Decodes requests and streams of one ``Code2Wav`` on its device (see the module docstring).
 
     ``frames_per_forward``: the frame budget (rows x chunk) of a forward; default from ``budget``
@@ -81,6 +84,7 @@ class DecodeEngine:
         if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.model, self.gpu_memory_utilization = model, gpu_memory_utilization
+        self._lock = threading.RLock()  # one call at a time (serialized)
         ref = next(model.parameters())
         self.device, self.dtype = ref.device, ref.dtype
         self.out_dtype = out_dtype
@@ -120,6 +124,7 @@ class DecodeEngine:
     def frames_per_forward(self) -> int:
         return self.planner.frames
 
+    @serialized
     def refresh(self) -> bool:
         """Points the model's weights back at the tensors the graphs read (their current values
         copied in). If the model changed dtype, device or shape, the engine cannot serve it: returns
@@ -131,6 +136,7 @@ class DecodeEngine:
             self.weights = BoundWeights(self.model, conv_weights_channels_last=True)
         return self.weights.refresh() if self.weights is not None else True
 
+    @serialized
     def close(self) -> None:
         """Frees the graphs and the weights they hold (their memory goes back to PyTorch's cache)."""
         if self.graphs is not None:
@@ -139,12 +145,15 @@ class DecodeEngine:
 
     # --- slots -----------------------------------------------------------------------------------
 
+    @serialized
     def acquire(self) -> int:
         """A free slot, fresh; ValueError when all ``max_rows`` are in use."""
         if not self._free:
-            raise ValueError(f"all {self.max_rows} decode slots are in use (by open streams): close some first")
+            raise ValueError(f"all {self.max_rows} decode slots are in use (by open streams): close some first, "
+                             "or give the engine more (max_rows)")
         return self._free.popleft()
 
+    @serialized
     def release(self, *slots: int) -> None:
         """Frees ``slots`` (their state zeroed in one pass, so the next user starts fresh)."""
         if slots:
@@ -153,6 +162,7 @@ class DecodeEngine:
 
     # --- decoding --------------------------------------------------------------------------------
 
+    @serialized
     def decode(self, codes: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
         """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a right-padded batch ``codes
         [B, Q, T]`` whose values were validated (the lengths are checked here), each equal to its whole decode."""
@@ -175,6 +185,7 @@ class DecodeEngine:
             self.release(*(w.slot for _, w in active))
         return outs
 
+    @serialized
     def advance(self, chunks: dict[Hashable, tuple[int, torch.Tensor, bool]]) -> dict[Hashable, torch.Tensor]:
         """Streaming: ``{key: (slot, codes [Q, n], fresh)}`` advanced by all their frames; returns each
         key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``)."""
@@ -270,31 +281,3 @@ class DecodeEngine:
 
     def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         return self.model(codes, self.state.select(slots, valid), self.kernels)
-
-    def stats(self) -> dict[str, float]:
-        """The frame budget; forwards, real and computed (padded) frames since the engine was built; the
-        shapes first run since, and the host seconds of their first forwards (cuDNN plans, captures);
-        graphs captured, their capture seconds, replays, eager forwards and failed captures; peak
-        reserved GiB on CUDA."""
-        out: dict[str, float] = {"frames_per_forward": self.planner.frames, **self.work}
-        if self.graphs is not None:
-            s = self.graphs.stats
-            out.update(captures=s.captures, capture_s=s.capture_s, replays=s.replays, eager=s.eager,
-                       failures=s.failures)  # fmt: skip
-        if self.device.type == "cuda":
-            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
-        return out
-
-    def report(self) -> str:
-        """:meth:`stats` in one line."""
-        s = self.stats()
-        line = f"decode engine: {s['frames_per_forward']} frames per forward"
-        if s["computed"]:
-            line += (f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding), "
-                     f"{s['new_shapes']} shapes (first runs {s['new_shape_s']:.2f} s)")  # fmt: skip
-        if "captures" in s:
-            line += (f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
-                     f"{s['eager']} eager forwards")  # fmt: skip
-        if "peak_reserved_gib" in s:
-            line += f", peak reserved {s['peak_reserved_gib']:.2f} GiB"
-        return line

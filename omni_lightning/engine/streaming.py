@@ -13,14 +13,21 @@ its streams' state and not others: those streams are marked failed, and any late
 change (``Code2WavModule`` does so when ``fit`` starts): a stream's state only matches the weights it
 was decoded with.
 
-Not done, and why: no thread safety (one scheduling loop drives a decoder, as a server's step loop);
-no re-reading of parameters that were replaced rather than updated in place (``model.to(...)`` after
-building the decoder: build a new one; ``reads`` tells); no detection of weights written in place
-while a stream is open outside ``fit`` (it would cost a pass over every parameter per step).
+Threads may share a decoder: its calls run one at a time (``engine/serial.py``), and ``step`` with
+chunks pushes and decodes in one call, so a thread per stream calling ``step({its stream: chunk})``
+gets its own samples. ``push`` from one thread and ``step()`` from another is the one-loop server's
+pattern: that step advances (and returns) every stream pushed so far. ``retire`` from another thread
+waits for a step in progress.
+
+Not done, and why: no re-reading of parameters that were replaced rather than updated in place
+(``model.to(...)`` after building the decoder: build a new one; ``reads`` tells); no detection of
+weights written in place while a stream is open outside ``fit`` (it would cost a pass over every
+parameter per step).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping
@@ -29,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_lightning.engine.engine import DecodeEngine
+from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
 
@@ -82,6 +90,7 @@ class StreamingDecoder:
         self._closed: OrderedDict[Hashable, None] = OrderedDict()  # recent ids, for clear messages
         self._next_id = 0
         self.retired: str | None = None  # why this decoder serves no more streams (see ``retire``)
+        self._lock = threading.RLock()  # one call at a time (serialized)
 
     @property
     def streams(self) -> list[Hashable]:
@@ -102,12 +111,14 @@ class StreamingDecoder:
         """Frames of ``stream_id`` decoded so far (pushed but not stepped frames not counted)."""
         return self._get(stream_id).frames
 
+    @serialized
     def retire(self, reason: str) -> None:
         """Closes every stream and refuses any later use, giving ``reason``."""
         for sid in list(self._streams):
             self._release(sid)
         self.retired = reason
 
+    @serialized
     def open(self, stream_id: Hashable | None = None) -> Hashable:
         """Starts a stream in a free slot; returns its id (``stream_id``, or a new integer)."""
         self._check_serving()
@@ -129,11 +140,13 @@ class StreamingDecoder:
         self._streams[stream_id] = _Stream(slot)
         return stream_id
 
+    @serialized
     def push(self, stream_id: Hashable, codes: torch.Tensor) -> None:
         """Queues ``codes [Q, n]`` (any integer dtype, any device; ``n`` may be 0) for the next step."""
         stream = self._get(stream_id)
         stream.pending.append(self._checked(stream_id, stream, codes))
 
+    @serialized
     def step(self, chunks: Mapping[Hashable, torch.Tensor] | None = None) -> dict[Hashable, torch.Tensor]:
         """Pushes ``chunks`` (all checked before any is queued), then advances every stream with
         pushed frames; returns ``{stream: samples [1, m]}`` for those streams."""
@@ -147,6 +160,7 @@ class StreamingDecoder:
                 self._streams[sid].pending.append(codes)
         return self._decode([sid for sid, s in self._streams.items() if s.pending])
 
+    @serialized
     def close(self, stream_id: Hashable) -> torch.Tensor:
         """Ends a stream: decodes its pushed frames, frees its slot, returns their samples ``[1, m]``
         (``[1, 0]`` with nothing pushed since the last step: nothing is held back)."""
@@ -165,15 +179,22 @@ class StreamingDecoder:
         own = self._streams[sid]  # an id closed and opened again belongs to another stream
         try:
             for codes in code_chunks:
-                if self._streams.get(sid) is not own:
-                    self._get(sid)  # raises: closed, or retired
-                    raise ValueError(f"stream {sid!r} was closed and its id taken by another stream")
-                self.push(sid, codes)
-                yield self._decode([sid])[sid]
+                yield self._own_step(sid, own, codes)
         finally:
-            if self._streams.get(sid) is own:
-                self._release(sid)
+            with self._lock:
+                if self._streams.get(sid) is own:
+                    self._release(sid)
 
+    @serialized
+    def _own_step(self, sid: Hashable, own: _Stream, codes: torch.Tensor) -> torch.Tensor:
+        """``stream``'s chunk: pushed and decoded in one call (no other thread's step takes it)."""
+        if self._streams.get(sid) is not own:
+            self._get(sid)  # raises: closed, or retired
+            raise ValueError(f"stream {sid!r} was closed and its id taken by another stream")
+        self.push(sid, codes)
+        return self._decode([sid])[sid]
+
+    @serialized
     def warmup(self, chunk_sizes: Iterable[int] = (1,), batch_sizes: Iterable[int] = (1,)) -> float:
         """Runs (and on CUDA captures) these shapes now on fresh scratch streams; returns seconds."""
         start = time.perf_counter()

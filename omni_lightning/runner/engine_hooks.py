@@ -13,7 +13,8 @@ what the process holds, or if the predict's cap, device or dtype differs from th
 built for: the move then finds the room it found before the engine was kept. A module setting
 changed between predicts (``frames_per_forward``, ``fast_path``, ``graph_frames``) rebuilds it. The
 engine is also released when the module starts another stage (fit, validate, test: their memory
-comes first) or on ``module.release_engine()``.
+comes first) or on ``module.release_engine()``. While fit runs, a decode from another thread (a
+server sharing the module) is refused: the weights change at every step, and it would mix them.
 
 A kept engine's weights are the parameters' values at the last predict's end (Lightning then copied
 them to the host). Where no parameter was written to since (their version counters say so), the next
@@ -24,6 +25,7 @@ qwen3-omni's 412 MiB of bf16 weights on an H200), and no room needed for the mov
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -50,6 +52,11 @@ class EngineOnPredict:
     def decode_engine(self) -> DecodeEngine:
         """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
         so graphs survive across predict calls), else built for the model's device and dtype."""
+        fitting = getattr(self, "_fit_thread", None)
+        if fitting is not None and fitting != threading.get_ident():
+            raise ValueError("this module is being fine-tuned (trainer.fit, on another thread): its weights change at "
+                             "every step, so a decode now would mix them. Decode once fit returns, or from a copy "
+                             "made before it (copy.deepcopy(module))")  # fmt: skip
         cap, engine = self._predict_cap(), self.engine
         if engine is None or engine.model is not self.model or self._stale(engine, cap) or not engine.refresh():
             self.release_engine()
@@ -68,7 +75,7 @@ class EngineOnPredict:
         # ignored; it now builds its own at its first predict
         state = dict(super().__getstate__())
         state["engine"] = None
-        for key in ("_engine_built", "_stamp", "_lendable"):
+        for key in ("_engine_built", "_stamp", "_lendable", "_fit_thread"):
             state.pop(key, None)
         return state
 
@@ -98,6 +105,8 @@ class EngineOnPredict:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
+        if stage == "fit":  # until teardown, decodes from other threads are refused (decode_engine)
+            self._fit_thread = threading.get_ident()
         stamp, self._stamp, self._lendable = getattr(self, "_stamp", None), None, []
         engine = self.engine
         if engine is None:
@@ -117,6 +126,11 @@ class EngineOnPredict:
         if not budgets.room_for(engine.device, cap, held):
             self._lendable = []
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            self._fit_thread = None
+        super().teardown(stage)
 
     def _current_copies(self, stamp: WeightStamp | None) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The kept engine's weight tensors paired with the model's parameters, if ``stamp`` (taken at
