@@ -14,10 +14,13 @@ from helpers import trainer_kwargs
 from omni_lightning import Code2WavModule, CodesDataModule, DecodeEngine, StreamingDecoder, Trainer
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
-@pytest.fixture(scope="module")
-def tiny():
-    return random_model("tiny", seed=2)
+
+@pytest.fixture(scope="module", params=DEVICES)
+def tiny(request):
+    """On CUDA the engine replays CUDA graphs, whose input buffers two threads' calls would share."""
+    return random_model("tiny", seed=2).to(request.param)
 
 
 @contextmanager
@@ -67,7 +70,7 @@ def test_a_thread_per_stream_stepping_a_shared_decoder_gets_its_own_samples(tiny
     assert not errors, errors
     with torch.no_grad():
         for i, codes in enumerate(requests):
-            assert (results[i] - tiny.decode(codes[None])[0]).abs().max() <= 1e-5
+            assert (results[i] - tiny.decode(codes[None].to(next(tiny.parameters()).device))[0]).abs().max() <= 1e-5
     assert decoder.streams == [] and len(set(decoder.engine._free)) == 8  # every slot back, once
 
 
@@ -82,7 +85,8 @@ def test_threads_decoding_on_one_engine_past_its_slots_each_get_exact_audio(tiny
     with torch.no_grad():
         for i, codes in enumerate(batches):
             for j, n in enumerate([9 + i, 4, 7]):
-                assert (results[i][j] - tiny.decode(codes[j : j + 1, :, :n])[0]).abs().max() <= 1e-5
+                want = tiny.decode(codes[j : j + 1, :, :n].to(next(tiny.parameters()).device))[0]
+                assert (results[i][j] - want).abs().max() <= 1e-5
 
 
 @pytest.fixture(scope="module")
