@@ -1,10 +1,12 @@
 """Helpers the test files share (conftest.py re-exports the model ones; fixtures live there)."""
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch.utils.data import DataLoader
@@ -122,3 +124,24 @@ class FailingModule(Code2WavModule):
         if batch_idx == self.fail_at:
             raise self.exc("boom")
         return super().predict_step(batch, batch_idx)
+
+
+def write_codes(folder: Path, lengths, bad=()):
+    """A manifest over .npy code files; `bad` names entries to break (missing or out of range)."""
+    (folder / "codes").mkdir(parents=True)
+    rows = []
+    for i, n in enumerate(lengths):
+        rid = f"r{i:03d}"
+        codes = random_codes(1, n, seed=i)[0].numpy()
+        if rid in bad and bad[rid] == "range":
+            codes[0, 0] = 4096
+        if not (rid in bad and bad[rid] == "missing"):
+            np.save(folder / "codes" / f"{rid}.npy", codes)
+        rows.append({"id": rid, "codes": f"codes/{rid}.npy"})
+    manifest = folder / "manifest.jsonl"
+    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return manifest
+
+
+def manifest_rows(out: Path):
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]

@@ -13,32 +13,11 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_codes, random_model
-from helpers import cli, save_model, trainer_kwargs
+from helpers import cli, manifest_rows, save_model, trainer_kwargs, write_codes
 from lightning.pytorch.callbacks import Callback
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter
 from omni_lightning.callbacks.write_queue import BackgroundWriteError, WriteQueue
-
-
-def write_codes(folder: Path, lengths, bad=()):
-    """A manifest over .npy code files; `bad` names entries to break (missing or out of range)."""
-    (folder / "codes").mkdir(parents=True)
-    rows = []
-    for i, n in enumerate(lengths):
-        rid = f"r{i:03d}"
-        codes = random_codes(1, n, seed=i)[0].numpy()
-        if rid in bad and bad[rid] == "range":
-            codes[0, 0] = 4096
-        if not (rid in bad and bad[rid] == "missing"):
-            np.save(folder / "codes" / f"{rid}.npy", codes)
-        rows.append({"id": rid, "codes": f"codes/{rid}.npy"})
-    manifest = folder / "manifest.jsonl"
-    manifest.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return manifest
-
-
-def manifest_rows(out: Path):
-    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
 
 
 def test_wav_files_and_manifest(tmp_path):

@@ -12,9 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import random_model
-from helpers import ROOT, cli, save_model, trainer_kwargs
+from helpers import ROOT, cli, manifest_rows, save_model, trainer_kwargs, write_codes
 from lightning.pytorch.callbacks import Callback
-from test_writer import manifest_rows, write_codes
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer, WaveformWriter
 from omni_lightning.callbacks.audio_files import encode_durably
