@@ -33,6 +33,7 @@ from omni_lightning.console import compact_warnings, quiet_known_noise
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
+TERMINATED = "error: terminated (SIGTERM); the batches already decoded were written"
 
 
 def _is_usage_error(err: BaseException) -> bool:
@@ -43,11 +44,6 @@ def _is_usage_error(err: BaseException) -> bool:
         return True
     exceptions = sys.modules.get("lightning.fabric.utilities.exceptions")
     return exceptions is not None and isinstance(err, exceptions.MisconfigurationException)
-
-
-def _is_sigterm(err: BaseException) -> bool:
-    exceptions = sys.modules.get("lightning.pytorch.utilities.exceptions")
-    return exceptions is not None and isinstance(err, exceptions.SIGTERMException)
 
 
 def _option(argv: list[str], name: str) -> tuple[str | None, list[str]]:
@@ -78,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_known_noise()
     compact_warnings()
     interrupted, restore_handler = _catch_interrupt()
+    terminated, restore_term = _catch_terminate()
     timings_ok = False  # --timings names a file that can be written
     try:
         if timings_path:
@@ -107,15 +104,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except SystemExit as exit_:
+    except SystemExit:
         if interrupted:  # Lightning turns Ctrl-C into exit(1) after its graceful shutdown
             print("error: interrupted", file=sys.stderr)
             return EXIT_INTERRUPTED
-        if _is_sigterm(exit_):  # Lightning's loops stop after a batch; its exception exits 0 if let through
-            print("error: terminated (SIGTERM) after the batch in progress", file=sys.stderr)
+        if terminated:  # Lightning's loops stop after a batch with an exception that would exit 0
+            print(TERMINATED, file=sys.stderr)
             return EXIT_TERMINATED
         raise
     except Exception as err:
+        if terminated:  # a stop sent to the process group: loader workers died of it first
+            print(TERMINATED, file=sys.stderr)
+            return EXIT_TERMINATED
         if not _is_usage_error(err):
             traceback.print_exc()
             return EXIT_BUG
@@ -125,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     finally:
         restore_handler()
+        restore_term()
         if "omni_lightning.data.folder_lock" in sys.modules:  # an output folder locked by the checks
             sys.modules["omni_lightning.data.folder_lock"].unlock_all()
         if timings_ok:
@@ -153,6 +154,26 @@ def _catch_interrupt() -> tuple[list[bool], Any]:
 
     signal.signal(signal.SIGINT, on_interrupt)
     return interrupted, lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _catch_terminate() -> tuple[list[bool], Any]:
+    """SIGTERM (a scheduler's stop, ``kill``) is recorded. While a Trainer runs, Lightning's handler
+    (which calls this one too) stops the loops after the batch in progress, the decoded batches are
+    written, and ``main`` exits 143, also when the stop, sent to the whole process group, killed the
+    loader workers first (their death is then the error that ends the run). Outside a Trainer it ends
+    the command at once, as the default action would, with the same status."""
+    terminated: list[bool] = []
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL or threading.current_thread() is not threading.main_thread():
+        return terminated, lambda: None  # someone else handles it: left alone
+
+    def on_terminate(signum: int, frame: Any) -> None:
+        terminated.append(True)
+        if signal.getsignal(signal.SIGTERM) is on_terminate:  # no Trainer's handler around this one
+            raise SystemExit(EXIT_TERMINATED)
+
+    signal.signal(signal.SIGTERM, on_terminate)
+    return terminated, lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) -> int:

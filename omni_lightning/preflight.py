@@ -233,7 +233,8 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
 def _first_process() -> bool:
     """Whether this is a job's first process (rank 0): the other DDP ranks, started by Lightning, torchrun
     or Slurm with the same arguments, run these checks too, while rank 0 holds the output folder."""
-    ranks = [os.environ.get(name, "") for name in ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK")]
+    names = ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    ranks = [os.environ.get(name, "") for name in names]
     return all(rank in ("", "0") for rank in ranks)
 
 
@@ -264,9 +265,10 @@ def finished_job(command: CommandLine | None) -> str | None:
     finished = command.finished = Finished.read(out_dir)
     if any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
-    remove_temp_files(finished.out_dir)
-    finished.compact()
-    unlock_output_folder(finished.out_dir)  # taken by the checks: this job ends here
+    if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)
+        remove_temp_files(finished.out_dir)
+        finished.compact()
+        unlock_output_folder(finished.out_dir)  # taken by the checks: this job ends here
     stats = {"skipped": len(command.predict_ids)}
     return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
 

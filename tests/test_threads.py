@@ -126,21 +126,28 @@ def test_a_stream_stepped_on_another_thread_during_fit_is_told_it_was_retired(tr
 
 
 class DecodeFromAnotherThread(pl.Callback):
-    """At a training step, a server thread decodes with the module being fine-tuned."""
+    """At a training step, a server thread decodes with the module being fine-tuned: a batch, a stream,
+    a streaming decoder. ``fail_at``: the step whose end raises (a fit that fails)."""
 
-    def __init__(self, codes):
-        self.codes, self.said = codes, []
+    def __init__(self, codes, fail_at=None):
+        self.codes, self.said, self.fail_at = codes, [], fail_at
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        tries = [lambda: pl_module.decode_batch({"codes": self.codes, "n_frames": [self.codes.shape[-1]]}),
+                 lambda: next(pl_module.stream([self.codes[0]])), lambda: pl_module.streaming_decoder()]  # fmt: skip
+
         def decode():
-            try:
-                pl_module.decode_batch({"codes": self.codes, "n_frames": [self.codes.shape[-1]]})
-            except ValueError as err:
-                self.said.append(str(err))
+            for attempt in tries:
+                try:
+                    attempt()
+                except ValueError as err:
+                    self.said.append(str(err))
 
         thread = threading.Thread(target=decode)
         thread.start()
         thread.join(60)
+        if batch_idx == self.fail_at:
+            raise RuntimeError("the fit fails here")
 
 
 def test_a_decode_on_another_thread_during_fit_is_refused_not_mixed(train):
@@ -150,7 +157,22 @@ def test_a_decode_on_another_thread_during_fit_is_refused_not_mixed(train):
     probe = DecodeFromAnotherThread(codes)
     Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
         module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
-    assert len(probe.said) == 2 and all("being fine-tuned (trainer.fit, on another thread)" in s for s in probe.said)
+    assert len(probe.said) == 6 and all("being fine-tuned (trainer.fit, on another thread)" in s for s in probe.said)
     with torch.no_grad():  # once fit returns, decodes run on the tuned weights
         out = module.decode_batch({"codes": codes, "n_frames": [8]})[0]
         assert (out - module.model.decode(codes)[0]).abs().max() <= 1e-5
+
+
+def test_after_a_fit_that_failed_other_threads_decode_again(train):
+    """Lightning runs no teardown hook after an error: the refusal outlived the fit."""
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    codes = random_codes(1, 8, seed=1)
+    probe = DecodeFromAnotherThread(codes, fail_at=0)
+    with pytest.raises(RuntimeError, match="the fit fails here"):
+        Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
+            module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
+    assert len(probe.said) == 3  # refused while it ran
+    results, errors = run_threads(lambda i: module.decode_batch({"codes": codes, "n_frames": [8]})[0], 1)
+    assert not errors, errors
+    with torch.no_grad():
+        assert (results[0] - module.model.decode(codes)[0]).abs().max() <= 1e-5

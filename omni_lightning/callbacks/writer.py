@@ -38,7 +38,7 @@ the predict loop's thread, resumable, nothing lost.
 
 from __future__ import annotations
 
-import itertools
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -91,7 +91,7 @@ class WaveformWriter(BasePredictionWriter):
         self.encoders = encoders or min(4, os.cpu_count() or 1)
         # outputs not yet queued for the background thread, each with a number that the thread handles once
         self._unsent: list[tuple[int, OmniModelRunnerOutput]] = []
-        self._numbers, self._handled, self._skipped_here = itertools.count(), set(), 0
+        self._numbered, self._handled, self._skipped_here = 0, set(), 0
         self._manifest = self.out_dir / MANIFEST
         self.stats = self._zero_stats()
         self.failed: dict[str, str] = {}  # id -> reason, this run's (under DDP, rank 0: every rank's)
@@ -134,7 +134,7 @@ class WaveformWriter(BasePredictionWriter):
         if rank == 0:
             try:  # a read-only file system, a folder where the manifest goes: the folder is the user's choice
                 self.out_dir.mkdir(parents=True, exist_ok=True)
-                lock_output_folder(self.out_dir)  # held until teardown; another job's is a UsageError
+                lock_output_folder(self.out_dir, owner=self)  # until teardown; another job's is a UsageError
                 remove_temp_files(self.out_dir)
                 finished = finished or Finished.read(self.out_dir)
                 finished.compact()
@@ -169,7 +169,8 @@ class WaveformWriter(BasePredictionWriter):
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
         if not isinstance(prediction, OmniModelRunnerOutput):
             raise TypeError(f"WaveformWriter needs OmniPredictionLoop outputs, got {type(prediction).__name__}")
-        self._unsent.append((next(self._numbers), prediction))
+        self._numbered += 1
+        self._unsent.append((self._numbered, prediction))
         self._send(keep=1)  # the newest stays: its host copy runs under the next step
 
     def _flush(self) -> None:
@@ -177,9 +178,14 @@ class WaveformWriter(BasePredictionWriter):
 
     def _send(self, keep: int) -> None:
         """Queues the unsent outputs but the last ``keep``. One leaves ``_unsent`` only once queued: a
-        Ctrl-C while the queue is full (``put`` waits) leaves it there for ``on_exception`` to send."""
+        Ctrl-C while the queue is full (``put`` waits) leaves it there for ``on_exception`` to send; an
+        output that cannot be written (its error raised) leaves it, so the others still can be."""
         while len(self._unsent) > keep:
-            self._submit(*self._unsent[0])
+            try:
+                self._submit(*self._unsent[0])
+            except Exception:
+                del self._unsent[0]
+                raise
             del self._unsent[0]
 
     def _submit(self, number: int, output: OmniModelRunnerOutput) -> None:
@@ -236,18 +242,21 @@ class WaveformWriter(BasePredictionWriter):
         self._flush()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        try:  # what was computed before the error is kept
-            self._flush()
+        try:  # what was computed before the error is kept, each batch that can be written
+            while self._unsent:
+                with contextlib.suppress(Exception):  # that batch's own problem: the others go on
+                    self._send(keep=len(self._unsent) - 1)
             self._close(drain=True)
         except Exception:  # the original error matters more than a failed last write
             self._close(drain=False)
+        finally:
+            unlock_output_folder(self.out_dir, owner=self)  # Lightning runs no teardown hook after an error
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         try:
             self._close(drain=False)  # already closed, unless predict ended on a path that skipped its hooks
         finally:
-            if stage == "predict" and trainer.global_rank == 0:
-                unlock_output_folder(self.out_dir)
+            unlock_output_folder(self.out_dir, owner=self)
 
     def _close(self, drain: bool) -> None:
         queue, self._queue = self._queue, None

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -172,7 +171,7 @@ class CodesDataModule(pl.LightningDataModule):
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         loader = StartsAtFirstBatch if shuffle else DataLoader
         return loader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
-                      pin_memory=pin, worker_init_fn=leave_sigterm_to_the_main_process)  # fmt: skip
+                      pin_memory=pin)  # fmt: skip
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:  # setup refuses a stage without data; this is a hook called without it
@@ -196,15 +195,6 @@ class CodesDataModule(pl.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self._require("test"))
-
-
-def leave_sigterm_to_the_main_process(worker_id: int) -> None:
-    """A loader worker ignores SIGTERM. A scheduler's stop (Slurm's, a process group's ``kill``) reaches
-    every process of the job: a worker that died of it made the main process fail with "DataLoader
-    worker ... is killed by signal: Terminated" (exit 1, a traceback) before Lightning's own handling
-    could stop the run after its batch (exit 143, decoded batches written). The main process ends its
-    workers as it ends; a worker whose parent is gone exits by itself (torch's watchdog)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class StartsAtFirstBatch(DataLoader):

@@ -16,26 +16,35 @@ lock on Windows (no ``fcntl``: nothing is locked there), or lock a folder this p
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 from pathlib import Path
 
 from omni_lightning.errors import UsageError
 
 LOCK_NAME = ".omni-lightning.lock"
-_held: dict[Path, int] = {}  # folder (resolved) -> the open lock file of this process
+_held: dict[Path, list] = {}  # folder (resolved) -> [the open lock file, its owner] of this process
 
 
-def lock_output_folder(out_dir: str | Path) -> bool:
+def lock_output_folder(out_dir: str | Path, owner: object = None) -> bool:
     """Takes ``out_dir``'s lock for this process (True), or does nothing when it cannot be taken here
-    (False: no ``fcntl``, no such folder, a folder this process cannot write). UsageError when
-    another process holds it."""
+    (False: no ``fcntl``, no such folder, a folder this process cannot write, a file system without
+    locks). UsageError when another process holds it, or another ``owner`` of this process (two
+    writers on one folder). ``owner`` None reserves it for the first owner that asks (the command
+    line's checks, for the job's writer). A process started by the holder (``ddp_spawn``'s ranks)
+    may go on without it: its job holds it."""
     try:
         import fcntl
     except ImportError:
         return False
     folder = Path(out_dir).resolve()
     if folder in _held:
-        return True
+        held = _held[folder]
+        if held[1] is None or owner is None or held[1] is owner:
+            held[1] = held[1] if owner is None else owner
+            return True
+        raise UsageError(f"output folder {out_dir} is in use by another writer of this process: two writers on one "
+                         "folder would write each request twice. Give each its own folder")  # fmt: skip
     path = folder / LOCK_NAME
     while True:
         try:
@@ -44,9 +53,13 @@ def lock_output_folder(out_dir: str | Path) -> bool:
             return False
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as err:
             holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
+            if err.errno not in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+                return False  # no locks on this file system (ENOLCK, EOPNOTSUPP): nothing to hold
+            if holder == str(os.getppid()):
+                return False  # held by the process that started this one: this job's launcher
             raise UsageError(
                 f"output folder {out_dir} is in use by another predict job (process {holder}): two jobs writing "
                 "one folder would lose or repeat requests. Wait for it to end, or give another --out_dir"
@@ -56,7 +69,7 @@ def lock_output_folder(out_dir: str | Path) -> bool:
         os.close(fd)  # the holder removed that file as it released it: lock the one there now
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    _held[folder] = fd
+    _held[folder] = [fd, owner]
     return True
 
 
@@ -67,18 +80,22 @@ def _same_file(fd: int, path: Path) -> bool:
         return False
 
 
-def unlock_output_folder(out_dir: str | Path) -> None:
-    """Releases ``out_dir``'s lock if this process holds it, removing the lock file first (a process
-    that opened it meanwhile finds it gone once it has the lock, and tries again)."""
+def unlock_output_folder(out_dir: str | Path, owner: object = None) -> None:
+    """Releases ``out_dir``'s lock if this process holds it for ``owner`` (None: whoever holds it),
+    removing the lock file first (a process that opened it meanwhile finds it gone once it has the
+    lock, and tries again)."""
     folder = Path(out_dir).resolve()
-    fd = _held.pop(folder, None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(folder / LOCK_NAME)
-        os.close(fd)  # closing the file releases its lock
+    held = _held.get(folder)
+    if held is None or (owner is not None and held[1] is not owner):
+        return
+    del _held[folder]
+    with contextlib.suppress(OSError):
+        os.unlink(folder / LOCK_NAME)
+    os.close(held[0])  # closing the file releases its lock
 
 
 def unlock_all() -> None:
     """Releases every lock this process holds (a command ending)."""
     for folder in list(_held):
         unlock_output_folder(folder)
+

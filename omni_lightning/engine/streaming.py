@@ -175,8 +175,9 @@ class StreamingDecoder:
     def stream(self, code_chunks: Iterable[torch.Tensor], stream_id: Hashable | None = None) -> Iterator[torch.Tensor]:
         """Decodes one stream: yields ``[1, m]`` per chunk of ``code_chunks``; closes it at the end
         (also when the iteration stops early or a chunk is bad). Other streams are not advanced."""
-        sid = self.open(stream_id)
-        own = self._streams[sid]  # an id closed and opened again belongs to another stream
+        with self._lock:  # no retire on another thread between the two
+            sid = self.open(stream_id)
+            own = self._streams[sid]  # an id closed and opened again belongs to another stream
         try:
             for codes in code_chunks:
                 yield self._own_step(sid, own, codes)

@@ -52,11 +52,7 @@ class EngineOnPredict:
     def decode_engine(self) -> DecodeEngine:
         """The engine predict runs on: kept while it serves the model where it is (weights refreshed,
         so graphs survive across predict calls), else built for the model's device and dtype."""
-        fitting = getattr(self, "_fit_thread", None)
-        if fitting is not None and fitting != threading.get_ident():
-            raise ValueError("this module is being fine-tuned (trainer.fit, on another thread): its weights change at "
-                             "every step, so a decode now would mix them. Decode once fit returns, or from a copy "
-                             "made before it (copy.deepcopy(module))")  # fmt: skip
+        self._refuse_during_fit()
         cap, engine = self._predict_cap(), self.engine
         if engine is None or engine.model is not self.model or self._stale(engine, cap) or not engine.refresh():
             self.release_engine()
@@ -75,7 +71,7 @@ class EngineOnPredict:
         # ignored; it now builds its own at its first predict
         state = dict(super().__getstate__())
         state["engine"] = None
-        for key in ("_engine_built", "_stamp", "_lendable", "_fit_thread"):
+        for key in ("_engine_built", "_stamp", "_lendable", "_fit"):
             state.pop(key, None)
         return state
 
@@ -105,8 +101,8 @@ class EngineOnPredict:
 
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if stage == "fit":  # until teardown, decodes from other threads are refused (decode_engine)
-            self._fit_thread = threading.get_ident()
+        if stage == "fit":  # while it runs, decodes from other threads are refused (_refuse_during_fit)
+            self._fit = (threading.get_ident(), weakref.ref(self._trainer) if self._trainer is not None else None)
         stamp, self._stamp, self._lendable = getattr(self, "_stamp", None), None, []
         engine = self.engine
         if engine is None:
@@ -127,10 +123,18 @@ class EngineOnPredict:
             self._lendable = []
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
-    def teardown(self, stage: str) -> None:
-        if stage == "fit":
-            self._fit_thread = None
-        super().teardown(stage)
+    def _refuse_during_fit(self) -> None:
+        """ValueError when ``trainer.fit`` runs on this module in another thread (a server sharing the
+        module): the weights change at every step, so a decode would mix them. Once fit has returned
+        or raised (its trainer's state says so), decodes run again."""
+        thread, trainer_ref = getattr(self, "_fit", None) or (None, None)
+        trainer = trainer_ref() if trainer_ref is not None else None
+        if thread is None or thread == threading.get_ident() or trainer is None:
+            return
+        if trainer.state.fn == "fit" and trainer.state.status == "running":  # str enums
+            raise ValueError("this module is being fine-tuned (trainer.fit, on another thread): its weights change at "
+                             "every step, so a decode now would mix them. Decode once fit returns, or from a copy "
+                             "made before it (copy.deepcopy(module))")  # fmt: skip
 
     def _current_copies(self, stamp: WeightStamp | None) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
         """The kept engine's weight tensors paired with the model's parameters, if ``stamp`` (taken at

@@ -103,6 +103,8 @@ class OmniPredictionLoop(_PredictionLoop):
         except MisconfigurationException as err:
             refused = err
         if self.trainer.strategy.reduce_boolean_decision(refused is not None, all=False):
+            if refused is not None and f"{limit} * " not in str(refused):
+                raise refused  # another misconfiguration (an IterableDataset takes no fraction): Lightning's words
             raise UsageError(
                 f"limit_predict_batches={limit} leaves a process of this {world}-process job no batch: each process "
                 "predicts that fraction of its own share of the batches, rounded down. Give a whole number of "

@@ -21,12 +21,17 @@ from omni_lightning.engine import StreamingDecoder
 
 
 class StreamsOnModule:
-    """The streaming entry points of ``Code2WavModule`` (see the module docstring)."""
+    """The streaming entry points of ``Code2WavModule`` (see the module docstring). The module provides
+    ``_refuse_during_fit`` (``EngineOnPredict``)."""
+
+    def _refuse_during_fit(self) -> None: ...
 
     def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
                           gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
         """A :class:`StreamingDecoder` over this module's model: many streams, one step at a time
-        (``gpu_memory_utilization``: its memory budget's share of the GPU, as the Trainer's)."""
+        (``gpu_memory_utilization``: its memory budget's share of the GPU, as the Trainer's). Refused
+        on another thread while ``trainer.fit`` runs on this module (its weights change at every step)."""
+        self._refuse_during_fit()
         decoder = StreamingDecoder(self.model, max_streams=max_streams, cuda_graphs=cuda_graphs and self.fast_path,
                                    gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
         self._decoders().add(decoder)
@@ -39,6 +44,7 @@ class StreamsOnModule:
         next chunk: the decoder looks one frame ahead); each chunk costs its own frames only. Up to 8
         iterators may interleave. The model's current weights are used (no EMA swap, unlike predict).
         """
+        self._refuse_during_fit()
         decoder = getattr(self, "_stream_decoder", None)
         if decoder is None or decoder.retired or decoder.cuda_graphs != cuda_graphs or not decoder.reads(self.model):
             decoder = self._stream_decoder = self.streaming_decoder(max_streams=8, cuda_graphs=cuda_graphs)
