@@ -33,7 +33,7 @@ from omni_lightning.console import compact_warnings, quiet_known_noise
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
-TERMINATED = "error: terminated (SIGTERM); the batches already decoded were written"
+TERMINATED = "error: terminated (SIGTERM)"  # predict wrote the batches it had decoded
 
 
 def _is_usage_error(err: BaseException) -> bool:
