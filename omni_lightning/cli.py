@@ -73,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
     quiet_known_noise()
     compact_warnings()
+    lock_module = sys.modules.get("omni_lightning.data.folder_lock")  # a host program's locks are its own
+    locked_before = lock_module.held() if lock_module is not None else frozenset()
     interrupted, restore_handler = _catch_interrupt()
     terminated, restore_term = _catch_terminate()
     timings_ok = False  # --timings names a file that can be written
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             from omni_lightning.demo import main as demo_main
 
             demo_main(argv[1:])
-            return EXIT_OK
+            return _ended(terminated, EXIT_OK)
         from omni_lightning.preflight import check_command_line, finished_job
 
         command = check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if done is not None:
             print(f"predict: {done}")
             return EXIT_OK
-        return _run(argv, timings if timings_path else None, command.finished if command else None)
+        return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -113,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_TERMINATED
         raise
     except Exception as err:
-        if terminated:  # a stop sent to the process group: loader workers died of it first
+        if terminated or _workers_terminated(err):  # a stop sent to the process group: workers died of it first
             print(TERMINATED, file=sys.stderr)
             return EXIT_TERMINATED
         if not _is_usage_error(err):
@@ -126,8 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         restore_handler()
         restore_term()
-        if "omni_lightning.data.folder_lock" in sys.modules:  # an output folder locked by the checks
-            sys.modules["omni_lightning.data.folder_lock"].unlock_all()
+        if "omni_lightning.data.folder_lock" in sys.modules:  # output folders this command locked
+            sys.modules["omni_lightning.data.folder_lock"].unlock_all(keep=locked_before)
         if timings_ok:
             timings["end"] = time.time()
             try:
@@ -154,6 +156,21 @@ def _catch_interrupt() -> tuple[list[bool], Any]:
 
     signal.signal(signal.SIGINT, on_interrupt)
     return interrupted, lambda: signal.signal(signal.SIGINT, previous)
+
+
+def _ended(terminated: list[bool], status: int) -> int:
+    """``status``, or 143 after a SIGTERM that came in a stage's last batch or end hooks (Lightning's
+    loops did not stop there; the work is done, yet the command was asked to stop)."""
+    if terminated:
+        print(TERMINATED, file=sys.stderr)
+        return EXIT_TERMINATED
+    return status
+
+
+def _workers_terminated(err: BaseException) -> bool:
+    """torch's error for a loader worker that SIGTERM ended (where Lightning's handler failed before
+    this command's could record the signal: a DDP rank whose peers were gone)."""
+    return isinstance(err, RuntimeError) and "killed by signal: Terminated" in str(err)
 
 
 def _catch_terminate() -> tuple[list[bool], Any]:

@@ -2,13 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
-from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from torch.utils.data import DataLoader
 
 from omni_lightning import (
@@ -145,3 +146,12 @@ def write_codes(folder: Path, lengths, bad=()):
 
 def manifest_rows(out: Path):
     return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+class SigtermInLastBatch(Callback):
+    """Sends this process SIGTERM as predict's last batch ends (a scheduler's stop arriving late): a
+    ``--trainer.callbacks+=helpers.SigtermInLastBatch`` for a command run with ``tests`` on its path."""
+
+    def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.predict_loop.batch_progress.is_last_batch:
+            os.kill(os.getpid(), signal.SIGTERM)

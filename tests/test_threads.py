@@ -133,8 +133,10 @@ class DecodeFromAnotherThread(pl.Callback):
         self.codes, self.said, self.fail_at = codes, [], fail_at
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        tries = [lambda: pl_module.decode_batch({"codes": self.codes, "n_frames": [self.codes.shape[-1]]}),
-                 lambda: next(pl_module.stream([self.codes[0]])), lambda: pl_module.streaming_decoder()]  # fmt: skip
+        batch = {"codes": self.codes, "n_frames": [self.codes.shape[-1]]}
+        tries = [lambda: pl_module.decode_batch(batch), lambda: next(pl_module.stream([self.codes[0]])),
+                 lambda: pl_module.streaming_decoder(),
+                 lambda: Trainer(**trainer_kwargs()).predict(pl_module, [batch])]  # fmt: skip
 
         def decode():
             for attempt in tries:
@@ -151,13 +153,15 @@ class DecodeFromAnotherThread(pl.Callback):
 
 
 def test_a_decode_on_another_thread_during_fit_is_refused_not_mixed(train):
-    """It decoded with weights that changed under it: outputs equal to neither the old nor the new weights."""
+    """It decoded with weights that changed under it: outputs equal to neither the old nor the new weights.
+    A trainer.predict on another thread took the module over (its trainer, eval mode): the fit then failed."""
     module = Code2WavModule(model=random_model("tiny", seed=3))
     codes = random_codes(1, 8, seed=1)
     probe = DecodeFromAnotherThread(codes)
     Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
         module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
-    assert len(probe.said) == 6 and all("being fine-tuned (trainer.fit, on another thread)" in s for s in probe.said)
+    assert len(probe.said) == 8 and all("being fine-tuned (trainer.fit, on another thread)" in s for s in probe.said)
+    assert module.trainer.global_step == 2  # the fit ran its steps: the refused predict changed nothing under it
     with torch.no_grad():  # once fit returns, decodes run on the tuned weights
         out = module.decode_batch({"codes": codes, "n_frames": [8]})[0]
         assert (out - module.model.decode(codes)[0]).abs().max() <= 1e-5
@@ -171,7 +175,7 @@ def test_after_a_fit_that_failed_other_threads_decode_again(train):
     with pytest.raises(RuntimeError, match="the fit fails here"):
         Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
             module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
-    assert len(probe.said) == 3  # refused while it ran
+    assert len(probe.said) == 4  # refused while it ran
     results, errors = run_threads(lambda i: module.decode_batch({"codes": codes, "n_frames": [8]})[0], 1)
     assert not errors, errors
     with torch.no_grad():

@@ -183,17 +183,35 @@ print(lock_output_folder(sys.argv[1]))
 """
 
 
-def test_a_process_the_holder_started_goes_on_and_a_file_system_without_locks_locks_nothing(tmp_path, monkeypatch):
-    """ddp_spawn's rank 0 is a child of the command that took the lock: it was refused as a rival job.
-    A file system without locks (NFS without its lock daemon: ENOLCK) refused every job as "in use"."""
-    import fcntl
-
-    assert folder_lock.lock_output_folder(tmp_path)
+def try_lock(folder, answers):
     try:
+        answers.put(folder_lock.lock_output_folder(folder))
+    except UsageError as err:
+        answers.put(str(err))
+
+
+def test_a_rank_the_holder_started_goes_on_and_a_file_system_without_locks_locks_nothing(tmp_path, monkeypatch):
+    """ddp_spawn's rank 0 is a child of the command that took the lock: it was refused as a rival job.
+    Any other program the holder runs on that folder is a rival. A file system without locks (NFS
+    without its lock daemon: ENOLCK) refused every job as "in use"."""
+    import fcntl
+    import multiprocessing
+
+    from omni_lightning import cli
+
+    assert folder_lock.lock_output_folder(tmp_path, owner="a host program's writer")
+    try:
+        spawn = multiprocessing.get_context("spawn")
+        answers = spawn.Queue()
+        rank = spawn.Process(target=try_lock, args=(tmp_path, answers))
+        rank.start()
+        assert answers.get(timeout=120) is False  # goes on without it: its job's launcher holds it
+        rank.join(60)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        child = subprocess.run([sys.executable, "-c", LOCK_FROM_A_CHILD, str(tmp_path)], cwd=ROOT, text=True,
+        other = subprocess.run([sys.executable, "-c", LOCK_FROM_A_CHILD, str(tmp_path)], cwd=ROOT, text=True,
                                capture_output=True, timeout=60, env=env)  # fmt: skip
-        assert child.stdout.strip() == "False", child.stderr  # goes on without it: its job holds it
+        assert "in use by another predict job" in other.stderr  # a program of its own: refused
+        assert cli.main(["--version"]) == 0 and folder_lock._held  # the command kept its host's lock
     finally:
         folder_lock.unlock_output_folder(tmp_path)
 
@@ -218,3 +236,16 @@ def test_a_ddp_rank_finding_every_request_done_leaves_the_folder_to_rank_0(tmp_p
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "nothing left to do" in log, log
     assert (out / ".r000.wav.tmp").exists()
+
+
+def test_a_sigterm_in_the_last_batch_still_exits_143_with_every_file_written(tmp_path):
+    """Lightning's loops stop after a batch but not after the last one: the job ended with exit 0."""
+    ckpt = save_model(tmp_path / "ckpt")
+    manifest = write_codes(tmp_path / "data", [3, 4, 5])
+    out = tmp_path / "out"
+    proc = cli("predict", "--config", "configs/predict.yaml", "--model.checkpoint", str(ckpt), "--data.predict",
+               str(manifest), "--out_dir", str(out), "--trainer.callbacks+=helpers.SigtermInLastBatch",
+               extra_env={"PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"})  # fmt: skip
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 143 and "error: terminated (SIGTERM)" in log, log
+    assert sorted(r["id"] for r in manifest_rows(out)) == ["r000", "r001", "r002"]

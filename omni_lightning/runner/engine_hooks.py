@@ -123,6 +123,19 @@ class EngineOnPredict:
             self._lendable = []
             self.release_engine()  # before Lightning moves the weights in: their copy needs the room
 
+    @property
+    def trainer(self) -> pl.Trainer:
+        return pl.LightningModule.trainer.fget(self)
+
+    @trainer.setter
+    def trainer(self, trainer: pl.Trainer | None) -> None:
+        # Lightning attaches a trainer first thing in fit, validate, test and predict: a trainer.predict
+        # on another thread during fit is refused here, before it changes the module (its trainer,
+        # train/eval mode) under the running fit
+        if trainer is not None and trainer is not getattr(self, "_trainer", None):
+            self._refuse_during_fit()
+        pl.LightningModule.trainer.fset(self, trainer)
+
     def _refuse_during_fit(self) -> None:
         """ValueError when ``trainer.fit`` runs on this module in another thread (a server sharing the
         module): the weights change at every step, so a decode would mix them. Once fit has returned
@@ -131,7 +144,8 @@ class EngineOnPredict:
         trainer = trainer_ref() if trainer_ref is not None else None
         if thread is None or thread == threading.get_ident() or trainer is None:
             return
-        if trainer.state.fn == "fit" and trainer.state.status == "running":  # str enums
+        fitting = trainer.state.fn == "fit" and trainer.state.status == "running"  # str enums
+        if fitting and trainer.lightning_module is self:  # (that trainer may fit another module since)
             raise ValueError("this module is being fine-tuned (trainer.fit, on another thread): its weights change at "
                              "every step, so a decode now would mix them. Decode once fit returns, or from a copy "
                              "made before it (copy.deepcopy(module))")  # fmt: skip
