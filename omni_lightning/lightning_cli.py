@@ -98,11 +98,35 @@ class OmniCLI(LightningCLI):
             raise
         except ValueError as err:
             raise UsageError(f"the configuration could not be built: {err}") from err
+
         self._mark("built")
         data, finished = getattr(self, "datamodule", None), self.finished
         same = isinstance(data, CodesDataModule) and isinstance(data.skip_done, (str, Path)) and finished is not None
         if same and Path(data.skip_done).resolve() == finished.out_dir.resolve():
             data.skip_done = finished  # the folder as the checks read it a moment ago: not read again
+
+    def before_fit(self) -> None:
+        """``--ckpt_path last`` resumes from a ModelCheckpoint's ``last.ckpt``. Lightning only looks in a
+        ``dirpath`` given to the callback: with the folder the logger makes per run
+        (``configs/finetune.yaml``: a new ``version_N`` each time) it finds none, warns, and trains from
+        scratch. That is refused here, listing the ``last.ckpt`` files there are to resume from."""
+        trainer = self.trainer
+        if self.config[self.subcommand].get("ckpt_path") != "last" or not trainer.checkpoint_callbacks:
+            return
+        root = Path(trainer.default_root_dir)
+        folder = root / "checkpoints"  # where a ModelCheckpoint without dirpath will write (as Lightning works it out)
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            root = Path(logger.save_dir or root)
+            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+            folder = root / str(logger.name) / version / "checkpoints"
+        folders = [Path(cb.dirpath) if cb.dirpath else folder for cb in trainer.checkpoint_callbacks]
+        if any((f / "last.ckpt").is_file() for f in folders):
+            return
+        found = sorted(root.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-3:] if root.is_dir() else []
+        hint = f" ({', '.join(str(p) for p in reversed(found))}, newest first)" if found else ""
+        raise UsageError(f"--ckpt_path last finds no last checkpoint in {folders[0]}: this run checkpoints into a "
+                         f"new folder; give the checkpoint to resume from by its path{hint}")  # fmt: skip
 
     def before_predict(self) -> None:
         config = self.config[self.subcommand]
@@ -170,7 +194,10 @@ def _drop_callbacks_turned_off(trainer: Any) -> None:
         cls = getattr(importlib.import_module(module), name, None)
         return isinstance(cls, type) and issubclass(cls, off)
 
-    trainer.callbacks = [c for c in trainer.callbacks if not turned_off(c)]
+    callbacks = trainer.callbacks
+    one = not isinstance(callbacks, (list, tuple))  # a single callback given as one mapping, not a list
+    kept = [c for c in ([callbacks] if one else callbacks) if not turned_off(c)]
+    trainer.callbacks = (kept[0] if kept else None) if one else kept
 
 
 def run_lightning_cli(

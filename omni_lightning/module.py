@@ -100,6 +100,7 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, Tra
         model = Code2Wav.resolve(model, checkpoint, config)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         check_count("graph_frames", graph_frames, minimum=0)  # 0: no CUDA graphs
+        check_count("log_samples", log_samples, minimum=0)
         self.model = model
         self.save_hyperparameters(ignore=["model"])
         check_fine_tuning_settings(self.hparams)

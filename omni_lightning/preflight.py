@@ -18,6 +18,7 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from dataclasses import dataclass, field
@@ -34,8 +35,10 @@ from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
+# options these checks read and check themselves (the no-op rerun may decide on them)
+READ_HERE = {"out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids",
+             "model.checkpoint", "model.config", "model.random_weights"}  # fmt: skip
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
-OWN_CLASSES = {"model": "Code2WavModule", "data": "CodesDataModule"}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
@@ -49,6 +52,7 @@ class CommandLine:
     predict_ids: list[str] | None = None  # None: the sources are not all folders or manifests
     unread: list[Path] = field(default_factory=list)
     finished: Finished | None = None  # --out_dir's finished requests, as finished_job read them
+    unchecked: list[str] = field(default_factory=list)  # options only the parser can check
 
 
 def check_command_line(argv: list[str]) -> CommandLine | None:
@@ -59,12 +63,17 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     sub_at = _subcommand_at(argv)
     sub = argv[sub_at]
     values: dict[str, Any] = {}
+    files: dict[str, Any] = {}  # what config files set
     for path in _config_paths(argv[:sub_at]):
-        _merge(values, _read_config(path).get(sub) or {})
-    for path in _config_paths(argv[sub_at + 1 :]):
-        _merge(values, _read_config(path))
-    _merge(values, _options(argv[sub_at + 1 :]))
-    return _check(sub, values)
+        section = _read_config(path).get(sub) or {}
+        _merge(values, copy.deepcopy(section))  # options then change values' dicts, not files'
+        _merge(files, section)
+    given = _values(argv[sub_at + 1 :], values, files)
+    command = _check(sub, values)
+    # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
+    # these checks read), so a misspelled key or an appended list (+=) goes to the parser, which refuses it
+    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or _has(files, k))]
+    return command
 
 
 def _subcommand_at(argv: list[str]) -> int:
@@ -108,28 +117,51 @@ def _read_config(text: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _options(args: list[str]) -> dict[str, Any]:
-    """``--a.b value`` and ``--a.b=value`` as a nested dict; values parsed as YAML, as jsonargparse does."""
+def _values(args: list[str], values: dict[str, Any], files: dict[str, Any]) -> list[str]:
+    """Applies ``args`` to ``values`` in order, as jsonargparse does: a ``--config`` file's values where
+    it stands, ``--a.b value`` / ``--a.b=value`` (parsed as YAML) where they stand, so the later one
+    wins. Returns the option keys given (dotted; ``+`` kept on an append), config files aside."""
     import yaml
 
-    out: dict[str, Any] = {}
+    keys: list[str] = []
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
-        if not arg.startswith("--") or arg.startswith("--config"):
+        if arg in ("-c", "--config") or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else (args[i] if i < len(args) else None)
+            i += 0 if "=" in arg else 1
+            if path is not None:
+                config = _read_config(path)
+                _merge(values, copy.deepcopy(config))
+                _merge(files, config)
+            continue
+        if not arg.startswith("--"):
             continue
         key, eq, value = arg[2:].partition("=")
+        keys.append(key)
         if not eq:
             if i >= len(args) or args[i].startswith("--"):
                 continue  # a flag, or a value we cannot see: left to the parser
             value, i = args[i], i + 1
+        if key.endswith("+"):
+            continue  # an append: the parser's to apply
         try:
             parsed = yaml.safe_load(value)
         except yaml.YAMLError:
             parsed = value
-        _merge(out, _nest(key.split("."), value if isinstance(parsed, (int, float, bool)) else parsed))
-    return out
+        _merge(values, _nest(key.split("."), value if isinstance(parsed, (int, float, bool)) else parsed))
+    return keys
+
+
+def _has(files: dict[str, Any], dotted: str) -> bool:
+    """Whether a config file set ``dotted`` (``trainer.precision``)."""
+    node: Any = files
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _nest(keys: list[str], value: Any) -> dict[str, Any]:
@@ -145,24 +177,29 @@ def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:
-    """The init arguments of ``model`` or ``data``; None when another class is configured."""
+    """The init arguments of ``model`` or ``data``; None when the parser must judge them: a whole group
+    given as a file or string, or a ``class_path`` (the command line takes the package's own classes,
+    configured by their arguments; the parser names what it does not take)."""
     group = values.get(name)
     if group is None:
         return {}
-    if not isinstance(group, dict):
-        return None  # a whole group given as a file or string: the parser checks it
-    class_path = group.get("class_path")
-    if class_path is not None and not str(class_path).endswith(OWN_CLASSES[name]):
+    if not isinstance(group, dict) or "class_path" in group or "init_args" in group:
         return None
-    return {**group.get("init_args", {}), **{k: v for k, v in group.items() if k not in ("class_path", "init_args")}}
+    return group
 
 
 def _check(sub: str, values: dict[str, Any]) -> CommandLine:
     command = CommandLine(sub, values)
+    seed = values.get("seed_everything")
+    seed = int(seed) if isinstance(seed, str) and seed.lstrip("-").isdigit() else seed  # options stay text
+    if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
+        raise UsageError(f"--seed_everything {seed} is out of range: give a seed in [0, 2**32 - 1], or true")
+    # values may come from environment variables the checks do not read (jsonargparse's default_env)
+    from_env = os.environ.get("JSONARGPARSE_DEFAULT_ENV", "").lower() in ("1", "true", "yes", "on")
     data = _group(values, "data")
     if data is not None:
         required = REQUIRED_DATA[sub]
-        if not data.get(required):
+        if not data.get(required) and not from_env:
             raise UsageError(
                 f"{sub} needs data: --data.{required} is not set: give a folder of code files "
                 f"({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
@@ -195,7 +232,7 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
             if data is not None:
                 check_not_output_manifest(data.get("predict"), out_dir)
         check_format(str(values.get("format") or "wav"), str(values.get("subtype") or "PCM_16"))
-    if model is not None:
+    if model is not None and not from_env:  # (lightning_cli applies the guard again to the parsed values)
         check_weights(sub, model.get("checkpoint"), ckpt_path, model.get("random_weights"))
     return command
 
@@ -257,7 +294,7 @@ def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any
 def finished_job(command: CommandLine | None) -> str | None:
     """The summary line of a predict job with nothing left to do (every request finished in
     ``--out_dir``), or None. The folder is tidied as a run's start would tidy it."""
-    if command is None or command.sub != "predict" or command.predict_ids is None:
+    if command is None or command.sub != "predict" or command.predict_ids is None or command.unchecked:
         return None
     out_dir = command.values.get("out_dir")
     if not isinstance(out_dir, str) or not Path(out_dir).is_dir():

@@ -68,6 +68,7 @@ class CodesDataModule(pl.LightningDataModule):
         check_count("batch_size", batch_size)
         check_count("max_frames", max_frames, none_ok=True)
         check_count("num_workers", num_workers, minimum=0, none_ok=True)  # None: chosen for this machine
+        check_count("seed", seed, minimum=0)
         if on_bad_input not in BAD_INPUT_MODES:
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if duplicate_ids not in DUPLICATE_ID_MODES:

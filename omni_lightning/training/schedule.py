@@ -10,6 +10,7 @@ profile in ``docs/performance.md``), and the generator's step is bound by the ho
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,13 +42,21 @@ def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
     """Refuses, by name, a negative or NaN learning rate, weight decay, loss weight or warm-up
     (:data:`NON_NEGATIVE`), ``min_lr_ratio`` outside [0, 1], a negative ``grad_clip``: checked when the
     module is built, not at the first optimizer step (where torch raised, after set-up)."""
+    for name in (*NON_NEGATIVE, "min_lr_ratio"):  # a config file's null reaches here (jsonargparse allows it)
+        if isinstance(hparams[name], bool) or not isinstance(hparams[name], numbers.Real):
+            raise ValueError(f"{name} must be a number, got {hparams[name]!r}")
     for name in NON_NEGATIVE:
         if not hparams[name] >= 0:  # NaN too
             raise ValueError(f"{name} must be >= 0, got {hparams[name]}")
     if not 0 <= hparams["min_lr_ratio"] <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {hparams['min_lr_ratio']}")
-    if hparams["grad_clip"] is not None and not hparams["grad_clip"] >= 0:
-        raise ValueError(f"grad_clip must be >= 0 or None, got {hparams['grad_clip']}")
+    clip = hparams["grad_clip"]
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0):
+        raise ValueError(f"grad_clip must be >= 0 or None, got {clip!r}")
+    betas = hparams.get("betas")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+            isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):  # fmt: skip
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
 
 
 def plain_precision(precision_plugin: Any) -> bool:

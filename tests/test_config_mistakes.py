@@ -1,0 +1,96 @@
+"""Configuration as users write it: config files and options in any order, misspelled keys on a rerun
+with nothing left to do, nulls, seeds, class paths, environment variables, ``--ckpt_path last``."""
+
+import json
+
+import numpy as np
+import pytest
+import yaml
+from conftest import random_codes, random_model
+from helpers import cli
+from jsonargparse import Namespace
+
+from omni_lightning import Code2WavModule
+from omni_lightning.data.output_folder import file_name
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
+from omni_lightning.errors import UsageError
+from omni_lightning.lightning_cli import _drop_callbacks_turned_off
+from omni_lightning.preflight import check_command_line, finished_job
+
+PREDICT = ["predict", "--config", "configs/predict.yaml", "--model.random_weights", "true"]
+
+
+def finished_folder(tmp_path, name, ids):
+    """A code folder with ``ids`` and an output folder in which they are all written."""
+    src, out = tmp_path / name, tmp_path / f"{name}_out"
+    src.mkdir()
+    out.mkdir()
+    for i in ids:
+        np.save(src / f"{i}.npy", random_codes(1, 3)[0].numpy())
+        (out / file_name(i)).write_bytes(b"RIFF")
+    rows = [{"id": i, "path": file_name(i), "status": "ok"} for i in ids]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return src, out
+
+
+def test_a_config_file_after_an_option_wins_as_in_the_parser(tmp_path):
+    """The checks let options win over every config file: they judged another job than the one run (a
+    rerun said "nothing left to do" for a folder the job would not even read)."""
+    done, out = finished_folder(tmp_path, "done", ["a"])
+    todo, _ = finished_folder(tmp_path, "todo", ["b"])
+    later = tmp_path / "later.yaml"
+    later.write_text(yaml.safe_dump({"data": {"predict": str(todo)}}))
+    command = check_command_line([*PREDICT, "--data.predict", str(done), "--config", str(later), "--out_dir", str(out)])
+    assert command.values["data"]["predict"] == str(todo) and finished_job(command) is None
+
+
+def test_a_rerun_with_nothing_left_to_do_leaves_unknown_options_to_the_parser(tmp_path):
+    """A misspelled key or an appended source on a finished folder ended with "nothing left to do"."""
+    src, out = finished_folder(tmp_path, "src", ["a"])
+    base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
+    assert finished_job(check_command_line(base)) is not None  # options the checks read, or a config sets
+    assert finished_job(check_command_line([*base, "--trainer.precision", "bf16-true"])) is not None
+    for extra in (["--data.predcit", "x"], ["--data.predict+=more.jsonl"], ["--trainer.strategy", "ddp"]):
+        assert finished_job(check_command_line([*base, *extra])) is None, extra  # the parser judges these
+
+
+def test_seeds_class_paths_and_environment_values(tmp_path, monkeypatch):
+    src, out = finished_folder(tmp_path, "src", ["a"])
+    base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
+    with pytest.raises(UsageError, match=r"--seed_everything -1 is out of range"):
+        check_command_line([*base, "--seed_everything", "-1"])
+    # a class_path is the parser's to judge (it names what it does not take), not "has no weights"
+    check_command_line(["predict", "--config", "configs/predict.yaml", "--data.predict", str(src), "--out_dir",
+                        str(out), "--model.class_path", "omni_lightning.module.Code2WavModule"])  # fmt: skip
+    monkeypatch.setenv("JSONARGPARSE_DEFAULT_ENV", "true")  # values may come from PL_PREDICT__... variables
+    check_command_line(["predict", "--config", "configs/predict.yaml", "--out_dir", str(out)])
+
+
+def test_a_single_callback_mapping_with_its_feature_turned_off():
+    """``trainer.callbacks`` given as one mapping, not a list, crashed beside ``--trainer.logger false``."""
+    monitor = Namespace(class_path="lightning.pytorch.callbacks.LearningRateMonitor")
+    trainer = Namespace(callbacks=monitor, logger=False)
+    _drop_callbacks_turned_off(trainer)
+    assert trainer.callbacks is None
+    bar = Namespace(class_path="omni_lightning.callbacks.progress.AudioProgressBar")
+    trainer = Namespace(callbacks=bar, logger=False)
+    _drop_callbacks_turned_off(trainer)
+    assert trainer.callbacks is bar
+
+
+@pytest.mark.parametrize("key", ["learning_rate", "mel_weight", "min_lr_ratio", "betas", "log_samples"])
+def test_a_null_setting_is_refused_by_name(key):
+    """A config file's null passes the parser and failed deep inside (a TypeError traceback)."""
+    with pytest.raises(ValueError, match=key):
+        Code2WavModule(model=random_model("tiny"), **{key: None})
+
+
+def test_ckpt_path_last_without_a_last_checkpoint_is_refused(tmp_path):
+    """finetune.yaml's checkpoints go to a new version folder each run: "last" found nothing there,
+    Lightning warned and the fit started over from step 0."""
+    train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
+    proc = cli("fit", "--config", "configs/finetune.yaml", "--data.train", str(train), "--trainer.max_steps", "1",
+               "--trainer.precision", "32-true", "--trainer.accelerator", "cpu", "--ckpt_path", "last",
+               "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--data.num_workers", "0")  # fmt: skip
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and "--ckpt_path last finds no last checkpoint in" in log, log
