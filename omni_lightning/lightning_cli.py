@@ -48,6 +48,10 @@ class OneLineErrorParser(LightningArgumentParser):
         pass
 
 
+# model arguments that set how a run computes, not what a checkpoint holds (see OmniCLI._parse_ckpt_path)
+RUN_SETTINGS = ("frames_per_forward", "fast_path", "graph_frames", "fast_training", "log_samples")
+
+
 class OmniCLI(LightningCLI):
     """LightningCLI plus what the module docstring lists. ``timings``: a dict to fill with the run's
     phase times (wall clock), or None. ``finished``: ``--out_dir``'s finished requests as the
@@ -104,6 +108,25 @@ class OmniCLI(LightningCLI):
         same = isinstance(data, CodesDataModule) and isinstance(data.skip_done, (str, Path)) and finished is not None
         if same and Path(data.skip_done).resolve() == finished.out_dir.resolve():
             data.skip_done = finished  # the folder as the checks read it a moment ago: not read again
+
+    def _parse_ckpt_path(self) -> None:
+        """Stock LightningCLI lays a ``--ckpt_path`` checkpoint's hyperparameters over the parsed model
+        arguments, so a run setting given on the command line or in a config file was silently replaced
+        by the fit's (``--model.frames_per_forward 256``, ``--model.log_samples 1``). The settings of
+        :data:`RUN_SETTINGS`, which shape how this run computes and not what the checkpoint holds, are
+        put back where they were set (any value but the parser's default). The rest stays the
+        checkpoint's, as in stock: the architecture, the GAN and EMA the state dict was saved with."""
+        sub = self.config.get("subcommand")
+        given = self.config[sub].get("model") if sub else None
+        super()._parse_ckpt_path()
+        if given is None or not hasattr(given, "get"):
+            return
+        defaults = self._subcommand_parsers[sub].get_defaults().get("model")
+        model = self.config[sub].model
+        for key in RUN_SETTINGS:
+            value = given.get(key)
+            if defaults is None or value != defaults.get(key):
+                model[key] = value
 
     def before_fit(self) -> None:
         """``--ckpt_path last`` resumes from a ModelCheckpoint's ``last.ckpt``. Lightning only looks in a

@@ -94,3 +94,25 @@ def test_ckpt_path_last_without_a_last_checkpoint_is_refused(tmp_path):
                "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--data.num_workers", "0")  # fmt: skip
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 2 and "--ckpt_path last finds no last checkpoint in" in log, log
+
+
+def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_path):
+    """Stock LightningCLI lays the checkpoint's hyperparameters over the parsed ones: a frame budget of
+    0 was accepted and ignored beside --ckpt_path (the fit's value ran), while the checkpoint's
+    architecture must still win over the config's preset."""
+    from helpers import trainer_kwargs
+
+    from omni_lightning import CodesDataModule, Trainer
+
+    train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
+    trainer = Trainer(**trainer_kwargs(max_steps=1, num_sanity_val_steps=0, limit_val_batches=0))
+    trainer.fit(Code2WavModule(model=random_model("tiny")), datamodule=CodesDataModule(train=str(train)))
+    trainer.save_checkpoint(tmp_path / "fit.ckpt")
+    args = ["predict", "--config", "configs/predict.yaml", "--ckpt_path", str(tmp_path / "fit.ckpt"), "--data.predict",
+            str(train), "--out_dir", str(tmp_path / "out"), "--model.config", "qwen3-omni"]  # fmt: skip
+    proc = cli(*args, "--model.frames_per_forward", "0")
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 2 and "frames_per_forward must be an integer >= 1" in log, log
+    proc = cli(*args, "--model.frames_per_forward", "7")  # the architecture is the checkpoint's: tiny
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "2 requests written" in log, log
