@@ -19,12 +19,12 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 from __future__ import annotations
 
 import copy
-import difflib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from omni_lightning.arguments import apply_arguments, config_paths, is_set, merge, read_config, subcommand_at
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
@@ -60,120 +60,20 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     None when there is nothing to check (help)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
-    sub_at = _subcommand_at(argv)
+    sub_at = subcommand_at(argv, SUBCOMMANDS)
     sub = argv[sub_at]
     values: dict[str, Any] = {}
     files: dict[str, Any] = {}  # what config files set
-    for path in _config_paths(argv[:sub_at]):
-        section = _read_config(path).get(sub) or {}
-        _merge(values, copy.deepcopy(section))  # options then change values' dicts, not files'
-        _merge(files, section)
-    given = _values(argv[sub_at + 1 :], values, files)
+    for path in config_paths(argv[:sub_at]):
+        section = read_config(path).get(sub) or {}
+        merge(values, copy.deepcopy(section))  # options then change values' dicts, not files'
+        merge(files, section)
+    given = apply_arguments(argv[sub_at + 1 :], values, files)
     command = _check(sub, values)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
     # these checks read), so a misspelled key or an appended list (+=) goes to the parser, which refuses it
-    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or _has(files, k))]
+    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or is_set(files, k))]
     return command
-
-
-def _subcommand_at(argv: list[str]) -> int:
-    """Where the subcommand is: the first argument that is not an option or a ``--config`` value.
-    UsageError when there is none or it is not one (said here, not after Lightning loads)."""
-    choices = ", ".join((*SUBCOMMANDS, "demo"))
-    for i, arg in enumerate(argv):
-        if arg.startswith("-") or (i > 0 and argv[i - 1] in ("-c", "--config")):
-            continue
-        if arg in SUBCOMMANDS:
-            return i
-        close = difflib.get_close_matches(arg, [*SUBCOMMANDS, "demo"], n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise UsageError(f"{arg!r} is not a subcommand{hint}: use one of {choices}")
-    raise UsageError(f"no subcommand given: use one of {choices} (omni-lightning <subcommand> --help lists options)")
-
-
-def _config_paths(args: list[str]) -> list[str]:
-    paths = []
-    for i, arg in enumerate(args):
-        if arg in ("-c", "--config") and i + 1 < len(args):
-            paths.append(args[i + 1])
-        elif arg.startswith("--config="):
-            paths.append(arg.split("=", 1)[1])
-    return paths
-
-
-def _read_config(text: str) -> dict[str, Any]:
-    import yaml
-
-    path = Path(text)
-    inline = not path.is_file() and (":" in text or "{" in text)  # jsonargparse also takes YAML inline
-    if not path.is_file() and not inline:
-        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
-        raise UsageError(f"config file {text} {what}: check the path (the examples are in configs/)")
-    try:
-        data = yaml.safe_load(text if inline else path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as err:
-        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UsageError(f"config file {text} is not valid YAML ({problem}): fix it or pass another --config") from err
-    return data if isinstance(data, dict) else {}
-
-
-def _values(args: list[str], values: dict[str, Any], files: dict[str, Any]) -> list[str]:
-    """Applies ``args`` to ``values`` in order, as jsonargparse does: a ``--config`` file's values where
-    it stands, ``--a.b value`` / ``--a.b=value`` (parsed as YAML) where they stand, so the later one
-    wins. Returns the option keys given (dotted; ``+`` kept on an append), config files aside."""
-    import yaml
-
-    keys: list[str] = []
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        i += 1
-        if arg in ("-c", "--config") or arg.startswith("--config="):
-            path = arg.split("=", 1)[1] if "=" in arg else (args[i] if i < len(args) else None)
-            i += 0 if "=" in arg else 1
-            if path is not None:
-                config = _read_config(path)
-                _merge(values, copy.deepcopy(config))
-                _merge(files, config)
-            continue
-        if not arg.startswith("--"):
-            continue
-        key, eq, value = arg[2:].partition("=")
-        keys.append(key)
-        if not eq:
-            if i >= len(args) or args[i].startswith("--"):
-                continue  # a flag, or a value we cannot see: left to the parser
-            value, i = args[i], i + 1
-        if key.endswith("+"):
-            continue  # an append: the parser's to apply
-        try:
-            parsed = yaml.safe_load(value)
-        except yaml.YAMLError:
-            parsed = value
-        _merge(values, _nest(key.split("."), value if isinstance(parsed, (int, float, bool)) else parsed))
-    return keys
-
-
-def _has(files: dict[str, Any], dotted: str) -> bool:
-    """Whether a config file set ``dotted`` (``trainer.precision``)."""
-    node: Any = files
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
-
-
-def _nest(keys: list[str], value: Any) -> dict[str, Any]:
-    return {keys[0]: value} if len(keys) == 1 else {keys[0]: _nest(keys[1:], value)}
-
-
-def _merge(into: dict[str, Any], new: dict[str, Any]) -> None:
-    for key, value in new.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
 
 
 def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:

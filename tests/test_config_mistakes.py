@@ -11,6 +11,7 @@ from helpers import cli
 from jsonargparse import Namespace
 
 from omni_lightning import Code2WavModule
+from omni_lightning.data import folder_lock
 from omni_lightning.data.output_folder import file_name
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.errors import UsageError
@@ -18,6 +19,13 @@ from omni_lightning.lightning_cli import _drop_callbacks_turned_off
 from omni_lightning.preflight import check_command_line, finished_job
 
 PREDICT = ["predict", "--config", "configs/predict.yaml", "--model.random_weights", "true"]
+
+
+@pytest.fixture(autouse=True)
+def release_locks():
+    """The checks lock an existing --out_dir for the command they run; in this process, for the test."""
+    yield
+    folder_lock.unlock_all()
 
 
 def finished_folder(tmp_path, name, ids):

@@ -1,0 +1,117 @@
+"""What an ``omni-lightning`` command line sets, read as jsonargparse reads it, without importing it
+(or torch, or Lightning): the subcommand, config files (``--config``, also inline YAML) and
+``--key value`` options, applied in the order given, the later one winning. ``preflight.py`` checks
+what this reads.
+
+What it does not do: validate types or keys against the classes (the parser does, once Lightning
+loads), read environment variables, or apply ``+=`` appends (the parser's to apply).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+from pathlib import Path
+from typing import Any
+
+from omni_lightning.errors import UsageError
+
+
+def subcommand_at(argv: list[str], subcommands: tuple[str, ...]) -> int:
+    """Where the subcommand is: the first argument that is not an option or a ``--config`` value.
+    UsageError when there is none or it is not one (said here, not after Lightning loads)."""
+    choices = ", ".join((*subcommands, "demo"))
+    for i, arg in enumerate(argv):
+        if arg.startswith("-") or (i > 0 and argv[i - 1] in ("-c", "--config")):
+            continue
+        if arg in subcommands:
+            return i
+        close = difflib.get_close_matches(arg, [*subcommands, "demo"], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise UsageError(f"{arg!r} is not a subcommand{hint}: use one of {choices}")
+    raise UsageError(f"no subcommand given: use one of {choices} (omni-lightning <subcommand> --help lists options)")
+
+
+def config_paths(args: list[str]) -> list[str]:
+    paths = []
+    for i, arg in enumerate(args):
+        if arg in ("-c", "--config") and i + 1 < len(args):
+            paths.append(args[i + 1])
+        elif arg.startswith("--config="):
+            paths.append(arg.split("=", 1)[1])
+    return paths
+
+
+def read_config(text: str) -> dict[str, Any]:
+    import yaml
+
+    path = Path(text)
+    inline = not path.is_file() and (":" in text or "{" in text)  # jsonargparse also takes YAML inline
+    if not path.is_file() and not inline:
+        what = "is a folder, not a YAML file" if path.is_dir() else "does not exist"
+        raise UsageError(f"config file {text} {what}: check the path (the examples are in configs/)")
+    try:
+        data = yaml.safe_load(text if inline else path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        problem = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UsageError(f"config file {text} is not valid YAML ({problem}): fix it or pass another --config") from err
+    return data if isinstance(data, dict) else {}
+
+
+def apply_arguments(args: list[str], values: dict[str, Any], files: dict[str, Any]) -> list[str]:
+    """Applies ``args`` to ``values`` in order, as jsonargparse does: a ``--config`` file's values where
+    it stands, ``--a.b value`` / ``--a.b=value`` (parsed as YAML) where they stand, so the later one
+    wins. Returns the option keys given (dotted; ``+`` kept on an append), config files aside."""
+    import yaml
+
+    keys: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if arg in ("-c", "--config") or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else (args[i] if i < len(args) else None)
+            i += 0 if "=" in arg else 1
+            if path is not None:
+                config = read_config(path)
+                merge(values, copy.deepcopy(config))
+                merge(files, config)
+            continue
+        if not arg.startswith("--"):
+            continue
+        key, eq, value = arg[2:].partition("=")
+        keys.append(key)
+        if not eq:
+            if i >= len(args) or args[i].startswith("--"):
+                continue  # a flag, or a value we cannot see: left to the parser
+            value, i = args[i], i + 1
+        if key.endswith("+"):
+            continue  # an append: the parser's to apply
+        try:
+            parsed = yaml.safe_load(value)
+        except yaml.YAMLError:
+            parsed = value
+        merge(values, nest(key.split("."), value if isinstance(parsed, (int, float, bool)) else parsed))
+    return keys
+
+
+def is_set(files: dict[str, Any], dotted: str) -> bool:
+    """Whether a config file set ``dotted`` (``trainer.precision``)."""
+    node: Any = files
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def nest(keys: list[str], value: Any) -> dict[str, Any]:
+    return {keys[0]: value} if len(keys) == 1 else {keys[0]: nest(keys[1:], value)}
+
+
+def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
