@@ -37,7 +37,11 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 # options these checks read and check themselves (the no-op rerun may decide on them)
 READ_HERE = {"out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids",
-             "model.checkpoint", "model.config", "model.random_weights"}  # fmt: skip
+             "model.checkpoint", "model.config", "model.random_weights",
+             # the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing
+             # about what is done; a bad value is then not seen, as in any job with nothing left to do)
+             *(f"trainer.{k}" for k in ("accelerator", "strategy", "devices", "num_nodes", "precision",
+                                        "gpu_memory_utilization", "enable_progress_bar"))}  # fmt: skip
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]

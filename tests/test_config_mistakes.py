@@ -57,8 +57,9 @@ def test_a_rerun_with_nothing_left_to_do_leaves_unknown_options_to_the_parser(tm
     src, out = finished_folder(tmp_path, "src", ["a"])
     base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
     assert finished_job(check_command_line(base)) is not None  # options the checks read, or a config sets
-    assert finished_job(check_command_line([*base, "--trainer.precision", "bf16-true"])) is not None
-    for extra in (["--data.predcit", "x"], ["--data.predict+=more.jsonl"], ["--trainer.strategy", "ddp"]):
+    for known in (["--trainer.precision", "bf16-true"], ["--trainer.strategy", "ddp", "--trainer.devices", "4"]):
+        assert finished_job(check_command_line([*base, *known])) is not None, known  # a multi-GPU rerun too
+    for extra in (["--data.predcit", "x"], ["--data.predict+=more.jsonl"], ["--trainer.max_epoch", "3"]):
         assert finished_job(check_command_line([*base, *extra])) is None, extra  # the parser judges these
 
 
