@@ -58,7 +58,8 @@ def read_config(text: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def apply_arguments(args: list[str], values: dict[str, Any], files: dict[str, Any]) -> list[str]:
+def apply_arguments(args: list[str], values: dict[str, Any], files: dict[str, Any],
+                    valueless: list[str] | None = None) -> list[str]:  # fmt: skip
     """Applies ``args`` to ``values`` in order, as jsonargparse does: a ``--config`` file's values where
     it stands, ``--a.b value`` / ``--a.b=value`` (parsed as YAML) where they stand, so the later one
     wins. Returns the option keys given (dotted; ``+`` kept on an append), config files aside."""
@@ -83,7 +84,9 @@ def apply_arguments(args: list[str], values: dict[str, Any], files: dict[str, An
         keys.append(key)
         if not eq:
             if i >= len(args) or args[i].startswith("--"):
-                continue  # a flag, or a value we cannot see: left to the parser
+                if valueless is not None:
+                    valueless.append(key)  # no value: left to the parser (it wants one for every key)
+                continue
             value, i = args[i], i + 1
         if key.endswith("+"):
             continue  # an append: the parser's to apply

@@ -13,6 +13,7 @@ summary, and phase timings when asked.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +27,7 @@ from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
-from omni_lightning.preflight import check_weights
+from omni_lightning.preflight import check_weights, set_by_user
 from omni_lightning.trainer import Trainer
 
 SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
@@ -65,6 +66,8 @@ class OmniCLI(LightningCLI):
         self.timings = timings
         self.finished = finished
         self.profiler: PhaseProfiler | None = None
+        given = kwargs.get("args")
+        self._argv = list(given) if isinstance(given, (list, tuple)) else sys.argv[1:]  # what the user typed
         super().__init__(*args, **kwargs)
 
     def _mark(self, name: str) -> None:
@@ -114,19 +117,16 @@ class OmniCLI(LightningCLI):
         arguments, so a run setting given on the command line or in a config file was silently replaced
         by the fit's (``--model.frames_per_forward 256``, ``--model.log_samples 1``). The settings of
         :data:`RUN_SETTINGS`, which shape how this run computes and not what the checkpoint holds, are
-        put back where they were set (any value but the parser's default). The rest stays the
-        checkpoint's, as in stock: the architecture, the GAN and EMA the state dict was saved with."""
+        put back where a config file or an option set them (a default value or null too). The rest
+        stays the checkpoint's, as in stock: the architecture, the GAN and EMA the state dict holds."""
         sub = self.config.get("subcommand")
         given = self.config[sub].get("model") if sub else None
         super()._parse_ckpt_path()
         if given is None or not hasattr(given, "get"):
             return
-        defaults = self._subcommand_parsers[sub].get_defaults().get("model")
         model = self.config[sub].model
-        for key in RUN_SETTINGS:
-            value = given.get(key)
-            if defaults is None or value != defaults.get(key):
-                model[key] = value
+        for key in set_by_user(self._argv, sub, [f"model.{k}" for k in RUN_SETTINGS]):
+            model[key.split(".", 1)[1]] = given.get(key.split(".", 1)[1])
 
     def before_fit(self) -> None:
         """``--ckpt_path last`` resumes from a ModelCheckpoint's ``last.ckpt``. Lightning only looks in a
@@ -143,8 +143,10 @@ class OmniCLI(LightningCLI):
             root = Path(logger.save_dir or root)
             version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
             folder = root / str(logger.name) / version / "checkpoints"
+        if trainer.loggers and trainer.loggers[0].version is None:
+            return  # a logger that names its folder once it runs (W&B): nothing to mirror; Lightning decides
         folders = [Path(cb.dirpath) if cb.dirpath else folder for cb in trainer.checkpoint_callbacks]
-        if any((f / "last.ckpt").is_file() for f in folders):
+        if any(f.is_dir() and any(f.glob("last*.ckpt")) for f in folders):  # last.ckpt, last-v1.ckpt, ...
             return
         found = sorted(root.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-3:] if root.is_dir() else []
         hint = f" ({', '.join(str(p) for p in reversed(found))}, newest first)" if found else ""

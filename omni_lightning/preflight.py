@@ -41,7 +41,8 @@ READ_HERE = {"out_dir", "format", "subtype", "ckpt_path", "seed_everything", "da
              # the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing
              # about what is done; a bad value is then not seen, as in any job with nothing left to do)
              *(f"trainer.{k}" for k in ("accelerator", "strategy", "devices", "num_nodes", "precision",
-                                        "gpu_memory_utilization", "enable_progress_bar"))}  # fmt: skip
+                                        "gpu_memory_utilization", "enable_progress_bar")),
+             "data.batch_size", "data.num_workers", "model.frames_per_forward", "model.fast_path"}  # fmt: skip
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
@@ -72,12 +73,27 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
         section = read_config(path).get(sub) or {}
         merge(values, copy.deepcopy(section))  # options then change values' dicts, not files'
         merge(files, section)
-    given = apply_arguments(argv[sub_at + 1 :], values, files)
+    valueless: list[str] = []
+    given = apply_arguments(argv[sub_at + 1 :], values, files, valueless)
     command = _check(sub, values)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
-    # these checks read), so a misspelled key or an appended list (+=) goes to the parser, which refuses it
-    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or is_set(files, k))]
+    # these checks read), so a misspelled key, an appended list (+=) or an option without its value goes
+    # to the parser, which refuses it
+    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or is_set(files, k))] + valueless
     return command
+
+
+def set_by_user(argv: list[str], sub: str, keys: list[str]) -> list[str]:
+    """Those of ``keys`` (dotted) that a config file or an option of ``argv`` sets for ``sub``."""
+    try:
+        sub_at = subcommand_at(argv, SUBCOMMANDS)
+    except UsageError:
+        return []
+    files: dict[str, Any] = {}
+    for path in config_paths(argv[:sub_at]):
+        merge(files, read_config(path).get(sub) or {})
+    given = apply_arguments(argv[sub_at + 1 :], {}, files)
+    return [k for k in keys if k in given or is_set(files, k)]
 
 
 def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:

@@ -125,3 +125,20 @@ def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_pa
     proc = cli(*args, "--model.frames_per_forward", "7")  # the architecture is the checkpoint's: tiny
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "2 requests written" in log, log
+
+
+def test_settings_a_user_gave_are_known_even_at_their_default_value(tmp_path):
+    """Beside --ckpt_path, a run setting given at its default (or a config's null) lost to the fit's."""
+    from omni_lightning.preflight import set_by_user
+
+    keys = ["model.frames_per_forward", "model.log_samples", "model.fast_path"]
+    argv = ["predict", "--config", "configs/predict.yaml", "--model.log_samples", "4", "--ckpt_path", "x.ckpt"]
+    assert set_by_user(argv, "predict", keys) == ["model.frames_per_forward", "model.log_samples"]  # null in the config
+    assert set_by_user(["predict", "--model.fast_path=true"], "predict", keys) == ["model.fast_path"]
+
+
+def test_an_option_without_its_value_goes_to_the_parser(tmp_path):
+    src, out = finished_folder(tmp_path, "src", ["a"])
+    command = check_command_line([*PREDICT, "--data.predict", str(src), "--out_dir", str(out),
+                                  "--trainer.enable_progress_bar"])  # fmt: skip
+    assert command.unchecked == ["trainer.enable_progress_bar"] and finished_job(command) is None
