@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -118,3 +119,33 @@ def merge(into: dict[str, Any], new: dict[str, Any]) -> None:
             merge(into[key], value)
         else:
             into[key] = value
+
+
+@dataclass
+class Arguments:
+    """A command line read: its subcommand, every value set (files and options in order), what config
+    files set, the option keys given and those given without a value."""
+
+    sub: str
+    values: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, Any] = field(default_factory=dict)
+    given: list[str] = field(default_factory=list)
+    valueless: list[str] = field(default_factory=list)
+
+    def sets(self, dotted: str) -> bool:
+        """Whether a config file or an option sets ``dotted`` (``model.frames_per_forward``)."""
+        return dotted in self.given or is_set(self.files, dotted)
+
+
+def read_arguments(argv: list[str], subcommands: tuple[str, ...]) -> Arguments:
+    """``argv`` (the arguments after the program) read as the parser reads them: a ``--config`` before
+    the subcommand contributes its section for it, then the rest applies in order (UsageError when
+    there is no subcommand)."""
+    sub_at = subcommand_at(argv, subcommands)
+    args = Arguments(argv[sub_at])
+    for path in config_paths(argv[:sub_at]):
+        section = read_config(path).get(args.sub) or {}
+        merge(args.values, copy.deepcopy(section))  # options then change values' dicts, not files'
+        merge(args.files, section)
+    args.given = apply_arguments(argv[sub_at + 1 :], args.values, args.files, args.valueless)
+    return args

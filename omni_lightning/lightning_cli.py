@@ -125,7 +125,7 @@ class OmniCLI(LightningCLI):
         if given is None or not hasattr(given, "get"):
             return
         model = self.config[sub].model
-        for key in set_by_user(self._argv, sub, [f"model.{k}" for k in RUN_SETTINGS]):
+        for key in set_by_user(self._argv, [f"model.{k}" for k in RUN_SETTINGS]):
             model[key.split(".", 1)[1]] = given.get(key.split(".", 1)[1])
 
     def before_fit(self) -> None:

@@ -18,13 +18,12 @@ before torch loads (the folder's temp files removed and its manifest compacted, 
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.arguments import apply_arguments, config_paths, is_set, merge, read_config, subcommand_at
+from omni_lightning.arguments import is_set, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
@@ -65,35 +64,23 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     None when there is nothing to check (help)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
-    sub_at = subcommand_at(argv, SUBCOMMANDS)
-    sub = argv[sub_at]
-    values: dict[str, Any] = {}
-    files: dict[str, Any] = {}  # what config files set
-    for path in config_paths(argv[:sub_at]):
-        section = read_config(path).get(sub) or {}
-        merge(values, copy.deepcopy(section))  # options then change values' dicts, not files'
-        merge(files, section)
-    valueless: list[str] = []
-    given = apply_arguments(argv[sub_at + 1 :], values, files, valueless)
-    command = _check(sub, values)
+    args = read_arguments(argv, SUBCOMMANDS)
+    command = _check(args.sub, args.values)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
     # these checks read), so a misspelled key, an appended list (+=) or an option without its value goes
     # to the parser, which refuses it
-    command.unchecked = [k for k in given if k.endswith("+") or not (k in READ_HERE or is_set(files, k))] + valueless
+    unknown = [k for k in args.given if k.endswith("+") or not (k in READ_HERE or is_set(args.files, k))]
+    command.unchecked = unknown + args.valueless
     return command
 
 
-def set_by_user(argv: list[str], sub: str, keys: list[str]) -> list[str]:
-    """Those of ``keys`` (dotted) that a config file or an option of ``argv`` sets for ``sub``."""
+def set_by_user(argv: list[str], keys: list[str]) -> list[str]:
+    """Those of ``keys`` (dotted) that a config file or an option of ``argv`` sets."""
     try:
-        sub_at = subcommand_at(argv, SUBCOMMANDS)
+        args = read_arguments(argv, SUBCOMMANDS)
     except UsageError:
         return []
-    files: dict[str, Any] = {}
-    for path in config_paths(argv[:sub_at]):
-        merge(files, read_config(path).get(sub) or {})
-    given = apply_arguments(argv[sub_at + 1 :], {}, files)
-    return [k for k in keys if k in given or is_set(files, k)]
+    return [k for k in keys if args.sets(k)]
 
 
 def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:

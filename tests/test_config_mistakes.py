@@ -133,8 +133,8 @@ def test_settings_a_user_gave_are_known_even_at_their_default_value(tmp_path):
 
     keys = ["model.frames_per_forward", "model.log_samples", "model.fast_path"]
     argv = ["predict", "--config", "configs/predict.yaml", "--model.log_samples", "4", "--ckpt_path", "x.ckpt"]
-    assert set_by_user(argv, "predict", keys) == ["model.frames_per_forward", "model.log_samples"]  # null in the config
-    assert set_by_user(["predict", "--model.fast_path=true"], "predict", keys) == ["model.fast_path"]
+    assert set_by_user(argv, keys) == ["model.frames_per_forward", "model.log_samples"]  # null in the config
+    assert set_by_user(["predict", "--model.fast_path=true"], keys) == ["model.fast_path"]
 
 
 def test_an_option_without_its_value_goes_to_the_parser(tmp_path):
