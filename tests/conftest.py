@@ -1,7 +1,18 @@
 import pytest
+import torch
 from helpers import MICRO, micro_config, random_codes, random_model, reference_model  # noqa: F401  (re-exported)
 
 from omni_lightning import Code2Wav
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped where CUDA is not available; ``pytest -m gpu`` selects them."""
+    if torch.cuda.is_available():
+        return
+    needs_cuda = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(needs_cuda)
 
 
 @pytest.fixture(scope="session")
@@ -11,10 +22,8 @@ def tiny_model() -> Code2Wav:
 
 @pytest.fixture
 def no_tf32():
-    """fp32 means fp32 in the test: cuDNN and cuBLAS would otherwise round inputs to TF32. Saved and
-    restored by hand: torch's backend flags are properties that pytest's monkeypatch cannot undo."""
-    import torch
-
+    """Turns TF32 off in cuDNN and cuBLAS for the test, so fp32 means fp32, then restores both flags.
+    Saved by hand: pytest's monkeypatch cannot undo torch's backend flag properties."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     yield

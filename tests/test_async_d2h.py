@@ -10,8 +10,8 @@ from helpers import Collector, FailingModule, loader, requests, trainer_kwargs, 
 from omni_lightning import Code2WavModule, OmniModelRunnerOutput, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-ACCELERATORS = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+cuda = pytest.mark.gpu
+ACCELERATORS = ["cpu", pytest.param("cuda", marks=cuda)]
 
 
 @pytest.fixture(scope="module")

@@ -360,7 +360,7 @@ CASES = [("32-true", False), ("32-true", True), ("bf16-mixed", False), ("bf16-mi
 
 
 GPU_CASES = [(p, a) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed") for a in (False, True)]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.gpu
 ACCELERATED = [
     pytest.param(device, p, a, id=f"{device}-{p}-{'gan' if a else 'rec'}", marks=[needs_cuda][: device == "gpu"])
     for device, cases in (("cpu", CASES), ("gpu", GPU_CASES))

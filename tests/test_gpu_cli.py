@@ -11,7 +11,7 @@ import soundfile as sf
 import torch
 from helpers import cli, random_codes, random_model, save_model
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def rel_l2(a, b):

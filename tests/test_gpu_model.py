@@ -9,7 +9,7 @@ from omni_lightning import DecodeEngine
 from omni_lightning.kernels import Kernels
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 @cuda

@@ -15,7 +15,7 @@ from conftest import random_codes, random_model, reference_model
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, DecodeEngine, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def rel_l2(a, b):

@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.runner.host_weights import HostWeights, HostWeightsOnPredict
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 def storages(module):

@@ -19,7 +19,7 @@ from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.engine.plan import CHUNKS
 from omni_lightning.models.state import ALIGN
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 # 3 layers, one KV head, a 5-frame window (streams run far past it), other rates (12 samples/frame)
 ODD = dict(name="odd", hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,

@@ -14,7 +14,7 @@ from helpers import trainer_kwargs
 from omni_lightning import Code2WavModule, CodesDataModule, DecodeEngine, StreamingDecoder, Trainer
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.fixture(scope="module", params=DEVICES)

@@ -20,7 +20,7 @@ from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.kernels import Kernels
 from omni_lightning.training.graphs import TrainingGraph, thread_local_graphs, training_graphs_allowed
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+cuda = pytest.mark.gpu
 
 
 class EagerCapture:
