@@ -1,7 +1,7 @@
 """omni_lightning: the Code2Wav stage of omni speech models in PyTorch Lightning.
 
 The public names below are imported on first use (PEP 562), so ``omni-lightning``'s command line can
-check its arguments before torch and Lightning are loaded (seconds on a small machine).
+check its arguments before torch and Lightning are loaded.
 """
 
 from __future__ import annotations

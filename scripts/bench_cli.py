@@ -2,7 +2,7 @@
 
     python scripts/bench_cli.py --files 12 --model.config tiny                           # CPU
     python scripts/bench_cli.py --files 1500 --model.config qwen3-omni --trainer.precision bf16-true \\
-        --trainer.accelerator gpu --data.batch_size 32                                 # H200
+        --trainer.accelerator gpu --data.batch_size 32                                 # a GPU
 
 Every option this script does not know goes to the command line unchanged (after ``--config
 configs/predict.yaml``). The job: ``--files`` ``.npy`` files of uint16 codes ``[16, T]``, lengths drawn
@@ -25,7 +25,7 @@ What runs, each in a fresh process:
   loader   the predict dataloader alone (same workers, pinned memory on CUDA), iterated once after the
            warm run: how fast loading could feed the engine.
 Ratios: CLI decode phase speed / in-process (cold and warm). Prints a table; writes JSON (``--out``).
-What it does not do: compare with transformers (``bench_gpu.py``) or time fit.
+What it does not do: compare with transformers (``bench_forward.py``) or time fit.
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ def in_process(args: list[str]) -> dict[str, Any]:
     loader = data.predict_dataloader()[0]
     out["loader"] = {"workers": loader.num_workers, "pin_memory": loader.pin_memory}
     start = time.perf_counter()
-    try:  # after the runs: its failure (on the H200 machine, 2026-12-03, its workers died) loses no run
+    try:  # after the runs: its failure loses no run
         requests = sum(len(batch["req_ids"]) + len(batch["errors"]) for batch in loader)
     except RuntimeError as err:
         out["loader"]["error"] = str(err)

@@ -1,6 +1,6 @@
 """The decode engine on fixed batches of 10 s clips against transformers, and its bf16 fidelity.
 
-    python scripts/bench_forward.py                                     # an H200: batch 1 and 32, bf16
+    python scripts/bench_forward.py                                     # a GPU: batch 1 and 32, bf16
     python scripts/bench_forward.py --compile                           # + transformers with torch.compile
     python scripts/bench_forward.py --device cpu --preset tiny --batches 1 2 --repeats 2   # smoke test
 

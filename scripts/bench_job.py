@@ -1,7 +1,7 @@
 """The predict job as users run it: the default ``omni_lightning.Trainer`` over a seeded mixed-length
 job, under a GPU memory cap, cold then warm, each request checked against its whole decode.
 
-    python scripts/bench_job.py --share 0.03                       # issue 11's job at a 0.03 cap (H200)
+    python scripts/bench_job.py --share 0.03                       # the mixed job at a 0.03 cap (a GPU)
     python scripts/bench_job.py --share 0.02 --precision 32-true --check 384   # fp32: every request exact
     python scripts/bench_job.py --requests 1 --min-s 600 --max-s 600 --check 1  # one 600 s request
     python scripts/bench_job.py --peer                             # + a plain transformers loop

@@ -7,7 +7,7 @@
 For each N a fresh process (this script again, with ``--world N``) runs everything on the N ranks of
 ``omni_lightning.Trainer(devices=N, strategy="ddp")``:
 
-- **predict**: issue 11's mixed 2-30 s job (``workload.mixed_job``, seed 0) scaled to N x ``--requests``
+- **predict**: the mixed 2-30 s job (``workload.mixed_job``, seed 0) scaled to N x ``--requests``
   requests, batch ``--batch``, through ``CodesDataModule``, whose ``LengthBucketBatchSampler`` deals the
   requests to the ranks by length (``use_distributed_sampler=False``, as the command line sets it).
   Once cold (ranks launched, kernels compiled, CUDA graphs captured), then warm: the ranks meet at a

@@ -1,9 +1,9 @@
 """Streaming decode: time to first audio, steady-state throughput, fidelity, state per stream.
 
     python scripts/bench_stream.py --preset tiny --device cpu --streams 4 --steps 3     # this machine
-    python scripts/bench_stream.py --preset qwen3-omni --device cuda --out bench_stream.json   # an H200
+    python scripts/bench_stream.py --preset qwen3-omni --device cuda --out bench_stream.json   # a GPU
 
-Compares ``StreamingDecoder`` (stateful, exact) with what serving stacks do today, re-decoding each
+Compares ``StreamingDecoder`` (stateful, exact) with what serving stacks do, re-decoding each
 chunk with ``--context`` frames of left context (vLLM-Omni: 25; sglang-omni: 10-frame chunks, 25 of
 context), eager and as a CUDA graph per shape, same weights, same GPU, same run:
 

@@ -8,7 +8,7 @@ handing the freed heap back to the OS (``malloc_trim``, so both variants start f
 footprint), with ``return_predictions=True``, keeping the result. Growth is the resident set size
 (VmRSS) after the second run minus before it; the table divides it by the bytes of audio returned.
 Variants: ``release`` (as shipped: the loop returns freed heap pages to the OS at the end of a run)
-and ``no-release`` (that step switched off: what the issue measured). Prints a table, writes JSON.
+and ``no-release`` (that step switched off). Prints a table, writes JSON.
 
     python scripts/measure_predict_rss.py --audio-mb 300 --json docs/results/predict_rss_cpu.json
 """

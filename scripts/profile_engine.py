@@ -1,7 +1,7 @@
 """Where a forward's time goes: the engine's forward at a few (rows, chunk) shapes, replayed and eager,
 and the top CUDA kernels of one stateful eager forward.
 
-    python scripts/profile_engine.py                     # an H200, qwen3-omni bf16
+    python scripts/profile_engine.py                     # a GPU, qwen3-omni bf16
     python scripts/profile_engine.py --device cpu --preset tiny --shapes 2x8   # smoke test
 
 Per shape: milliseconds and x real time of a CUDA-graph replay (``DecodeEngine``), of the eager

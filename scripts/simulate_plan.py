@@ -1,4 +1,4 @@
-"""The decode engine's planner on the benchmark jobs, priced by a cost model fitted to an H200 profile:
+"""The decode engine's planner on the benchmark jobs, priced by a cost model fitted to a GPU profile:
 a CPU-only look at how many forwards a job takes, how much padding, and what that should cost.
 
     python scripts/simulate_plan.py                      # the default frame budgets, bf16 qwen3-omni
@@ -8,12 +8,11 @@ Jobs (each as the engine sees it in its own process: run once cold, where new sh
 then priced warm): ``job`` (the mixed 2-30 s job of ``bench_job.py`` in the data module's batches of
 32), ``b1x125`` and ``b32x125`` (``bench_forward.py``'s 10 s clips), ``lone7500`` (one 600 s request).
 
-Cost model (ms, from ``profile_engine.py`` on an H200 on 2026-12-04, ``docs/results/profile_engine_h200.json``):
+Cost model (ms, fitted to ``profile_engine.py``'s output, ``docs/results/profile_engine_h200.json``):
 an eager forward of ``f`` padded frames ``max(11.5, 1.0 + 0.0186 f)`` (the host's launches bound it
 below ~600 frames), a CUDA graph replay through the engine ``2.4 + 0.0186 f``. It leaves out the
 device idling while the host catches up after a synchronization, the state copies between forwards
-and the Trainer's per-call cost, so it is a guide to the planner, not a measurement (at 2048 frames
-and a step cost of 48 it put the job at 3,395x, where the H200 measured 2,794x from the first batch).
+and the Trainer's per-call cost, so it is a guide to the planner, not a measurement.
 What it does not do: time anything, or choose the frame budget (``budget.py``).
 """
 

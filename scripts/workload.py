@@ -24,7 +24,7 @@ from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
 def mixed_job(config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, max_s: float = 30.0,
               seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
     """``requests`` requests of uniform random ``min_s``..``max_s`` seconds of random codes (seeded):
-    issue 11's job (384 of 2-30 s, seed 0)."""
+    the benchmarks' mixed job (384 of 2-30 s, seed 0)."""
     rng = random.Random(seed)
     lo, hi = round(min_s * config.frame_rate), round(max_s * config.frame_rate)
     gen = torch.Generator().manual_seed(seed)

@@ -1,27 +1,13 @@
 """The engine's memory budget: how many frames one forward may decode (batch rows x chunk frames).
 
-A forward's memory grows with the frames it decodes: the decoder's last stages hold tensors of
-``frames * total_upsample`` samples by up to a few hundred channels. The weights and the state pool
-are held already when the budget is taken. The budget pays, in this order:
-
-- the CUDA graphs of short forwards (``graph_frames`` frames at most): their shared pool, measured at
-  about three of their largest forward's peak on an H200 (:data:`POOL_FACTOR`); ``graph_frames`` is
-  halved until the pool takes at most its share of the budget (a quarter for batch decode, three
-  quarters for a streaming decoder);
-- the long forwards, which run eagerly in the caching allocator's regular pool, all at the same size
-  (``plan.py``): ``frames = rest / (activation bytes per frame * 1.15)``, rounded down to a power of
-  two; 15 % covers the allocator's block rounding.
-
-``activation_bytes_per_frame`` derives the per-frame cost by walking the decoder's geometry (DAC's
-habit: lengths and sizes from the layers, not constants beside them), counting the tensors alive at
-once at each stage. The budget is ``gpu_memory_utilization`` x the device's memory minus what the
-process holds already (weights, state, other tenants of the process) when a cap is set; with no cap,
-:data:`DEFAULT_BUDGET`. What is estimated, not measured, is the per-frame cost and the pool's factor;
-the engine's out-of-memory fallback (half the frames, then half again) covers the error. Measured on
-an H200 (bf16, ``docs/performance.md``): the count is ~3.2 GiB for 2048 frames and their graphs, the
-process peaked at 9.0 GiB reserved with no cap (the allocator keeps what it freed) and at 4.19 GiB
-under a 4.2 GiB cap after one halving. Not done: fitting the count to those figures (one GPU session
-was not enough to check a fit across caps).
+The budget is ``gpu_memory_utilization`` x the device's memory minus what the process holds when a
+cap is set, else :data:`DEFAULT_BUDGET`. It pays first for the CUDA graphs of short forwards (their
+shared pool, :data:`POOL_FACTOR` x their largest forward's peak; ``graph_frames`` is halved until the
+pool fits its share), then for the long forwards, which run eagerly at one size:
+``rest / (activation bytes per frame * 1.15)`` rounded down to a power of two (15 % for the
+allocator's rounding). The per-frame cost is derived by walking the decoder's layers. Both it and the
+pool factor are estimates, not fitted to measurements: the engine's out-of-memory fallback (half the
+frames, then half again) covers their error.
 """
 
 from __future__ import annotations
@@ -33,8 +19,7 @@ import torch
 from omni_lightning.engine.plan import MAX_CHUNK
 from omni_lightning.models.code2wav import Code2Wav
 
-DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap; measured (H200, bf16, the mixed
-# 2-30 s job): 2048 frames per forward, 9.0 GiB peak reserved in all (the estimate below undercounts)
+DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap (the estimate below undercounts)
 MIN_FRAMES, MAX_FRAMES = 16, 8192
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
 
@@ -101,7 +86,7 @@ def room_for(device: torch.device, fraction: float | None, extra: int) -> bool:
     return fits_under_cap(extra, *_cap_and_held(device, fraction))
 
 
-POOL_FACTOR = 3  # the graphs' shared pool held 2.9x one short forward's peak on an H200 (11 shapes)
+POOL_FACTOR = 3  # the graphs' shared pool, in short forwards' peaks (docs/performance.md)
 
 
 def graph_pool_bytes(graph_frames: int, per_frame: int) -> int:

@@ -1,34 +1,22 @@
 """Which rows run in the next forward, at which shape: the decode engine's planner (pure Python).
 
-Every forward has a bucket shape ``(rows, chunk)``: ``rows`` batch rows (a power of two; unused rows
-are padding on a scratch slot) each advancing up to ``chunk`` frames (rows with fewer frames left
-are padded in time; their state is saved at their true end). A small set of shapes means few CUDA
-graph captures; ``rows * chunk <= frames`` (the frame budget, from the memory budget) bounds memory.
+Every forward has a bucket shape ``(rows, chunk)``: ``rows`` batch rows (a power of two; padding rows
+use a scratch slot), each advancing up to ``chunk`` frames (shorter rows are padded in time; their
+state is saved at their true end). Few shapes mean few CUDA graph captures; ``rows * chunk <=
+frames`` (the frame budget) bounds memory.
 
-The planner is greedy, one forward at a time: for each chunk size it takes the rows with the most frames
-left (as many as the budget allows), and scores the forward by its real frames over its cost, ``rows *
-chunk`` padded frames plus ``step_cost`` (a forward's fixed cost, in frames: hundreds of kernel launches; on
-an H200 a replay cost 2.4 ms + 18.6 us a frame through the engine, so ~128 frames) plus ``new_shape_cost``
-if that shape was never run (``seen``: the shapes run so far; a new shape is a CUDA graph capture or new
-cuDNN plans, ~1 s each on an H200), plus another ``step_cost`` when a forward of every row leaves some
-unfinished (a one-step look-ahead: it costs one more forward, so a lone request's last 1,356 frames go as
-one forward of 1536, not as 1024 then 384). Shapes run before are candidates too, rows padded up (a few
-rows' last frames replay a captured bucket rather than capture one of their own); in streaming never chunks
-padded past the smallest that holds the longest row (a padded step delays its audio), in batch decode
-(``pad_in_time``) those too, so a batch's last forward reuses a shape it has: the mixed 2-30 s job ran 2
-shapes instead of 7 on an H200, at ~0.6 s of cold cost each, for 8 % padding instead of 2 %, and a lone
-600 s request's last 1,356 frames run as the 2048 it has (11 % slower warm, one shape fewer cold). The
-costs are in frames; ``scripts/simulate_plan.py`` prices plans. Requests of similar lengths (the sampler's
-batches) advance together in large chunks; a lone long request advances ``frames`` at a time.
+The planner is greedy, one forward at a time. For each chunk it takes the rows with the most frames
+left and scores the forward by real frames over cost, all in frames: ``rows * chunk`` plus
+``step_cost`` (a forward's fixed cost), plus ``new_shape_cost`` for a shape not run yet (a capture or
+new cuDNN plans), plus another ``step_cost`` when the forward leaves rows unfinished (one-step
+look-ahead). Shapes run before are candidates too, rows padded up; batch decode (``pad_in_time``)
+also pads chunks up to a shape it has, streaming does not (a padded step delays its audio).
+``scripts/simulate_plan.py`` prices plans.
 
-``exact_eager`` (the engine sets it with CUDA graphs on): a forward longer than ``graph_frames`` uses
-the whole budget, ``rows * chunk == frames``, with at least half of its rows real (a forward of
-more padding than requests is left to the CUDA graphs). Its tensors then have the same sizes at every layer
-whatever the split of rows and chunk, so the caching allocator serves every eager forward from the
-same blocks; forwards of many sizes each left their own blocks reserved (15 GiB reserved for a 6 GiB
-peak on an H200, docs/performance.md). Except a forward that finishes every row at once (a streaming
-step, a batch's last): it may take any shape within the budget, smaller than the blocks it reuses.
-Not done: look-ahead over several forwards.
+``exact_eager`` (set with CUDA graphs on): a forward longer than ``graph_frames`` uses the whole
+budget, ``rows * chunk == frames``, at least half its rows real, so every eager forward has the same
+tensor sizes and the caching allocator reuses the same blocks. A forward that finishes every row may
+take any shape within the budget. Not done: look-ahead over several forwards.
 """
 
 from __future__ import annotations
@@ -125,8 +113,8 @@ class Planner:
     def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = (), pad_in_time: bool = False) -> Plan:
         """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one).
         ``pad_in_time``: a forward that finishes every row may also take a shape run before whose chunk
-        is longer than they need (batch decode: a batch's last frames replay a shape it has, rather than
-        pay ~0.6 s for a new one; streaming leaves it off, since padding a step delays its audio)."""
+        is longer than they need (batch decode: replay a shape it has rather than capture a new one;
+        streaming leaves it off, since padding a step delays its audio)."""
         order = sorted(range(len(remaining)), key=lambda i: (-remaining[i], i))
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")

@@ -36,10 +36,9 @@ class Work:
 
 def to_device(chunks: Sequence[torch.Tensor], device: torch.device,
               move: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
-    """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, those on the CPU in one copy through pinned
-    memory that the host does not wait for (one pageable copy per stream waited for the device at every
-    step, and a 64-stream step made 64 of them). ``move`` replaces that copy of the one flat int64
-    buffer (tests pass a stand-in to run this on a CPU)."""
+    """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, the CPU ones in one copy through pinned
+    memory that the host does not wait for (a pageable copy per chunk would wait for the device each
+    time). ``move`` replaces that copy of the one flat int64 buffer (tests run it on a CPU)."""
     out: list[torch.Tensor | None] = [c if c.device == device else None for c in chunks]
     moving = [i for i, c in enumerate(out) if c is None]
     batched = move is not None or device.type == "cuda"
@@ -66,9 +65,8 @@ def scatter(out: torch.Tensor, picked: Sequence[Work], take: Sequence[int], up: 
             dtype: torch.dtype, together: bool) -> None:  # fmt: skip
     """Row ``r`` of a forward's output ``[rows, 1, chunk * up]`` to ``picked[r]`` (its first ``tail``
     samples dropped at a fresh slot's start); each work moves on by ``take[r]`` frames. ``together``:
-    when the forward decodes every work whole, all their samples are copied in one multi-tensor copy (a
-    64-stream step launched 64 copies), each into storage of its own: a stream's output never keeps
-    the step's other rows alive."""
+    when the forward decodes every work whole, all their samples go in one multi-tensor copy, each into
+    storage of its own, so a stream's output never keeps the step's other rows alive."""
     if together and all(w.done == 0 and t == w.left for w, t in zip(picked, take)):
         src = out if out.dtype == dtype else out.to(dtype)  # one cast for all rows
         starts = [tail if w.fresh else 0 for w in picked]

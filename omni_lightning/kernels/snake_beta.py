@@ -1,37 +1,23 @@
 """SnakeBeta, ``y = x + sin(x * alpha)^2 / beta`` per channel: the op, in one file.
 
-The decoder runs time-major (``[B, T, C]``, channels contiguous) and every causal convolution reads
-a buffer that holds its history first (``models/layers.py``). So the op produces that buffer whole:
+The decoder runs time-major (``[B, T, C]``) and every causal convolution reads a buffer that holds
+its history first (``models/layers.py``), so the op produces that buffer whole:
 
     out[:, :context]                    the convolution's history (``context`` rows, or zeros)
-    out[:, context:context + T]         snake(x + bias) in fp32 (the reference: fp64 for fp64 x),
-                                        rounded to x's dtype
+    out[:, context:context + T]         snake(x + bias) in fp32 (fp64 for fp64 x), rounded to x's dtype
     out[:, context + T:]                zeros, up to a multiple of ``multiple`` rows (the folded
                                         dilated convolutions need whole rows of ``dilation``)
 
-and rows ``t < junk`` of the snake part are zero for rows marked ``fresh`` (a stream's first chunk:
-those samples stand for time before the request's start, where ``decode`` has zero padding).
-``bias`` is the preceding convolution's bias, added here instead of in its own pass.
+Rows ``t < junk`` of the snake part are zero for rows marked ``fresh`` (time before a request's
+start). ``bias`` is the preceding convolution's bias, added here instead of in its own pass.
 
 Here are the torch reference (:func:`snake_beta_reference`, any device, autograd), the Triton
-kernel with its launcher (:func:`snake_beta_triton`, CUDA, forward only: inference), and the same
-kernel with a Triton backward as one autograd function (:func:`snake_beta_triton_autograd`, CUDA:
-training). Their sine: the reference uses torch's; the kernels reduce the argument to ``[-pi, pi]``
-exactly (a two-constant 2*pi) and evaluate the GPU's ``sin.approx.f32`` (and ``cos.approx.f32`` in
-the backward; absolute error ~1e-6, far below bf16's rounding of the output; libdevice's precise
-sine made the late, narrow decoder stages arithmetic-bound on an H200). ``precise=True`` keeps
-libdevice's. Offsets are 64-bit: a batch of long chunks at 96 channels passes 2**31 elements.
-
-The backward recomputes the sine from the saved input (it saves ``x``, not the fp32 intermediates
-the reference's autograd keeps) and gives ``x`` its gradient in one pass, with the per-channel
-gradients of ``log_alpha``, ``log_beta`` and ``bias`` summed in fp32: each program sums its rows,
-then one small torch sum adds the programs' partial sums. Junk-zeroed and padding rows get no
-gradient; the history's gradient is the output gradient's first ``context_len`` rows.
-
-Not here: double backward (the backward is not itself differentiable: nothing here needs a second
-derivative); the parameters are the layer's log-scale ``alpha`` and ``beta`` and are exponentiated
-in fp32 on every call (a few hundred values: nothing to cache, and nothing goes stale when
-fine-tuning changes them).
+kernel (:func:`snake_beta_triton`, CUDA, forward only) and the kernel with a Triton backward as one
+autograd function (:func:`snake_beta_triton_autograd`, CUDA, training). The kernels reduce the sine's
+argument to ``[-pi, pi]`` exactly and evaluate ``sin.approx.f32`` (absolute error ~1e-6, far below
+bf16's rounding); ``precise=True`` keeps libdevice's sine. Offsets are 64-bit. The backward
+recomputes the sine from the saved ``x`` and sums the per-channel gradients in fp32. Not here:
+double backward, and caching the exponentiated ``alpha`` and ``beta`` (a few hundred values).
 """
 
 from __future__ import annotations
@@ -102,7 +88,6 @@ def snake_beta_triton(
     junk = junk if junk and fresh is not False else 0  # no fresh row: nothing to zero
     grid = (triton.cdiv(rows, block_t), triton.cdiv(channels, block_c), batch)
     # the flags are runtime arguments, not constexprs: one compiled kernel per channel tile and bias dtype
-    # (each new one cost ~0.6 s of compiling on an H200 machine whose Triton cache was empty)
     _snake_beta_kernel[grid](
         x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha,
         _bytes(fresh) if per_row else out.view(torch.uint8), length, rows, channels, context_len, junk,

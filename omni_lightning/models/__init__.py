@@ -1,5 +1,5 @@
 """Code2Wav: config and presets, the model, code validation, checkpoints. Names load on first use
-(PEP 562), so ``omni_lightning.models.config`` (presets, no torch) imports in milliseconds."""
+(PEP 562), so ``omni_lightning.models.config`` (presets) imports without torch."""
 
 from __future__ import annotations
 

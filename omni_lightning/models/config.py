@@ -15,7 +15,7 @@ from typing import Any
 # (transformers/models/qwen3_omni_moe/configuration_qwen3_omni_moe.py), which is also the
 # `code2wav_config` of Qwen/Qwen3-Omni-30B-A3B-Instruct; 24 kHz from the Qwen3-Omni report.
 # "tiny" keeps the real codebook geometry and the 1920x upsampling (so lengths and rates are the
-# real ones) with narrow layers, so a 10 s clip decodes in well under a second on a laptop CPU.
+# real ones) with narrow layers, small enough for tests on a CPU.
 PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-omni": dict(
         codebook_size=2048,

@@ -92,9 +92,7 @@ class DecodeState:
 
 def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device`` without waiting for it: on CUDA through pinned memory
-    and a non-blocking copy (a plain ``.to(device)`` from pageable memory synchronizes the stream, so
-    the host stops launching until the device has run everything queued, and the device then idles
-    while the host catches up)."""
+    and a non-blocking copy (a copy from pageable memory would make the host wait for the device)."""
     index = torch.tensor(values, dtype=torch.long)
     if device.type != "cuda":
         return index.to(device)

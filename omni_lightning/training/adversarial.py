@@ -84,7 +84,7 @@ class AdversarialStep:
         """The samples every item is cut to: the batch's shortest real audio, read on the CPU before the
         transfer (``batch["shortest"]``), else here, before the forward is queued (a host sync: the
         device drains the last step first). A batch shorter than the discriminators take is refused,
-        naming its short requests (torch's padding error named none)."""
+        naming its short requests."""
         shortest = batch.get("shortest")
         if shortest is None:
             shortest = int(lengths.min())

@@ -7,8 +7,7 @@ discriminator takes its FFT in fp32 (no bf16 FFT on the CPU; a half-precision on
 spectrum) and hands its convolutions the dtype of their own weights, as autocast would.
 The 2-D convolutions run channels-last (NHWC): weights converted once at construction (Lightning's
 dtype casts keep the layout), spectrograms built in that layout. cuDNN's bf16 and fp16
-convolutions are NHWC kernels: with channels-first tensors it transposed every input, weight and
-gradient around them (a quarter of the GAN step's kernel time on the H200, ``docs/performance.md``).
+convolutions are NHWC kernels: channels-first tensors would be transposed around every one.
 Real and generated audio go through the discriminators in one batch where both need the same
 gradients (the discriminators' step); no layer mixes items, so that is exact. The losses loop over
 discriminators and layers (their shapes differ), never over items.

@@ -13,13 +13,12 @@ What differs from ``lightning.pytorch.callbacks.EMAWeightAveraging``, and why:
 - the update is ``torch.lerp(average, weight, 1 - decay)``, not ``decay * average + (1 - decay) *
   weight``: lerp leaves an equal pair bit-identical, the sum does not always (float rounding), and a
   frozen parameter (``freeze`` / ``train_only``) must not drift;
-- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and the
-  average of its int64 codebook offsets can truncate them (at decay 0.9, 6 of 16 end off by one);
+- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and
+  averaging its int64 codebook offsets can truncate them;
 - the average is float32 whatever the module's dtype: Lightning copies the module as ``setup`` finds
   it, so a module built in bf16 (``Code2Wav.from_pretrained(dtype=torch.bfloat16)``) would get a bf16
   average, which barely moves at decay 0.999;
-- the update never waits for the device (:class:`_HostCountedAverage`: torch's reads its count from
-  the device twice a step);
+- the update never waits for the device (:class:`_HostCountedAverage`);
 - at the end of fit the averaged and raw weights are swapped, not copied, so the raw weights can be
   restored; the averaging state is then released, so a later validate, test or ``save_checkpoint``
   sees the module's (averaged) weights as they are.
@@ -49,12 +48,10 @@ def _lerp(weight: float, average: torch.Tensor, current: torch.Tensor, n_average
 class _HostCountedAverage(AveragedModel):
     """torch's ``AveragedModel``, updated without waiting for the device.
 
-    Its own ``update_parameters`` reads the update count, a tensor on the device, twice per update
-    (``bool(n_averaged == 0)``, ``n_averaged > 0``): two host syncs after every optimizer step, and one
-    ``lerp`` and one ``copy_`` launch per parameter. Here the count is read once per fit (a resumed
-    fit continues its checkpoint's) and then kept on the host, and every parameter is averaged in one
-    ``torch._foreach_lerp_`` (the same ``lerp`` as :func:`_lerp`, bit for bit). The device's count is
-    still advanced, for checkpoints. :class:`EMAWeights` gives the model Lightning builds this class.
+    torch's own ``update_parameters`` reads the update count from the device (a host sync) and
+    launches per parameter. Here the count is read once per fit and then kept on the host, and every
+    parameter is averaged in one ``torch._foreach_lerp_`` (bit for bit :func:`_lerp`). The device's
+    count still advances, for checkpoints. :class:`EMAWeights` gives Lightning's model this class.
     """
 
     weight: float = 0.0  # 1 - decay, set by EMAWeights
@@ -97,10 +94,7 @@ class EMAWeights(WeightAveraging):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._held, self._average_in = None, False  # a new fit averages from the weights it starts with
-            # and counts its own steps: the module keeps this callback across fits, and Lightning's
-            # "last updated at step" would otherwise hold the last fit's, so a new Trainer (global step
-            # from 0) never updated the average and the end of fit put the previous fit's weights back
-            # (a resumed fit gets its checkpoint's count in load_state_dict, after setup)
+            # and counts its own steps (the callback outlives a fit; a resumed fit loads its count later)
             self._latest_update_step, self._latest_update_epoch = 0, -1
         super().setup(trainer, pl_module, stage)
         if stage == "fit":

@@ -2,19 +2,12 @@
 an fp32 copy of them, and the parameters take its values, rounded to nearest.
 
 Why: with bf16 weights, AdamW's update (about the learning rate per element) is rounded away
-wherever it is below half a bf16 step of the weight (2^-9 to 2^-8 of it): at the default 1e-4 a step
-changed 15.7 % of the generator's weights, and the same ones every step (``docs/performance.md``).
-The fp32 copy keeps every update; a bf16 weight moves once its copy has moved past a rounding
-boundary. ``fine_tuning_optimizers`` (``schedule.py``) uses :class:`MasterWeightAdamW` whenever a
-trainable parameter is below fp32, whatever the precision setting that made it so. Rejected:
-- stochastic rounding: bf16-only memory, but each weight is right only on average, and AdamW's
-  moments stay bf16;
-- refusing bf16-true (or only warning): it is the smallest and fastest setting; ``bf16-mixed``
-  keeps fp32 weights but casts them in every autocast op of every step.
-Cost: the copy (4 bytes a parameter) and AdamW's two moments in fp32 rather than in the
-parameters' bf16 (8 bytes rather than 4): 16 bytes a parameter with the bf16 weights and gradients
-instead of 8 (qwen3-omni's 216 M parameters: 3.5 GB instead of 1.7 GB); per step, a cast of the
-gradients to fp32 and a copy of the weights back, each one foreach launch per dtype.
+wherever it is below half a bf16 step of the weight (2^-9 to 2^-8 of it). The fp32 copy keeps every
+update; a bf16 weight moves once its copy passes a rounding boundary. ``fine_tuning_optimizers``
+(``schedule.py``) uses :class:`MasterWeightAdamW` whenever a trainable parameter is below fp32.
+Not chosen: stochastic rounding (each weight right only on average, moments still bf16).
+Cost: 16 bytes a parameter instead of 8 (the copy and AdamW's moments in fp32), and per step a cast
+of the gradients to fp32 and a copy of the weights back, one foreach launch per dtype each.
 
 The parameters are a rounded view of the copy: a change made to them during fit outside the
 optimizer is overwritten at its next step. The optimizer's ``state_dict`` holds the copy and its

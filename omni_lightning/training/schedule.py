@@ -3,9 +3,8 @@ decay to a floor, stepped once per batch; with adversarial training a second Ada
 discriminators, on the same schedule. Parameters below fp32 (bf16-true) get AdamW with fp32 master
 weights (``master_weights.py``): plain AdamW on bf16 weights rounds most updates away.
 
-AdamW runs torch's fused kernel where :func:`fused_adamw` allows it: on CUDA a foreach AdamW step
-launches about a hundred kernels for qwen3-omni's 230 parameter tensors (clipping included; the
-profile in ``docs/performance.md``), and the generator's step is bound by the host's launches."""
+AdamW runs torch's fused kernel where :func:`fused_adamw` allows it: a foreach step's many kernel
+launches would bound the generator's step on the host."""
 
 from __future__ import annotations
 
@@ -41,7 +40,7 @@ NON_NEGATIVE = ("learning_rate", "discriminator_lr", "weight_decay", "mel_weight
 def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
     """Refuses, by name, a negative or NaN learning rate, weight decay, loss weight or warm-up
     (:data:`NON_NEGATIVE`), ``min_lr_ratio`` outside [0, 1], a negative ``grad_clip``: checked when the
-    module is built, not at the first optimizer step (where torch raised, after set-up)."""
+    module is built, not at the first optimizer step."""
     for name in (*NON_NEGATIVE, "min_lr_ratio"):  # a config file's null reaches here (jsonargparse allows it)
         if isinstance(hparams[name], bool) or not isinstance(hparams[name], numbers.Real):
             raise ValueError(f"{name} must be a number, got {hparams[name]!r}")

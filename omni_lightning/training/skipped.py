@@ -2,9 +2,8 @@
 
 With ``on_bad_input="skip"`` the data module keeps a bad request (missing or unreadable audio, NaN
 samples, a manifest line without audio) out of its batch and lists it under the batch's ``errors``.
-Predict writes those to its manifest; fit, validate and test had nothing to write to and dropped them
-without a word. This warns once per run and request. Not done: a summary at the end of the run (the
-warnings are the record, one line each).
+Predict writes those to its manifest; fit, validate and test have no manifest, so this warns once
+per run and request. Not done: a summary at the end of the run.
 """
 
 from __future__ import annotations

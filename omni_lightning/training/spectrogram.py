@@ -1,9 +1,7 @@
 """Multi-resolution magnitude spectrograms of a right-padded batch, each item as if cut to its own length.
 
-The spectral losses once cut every item to its length and took its spectrograms alone: one STFT per
-item and resolution, and a host sync per item to read its length. Here one STFT per resolution
-covers the predictions of the whole batch, and one its targets (no graph: they get no gradient), with
-the same frames:
+One STFT per resolution covers the predictions of the whole batch, and one its targets (no graph:
+they get no gradient), with the frames each item would have if cut to its length alone:
 
 - ``torch.stft(center=True)`` pads a signal by reflection at both ends of the tensor; in a padded
   batch a short item would run into its padding instead. :func:`reflect_at_lengths` builds, with one
@@ -13,10 +11,9 @@ the same frames:
 - Each item keeps the frames its cut has (``1 + length // hop``): :class:`Spectrum` carries that
   mask, and the losses average over those frames only.
 
-What changes against the per-item cut: float rounding only (one batched FFT instead of one per item,
-sums in another order); ``tests/test_losses.py`` states the tolerance. Not the same: an item shorter
-than half the longest window (1,025 samples, 43 ms at 24 kHz) is reflected once and then held at its
-edge samples, where the per-item cut raised an error (``torch.stft`` cannot reflect-pad it).
+Against a per-item cut only float rounding differs (``tests/test_losses.py`` states the tolerance),
+except for an item shorter than half the longest window: it is reflected once and then held at its
+edge samples, where ``torch.stft`` on the cut item raises.
 Everything here runs in fp32 with autocast off: log-magnitudes of quiet bins need the precision.
 """
 
