@@ -20,6 +20,12 @@ def tiny_model() -> Code2Wav:
     return random_model("tiny")
 
 
+@pytest.fixture(scope="module")
+def model() -> Code2Wav:
+    """A tiny model with random weights, one per test module."""
+    return random_model("tiny", seed=6)
+
+
 @pytest.fixture
 def no_tf32():
     """Turns TF32 off in cuDNN and cuBLAS for the test, so fp32 means fp32, then restores both flags.

@@ -16,13 +16,18 @@ from omni_lightning import (
     Code2Wav,
     Code2WavConfig,
     Code2WavModule,
+    CodesDataModule,
     CodesDataset,
     OmniModelRunnerOutput,
+    Trainer,
+    WaveformWriter,
     collate_codes,
     randomize_weights,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
+TINY = Code2WavConfig.from_name("tiny")
+PCM16 = 1.5 / 2**15  # PCM_16 rounding
 
 # Small enough for many forwards in a test, with the real 1920x geometry.
 MICRO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
@@ -155,3 +160,35 @@ class SigtermInLastBatch(Callback):
     def on_predict_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if trainer.predict_loop.batch_progress.is_last_batch:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+def predict_to(out, source, model, **data_kw):
+    writer = WaveformWriter(out)
+    data = CodesDataModule(predict=source if isinstance(source, dict) else str(source), skip_done=out, **data_kw)
+    Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), datamodule=data,
+                                                          return_predictions=False)  # fmt: skip
+    return writer
+
+
+def rows(out):
+    return {r["id"]: r for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+
+
+def assert_wav(out, row, codes, model):
+    import soundfile as sf
+
+    data, sr = sf.read(out / row["path"], dtype="float32")
+    with torch.inference_mode():
+        want = model(torch.as_tensor(np.asarray(codes, dtype=np.int64))[None])[0, 0].numpy()
+    assert sr == 24000 and data.shape == want.shape and np.abs(data - want).max() <= PCM16
+
+
+def write_manifest(folder, items):
+    """items: [(id, codes array)]; one .npy per line, named by position."""
+    (folder / "codes").mkdir(parents=True)
+    lines = []
+    for i, (req_id, codes) in enumerate(items):
+        np.save(folder / "codes" / f"{i}.npy", codes)
+        lines.append(json.dumps({"id": req_id, "codes": f"codes/{i}.npy"}))
+    (folder / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "manifest.jsonl"

@@ -1,5 +1,8 @@
 """Code2Wav against transformers' Qwen3OmniMoeCode2Wav, and the decode contracts."""
 
+import os
+import stat
+
 import pytest
 import torch
 from conftest import micro_config, random_codes, random_model, reference_model
@@ -171,3 +174,11 @@ def test_from_hf_reads_standalone_and_full_configs(tmp_path):
 def test_model_built_from_name(tiny_model):
     assert isinstance(Code2Wav("tiny"), Code2Wav)
     assert tiny_model.sample_rate == 24000
+
+
+def test_saved_checkpoint_files_get_the_mode_open_gives(tmp_path, tiny_model):
+    umask = os.umask(0o022)
+    os.umask(umask)
+    tiny_model.save_pretrained(tmp_path / "c2w")
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / "c2w" / name).st_mode) == 0o666 & ~umask
