@@ -3,14 +3,19 @@
 ``--key value`` options, applied in the order given, the later one winning. ``preflight.py`` checks
 what this reads.
 
-What it does not do: validate types or keys against the classes (the parser does, once Lightning
-loads), read environment variables, or apply ``+=`` appends (the parser's to apply).
+:func:`unknown_option` names an option no class takes (with the closest one) from the classes' source,
+read with ``ast``, not imported. What it does not do: validate types or values (the parser does, once
+Lightning loads), judge keys below ``group.name`` (``--trainer.logger.init_args.save_dir``), read
+environment variables, or apply ``+=`` appends (the parser's to apply).
 """
 
 from __future__ import annotations
 
+import ast
 import copy
 import difflib
+import functools
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,3 +154,89 @@ def read_arguments(argv: list[str], subcommands: tuple[str, ...]) -> Arguments:
         merge(args.files, section)
     args.given = apply_arguments(argv[sub_at + 1 :], args.values, args.files, args.valueless)
     return args
+
+
+# the command line's own options (cli.py, lightning_cli.py) and LightningCLI's
+TOP_LEVEL = ("config", "print_config", "seed_everything", "out_dir", "format", "subtype", "timings", "debug", "help")
+# each subcommand's Trainer method arguments the parser adds (LightningCLI skips model, data and loaders)
+METHOD_ARGS = {"fit": ("ckpt_path", "weights_only"), "validate": ("ckpt_path", "verbose", "weights_only"),
+               "test": ("ckpt_path", "verbose", "weights_only"),
+               "predict": ("return_predictions", "ckpt_path", "weights_only")}  # fmt: skip
+# what jsonargparse takes under any class group besides its init arguments
+GROUP_KEYS = ("help", "class_path", "init_args", "dict_kwargs")
+GROUP_SOURCES = {  # group -> (package-relative source file, class) whose __init__ arguments it takes
+    "trainer": [("omni_lightning", "trainer.py", "Trainer"), ("lightning", "pytorch/trainer/trainer.py", "Trainer")],
+    "model": [("omni_lightning", "module.py", "Code2WavModule")],
+    "data": [("omni_lightning", "data/datamodule.py", "CodesDataModule")],
+}
+
+
+def _init_arguments(package: str, relative: str, cls: str) -> set[str] | None:
+    """The keyword arguments of ``cls.__init__`` in ``package``'s source file, read without importing
+    it; None when any may be given (``**kwargs`` alone) or the source cannot be read."""
+    spec = importlib.util.find_spec(package)  # a top-level package: found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / relative).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                    args = item.args
+                    names = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs]} - {"self"}
+                    return None if args.kwarg is not None and not names else names
+    return None
+
+
+@functools.cache
+def group_options(group: str) -> frozenset[str] | None:
+    """The init arguments a class group takes (``trainer``: ours and ``lightning.Trainer``'s); None:
+    unknown here (the parser judges)."""
+    found: set[str] = set()
+    for source in GROUP_SOURCES[group]:
+        names = _init_arguments(*source)
+        if names is None:
+            return None
+        found |= names
+    return frozenset(found)
+
+
+def unknown_option(sub: str, key: str, config: bool = False) -> str | None:
+    """The message for an option ``key`` (dotted, no dashes; ``config``: a config file's key) that
+    ``omni-lightning sub`` does not take, naming the closest known one; None when it is known, or below
+    ``group.name`` (the parser judges those)."""
+    key = key.rstrip("+")  # an append (--trainer.callbacks+=...)
+    parts = key.split(".")
+    top = {*TOP_LEVEL, *METHOD_ARGS.get(sub, ()), *GROUP_SOURCES}
+    if parts[0] in GROUP_SOURCES:
+        names = group_options(parts[0])
+        if len(parts) == 1 or names is None or parts[1] in names or parts[1] in GROUP_KEYS:
+            return None
+    elif parts[0] in top and len(parts) == 1:
+        return None
+    known = sorted(top | {f"{g}.{n}" for g in GROUP_SOURCES for n in group_options(g) or ()})
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    if not close and "." in key:  # a misspelled group: the same name under the closest group
+        close = difflib.get_close_matches(parts[-1], known, n=1, cutoff=0.8)
+    dash = "" if config else "--"
+    hint = f": did you mean {dash}{close[0]}?" if close else ""
+    what = f"config key {key}" if config else f"--{key}"
+    return f"{what} is not an option of omni-lightning {sub}{hint} (omni-lightning {sub} --help lists them)"
+
+
+def first_unknown(args: Arguments) -> str | None:
+    """The message for the first option, then config file key, that :func:`unknown_option` refuses."""
+    for key in args.given:
+        problem = unknown_option(args.sub, key)
+        if problem:
+            return problem
+    for key, value in args.files.items():
+        keys = [f"{key}.{k}" for k in value] if key in GROUP_SOURCES and isinstance(value, dict) else [key]
+        for dotted in keys:
+            problem = unknown_option(args.sub, dotted, config=True)
+            if problem:
+                return problem
+    return None

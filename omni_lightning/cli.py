@@ -1,20 +1,12 @@
 """``omni-lightning``: LightningCLI (fit / validate / test / predict) over Code2WavModule and
-CodesDataModule with omni_lightning's Trainer, plus ``demo``.
+CodesDataModule with omni_lightning's Trainer, plus ``demo``. ``omni-lightning --help`` (``console.HELP``,
+printed before torch loads) lists the subcommands, the options read here, examples and the exit statuses:
 
-    omni-lightning predict --config configs/predict.yaml --data.predict codes/ --out_dir wavs/
-    omni-lightning fit --config configs/finetune.yaml --data.train train.jsonl --data.val val.jsonl
-    omni-lightning validate --config configs/eval_wandb.yaml --data.val val.jsonl --model.checkpoint ckpt/
-    omni-lightning demo
-
-Exit status: 0 done (predict: every request has its file); 1 an unexpected error (a bug or a broken
-environment: the traceback is printed); 2 a usage error (raised as one: a bad argument, path, preset,
-config, output format, duplicate ids, no weights; one ``error:`` line); 3 predict finished but some
-requests failed (each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C; the
-batches already decoded are written first); 143 terminated (SIGTERM: stopped after the batch in
-progress, or the step in fit, the batches already decoded written). ``--debug`` (or OMNI_LIGHTNING_DEBUG=1) prints the
-traceback of usage errors too. ``--timings FILE`` writes the job's phase times (wall clock: process
-start, Lightning loaded, model and data built, first batch, last batch, writes drained, end) as JSON
-and prints them in one line.
+0 done (predict: every request has its file); 1 an unexpected error (a bug or a broken environment: the
+traceback is printed); 2 a usage error (one ``error:`` line); 3 predict finished but some requests failed
+(each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C); 143 terminated
+(SIGTERM: stopped after the batch in progress, or the step in fit). Interrupted or terminated, predict
+writes the batches already decoded first and says how many requests are saved.
 """
 
 from __future__ import annotations
@@ -29,11 +21,12 @@ import time
 import traceback
 from typing import Any
 
-from omni_lightning.console import compact_warnings, quiet_known_noise
+from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, quiet_known_noise, top_level_help
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
 TERMINATED = "error: terminated (SIGTERM)"  # predict wrote the batches it had decoded
+INTERRUPTED = "error: interrupted"
 
 
 def _is_usage_error(err: BaseException) -> bool:
@@ -78,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     interrupted, restore_handler = _catch_interrupt()
     terminated, restore_term = _catch_terminate()
     timings_ok = False  # --timings names a file that can be written
+    command = None  # the checked command line, once read
     try:
+        if _wants_top_level_help(argv):
+            print(top_level_help())
+            return EXIT_OK
         if timings_path:
             from omni_lightning.path_checks import check_timings
 
@@ -99,24 +96,26 @@ def main(argv: list[str] | None = None) -> int:
         command = check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
         timings["checked"] = time.time()
         done = finished_job(command)
+        if command is not None and command.other_format:
+            print(command.other_format, file=sys.stderr)
         if done is not None:
             print(f"predict: {done}")
             return EXIT_OK
         return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
         return EXIT_INTERRUPTED
     except SystemExit:
         if interrupted:  # Lightning turns Ctrl-C into exit(1) after its graceful shutdown
-            print("error: interrupted", file=sys.stderr)
+            print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
             return EXIT_INTERRUPTED
         if terminated:  # Lightning's loops stop after a batch with an exception that would exit 0
-            print(TERMINATED, file=sys.stderr)
+            print(TERMINATED + saved_so_far(command), file=sys.stderr)
             return EXIT_TERMINATED
         raise
     except Exception as err:
         if terminated or _workers_terminated(err):  # a stop sent to the process group: workers died of it first
-            print(TERMINATED, file=sys.stderr)
+            print(TERMINATED + saved_so_far(command), file=sys.stderr)
             return EXIT_TERMINATED
         if not _is_usage_error(err):
             traceback.print_exc()
@@ -140,6 +139,32 @@ def main(argv: list[str] | None = None) -> int:
             # the process exits next: its final garbage collection would walk every object torch and
             # Lightning made (1.5 s of a 2 s exit on a 2-core machine); nothing left needs collecting
             gc.freeze()
+
+
+def _wants_top_level_help(argv: list[str]) -> bool:
+    """``-h``/``--help`` with no subcommand before it: this command's own help, not a subcommand's."""
+    for arg in argv:
+        if arg in ("-h", "--help"):
+            return True
+        if arg in SUBCOMMAND_HELP:
+            return False
+    return False
+
+
+def saved_so_far(command: Any) -> str:
+    """For a predict stopped early: how many requests this run saved in ``--out_dir``, and how to resume."""
+    out_dir = command.values.get("out_dir") if command is not None and command.sub == "predict" else None
+    if not isinstance(out_dir, str) or not os.path.isdir(out_dir):
+        return ""
+    from omni_lightning.data.output_folder import Finished
+
+    finished, ids = Finished.read(out_dir), command.predict_ids
+    if ids is None:
+        return f"; what was decoded is saved in {out_dir}: the same command resumes the rest"
+    before = sum(i in command.finished for i in ids) if command.finished is not None else 0
+    done = sum(i in finished for i in ids)
+    return (f": {done - before} requests saved by this run in {out_dir} ({done} of {len(ids)} done); "
+            "the same command resumes the rest")  # fmt: skip
 
 
 def _catch_interrupt() -> tuple[list[bool], Any]:

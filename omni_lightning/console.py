@@ -28,3 +28,72 @@ def _drop_litlogger_tip(record: logging.LogRecord) -> bool:
 def compact_warnings() -> None:
     """Warnings as one ``warning: ...`` line, not Python's file:line plus source line."""
     warnings.formatwarning = lambda message, category, filename, lineno, line=None: f"warning: {message}\n"
+
+
+# one line each, for `omni-lightning --help` and each subcommand's own help
+SUBCOMMAND_HELP = {
+    "fit": "Fine-tunes Code2Wav on (codes, audio) pairs: --data.train, and --data.val to validate.",
+    "validate": "Evaluates a model on --data.val (mel distance, SI-SDR, SNR), logged to the configured logger.",
+    "test": "Evaluates a model on --data.test, as validate does.",
+    "predict": "Decodes code files to audio files in --out_dir; the same command again resumes an unfinished job.",
+    "demo": "Predicts, fine-tunes and evaluates on the tiny preset on the CPU (no downloads).",
+}
+# the header of each subcommand's own options (the Trainer method's arguments)
+METHOD_GROUP = {
+    "fit": "Resuming: the Lightning checkpoint a fit continues from",
+    "validate": "The Lightning checkpoint to evaluate, and whether the metrics are printed",
+    "test": "The Lightning checkpoint to evaluate, and whether the metrics are printed",
+    "predict": "The Lightning checkpoint to predict with, and whether predictions are returned",
+}
+
+
+def heading(doc: str | None) -> str | None:
+    """The first sentence of a docstring, markup and final period removed: a help group's header
+    (argparse ends it with a colon; jsonargparse takes the first line, which may stop mid-sentence)."""
+    if not doc:
+        return None
+    import inspect
+    import re
+
+    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    paragraph = re.sub(r":\w+:`~?([^`]+)`", r"\1", paragraph).replace("``", "")
+    return re.split(r"(?<=[.!?])\s+(?=[A-Z])", paragraph)[0].rstrip(":;,. ")
+
+
+DEFAULT_WORK_DIR = "omni_lightning_demo"  # the demo's
+HELP = """usage: omni-lightning [-h] [--version] [--debug] [--timings FILE] [-c CONFIG] <subcommand> [options]
+
+The Code2Wav stage of omni speech models (Qwen3-Omni) in PyTorch Lightning: batch inference to audio
+files, fine-tuning and evaluation.
+
+subcommands (omni-lightning <subcommand> --help lists its options):
+{subcommands}
+
+options:
+  -h, --help          show this help and exit
+  --version           print the version and exit
+  --debug             print the traceback of usage errors too (also: OMNI_LIGHTNING_DEBUG=1)
+  --timings FILE      write the job's phase times (process start, Lightning loaded, model and data built,
+                      first batch, last batch, end) to FILE as JSON, and print them in one line
+  -c, --config CONFIG a YAML file with a section per subcommand (after the subcommand: that job's options;
+                      configs/ has one for each job)
+
+examples:
+  omni-lightning predict --data.predict codes/ --out_dir wavs/ --model.checkpoint <HF folder>
+  omni-lightning predict --data.predict codes/ --out_dir wavs/ --model.config tiny --model.random_weights true
+  omni-lightning fit --config configs/finetune.yaml --data.train train.jsonl --data.val val.jsonl
+  omni-lightning validate --config configs/eval_wandb.yaml --data.val val.jsonl --model.checkpoint ckpt/
+  omni-lightning demo
+
+exit status: 0 done; 1 a bug or a broken environment (traceback printed); 2 a usage error (one error: line);
+3 predict finished but some requests failed (listed in <out_dir>/manifest.jsonl); 130 interrupted (Ctrl-C);
+143 terminated (SIGTERM). Interrupted or terminated, predict first writes what it decoded, and the same
+command resumes it.
+"""
+
+
+def top_level_help() -> str:
+    """``omni-lightning --help``: every subcommand (demo too), the options read here, examples, exit statuses."""
+    lines = [f"  {name:<10}{text}" for name, text in SUBCOMMAND_HELP.items()]
+    lines[-1] += f" Work folder: ./{DEFAULT_WORK_DIR}/"
+    return HELP.format(subcommands="\n".join(lines)).rstrip()

@@ -23,6 +23,8 @@ import shutil
 import time
 from pathlib import Path
 
+from omni_lightning.console import DEFAULT_WORK_DIR
+
 MARKER = ".omni_lightning_demo"
 OUTPUTS = ("data", "wavs_before", "wavs_after", "runs")
 
@@ -59,7 +61,7 @@ def prepare_work_dir(work: Path) -> bool:
 
 
 def run_demo(
-    work_dir: str | Path = "omni_lightning_demo", n_requests: int = 12, fit_steps: int = 40, threads: int = 1
+    work_dir: str | Path = DEFAULT_WORK_DIR, n_requests: int = 12, fit_steps: int = 40, threads: int = 1
 ) -> dict:
     """Runs the four steps; ``threads``: torch's intra-op threads while it runs (restored after).
 
@@ -152,7 +154,11 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="omni-lightning demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--work-dir", default="omni_lightning_demo")
+    parser.add_argument(
+        "--work-dir",
+        default=DEFAULT_WORK_DIR,
+        help="the folder the demo writes to, made if missing (default: ./%(default)s)",
+    )
     parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1)")
     parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1)")
     parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1)")

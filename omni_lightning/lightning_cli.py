@@ -23,6 +23,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
+from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, heading
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
@@ -75,12 +76,44 @@ class OmniCLI(LightningCLI):
             self.timings[name] = time.time()
 
     def add_arguments_to_parser(self, parser: Any) -> None:
-        parser.add_argument("--out_dir", type=str | None, default=None, help="predict: audio files + manifest.jsonl")
+        parser.add_argument(
+            "--out_dir",
+            type=str | None,
+            default=None,
+            help="predict: the folder the audio files and manifest.jsonl go to (created if missing)",
+        )
         parser.add_argument("--format", type=Literal[tuple(FORMATS)], default="wav", help="predict: wav or flac")
         parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16",
                             help="predict: sample format (FLAC: PCM_16 or PCM_24)")  # fmt: skip
+        # read by omni_lightning.cli before this parser runs: listed here so that --help shows them
+        parser.add_argument(
+            "--timings",
+            type=str | None,
+            default=None,
+            help="write the job's phase times (process start to end) to this JSON file",
+        )
+        parser.add_argument("--debug", type=bool, default=False, help="print the traceback of usage errors too")
         # CodesDataModule splits requests across DDP ranks itself (by length; a rank may get none)
         parser.set_defaults({"trainer.use_distributed_sampler": False})
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        """Each subcommand's parser, with whole-sentence group headers; predict logs nowhere by default
+        (it writes audio files: a logger would only add a lightning_logs/ folder per run)."""
+        kwargs["description"] = SUBCOMMAND_HELP.get(subcommand, kwargs.get("description"))
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        for name, cls in (("trainer", Trainer), ("model", self._model_class), ("data", self._datamodule_class)):
+            if name in parser.groups and heading(getattr(cls, "__doc__", None)):
+                parser.groups[name].title = heading(cls.__doc__)
+        if subcommand in parser.groups and subcommand in METHOD_GROUP:
+            parser.groups[subcommand].title = METHOD_GROUP[subcommand]
+        if subcommand == "predict":
+            parser.set_defaults({"trainer.logger": False})
+        return parser
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        for choice in parser._subcommands_action._choices_actions:  # the list under `omni-lightning --help`
+            choice.help = SUBCOMMAND_HELP.get(choice.dest, choice.help)
 
     def before_instantiate_classes(self) -> None:
         self._mark("parsed")
@@ -242,6 +275,8 @@ def run_lightning_cli(
         args=argv,
         save_config_callback=SaveConfigWithLogger,
         save_config_kwargs={"overwrite": True},
+        seed_everything_default=0,  # seeded once, quietly (True logs "No seed found" and then the seed)
+        auto_configure_optimizers=False,  # the module configures its own (an --optimizer would replace them)
         parser_class=OneLineErrorParser,
         parser_kwargs={
             "prog": "omni-lightning",

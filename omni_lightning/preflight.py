@@ -23,10 +23,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.arguments import is_set, read_arguments
+from omni_lightning.arguments import first_unknown, is_set, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
-from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files, summary_line
+from omni_lightning.data.output_folder import (
+    Finished,
+    check_format,
+    check_names,
+    other_format_line,
+    remove_temp_files,
+    summary_line,
+)
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
@@ -57,6 +64,7 @@ class CommandLine:
     unread: list[Path] = field(default_factory=list)
     finished: Finished | None = None  # --out_dir's finished requests, as finished_job read them
     unchecked: list[str] = field(default_factory=list)  # options only the parser can check
+    other_format: str | None = None  # a warning: requests finished in --out_dir in another format
 
 
 def check_command_line(argv: list[str]) -> CommandLine | None:
@@ -65,6 +73,9 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
     args = read_arguments(argv, SUBCOMMANDS)
+    unknown_key = first_unknown(args)  # before any other check: a misspelled option is named as such
+    if unknown_key:
+        raise UsageError(unknown_key)
     command = _check(args.sub, args.values)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
     # these checks read), so a misspelled key, an appended list (+=) or an option without its value goes
@@ -200,14 +211,16 @@ def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any
 
 def finished_job(command: CommandLine | None) -> str | None:
     """The summary line of a predict job with nothing left to do (every request finished in
-    ``--out_dir``), or None. The folder is tidied as a run's start would tidy it."""
-    if command is None or command.sub != "predict" or command.predict_ids is None or command.unchecked:
+    ``--out_dir``), or None. The folder is tidied as a run's start would tidy it. Sets the command's
+    ``finished`` (the folder as read) and ``other_format`` (a warning line, or None)."""
+    if command is None or command.sub != "predict" or command.predict_ids is None:
         return None
     out_dir = command.values.get("out_dir")
     if not isinstance(out_dir, str) or not Path(out_dir).is_dir():
         return None
     finished = command.finished = Finished.read(out_dir)
-    if any(req_id not in finished for req_id in command.predict_ids):
+    command.other_format = other_format_line(finished, command.predict_ids, str(command.values.get("format") or "wav"))
+    if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)
         remove_temp_files(finished.out_dir)
@@ -225,5 +238,3 @@ def check_preset(value: str) -> None:
             f"--model.config {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, "
             "or load weights with --model.checkpoint <folder>"
         )
-
-

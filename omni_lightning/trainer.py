@@ -5,34 +5,50 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar
 
+from omni_lightning.callbacks.progress import AudioProgressBar, PredictStartLine
 from omni_lightning.runner.loop import OmniPredictionLoop
 
 
 class Trainer(pl.Trainer):
-    """A ``lightning.Trainer`` whose ``predict`` runs :class:`OmniPredictionLoop`.
+    """A Lightning Trainer whose predict runs the omni_lightning decode loop.
 
     Every argument of ``lightning.Trainer`` means what it means there (``inference_mode`` included);
     a ``predict_step`` that does not return ``MultimodalOutputs`` runs exactly as on a stock trainer.
+    Besides the loop it installs, unless given, an ``AudioProgressBar`` (predict counts audio seconds;
+    none with ``enable_progress_bar=False``) and a ``PredictStartLine`` (one line before predict's first
+    batch saying what runs). It does not change Lightning's logger or checkpointing defaults.
 
-    ``gpu_memory_utilization``: the fraction of the GPU this process may allocate during predict
-    (vLLM's knob; applied with ``torch.cuda.set_per_process_memory_fraction`` when predict starts, the
-    process's earlier share put back when it ends). None: no cap.
-    ``async_d2h``: add an ``AsyncD2HCallback`` unless one is given (it only acts on CUDA); without it
-    every step blocks on its device-to-host copy (docs/performance.md).
+    Args:
+        gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1];
+            None: no cap.
+        async_d2h: Overlap each predict step's device-to-host copy with the next step (CUDA only).
     """
 
     def __init__(
         self, *args: Any, gpu_memory_utilization: float | None = None, async_d2h: bool = True, **kwargs: Any
     ) -> None:
-        if async_d2h:
-            from omni_lightning.callbacks.async_d2h import AsyncD2HCallback
-
-            callbacks = kwargs.get("callbacks") or []
-            callbacks = list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
-            if not any(isinstance(cb, AsyncD2HCallback) for cb in callbacks):
-                callbacks.append(AsyncD2HCallback())
-            kwargs["callbacks"] = callbacks
+        kwargs["callbacks"] = _with_defaults(kwargs, async_d2h)
         super().__init__(*args, **kwargs)
         # the loop takes the trainer's inference_mode from the stock loop it replaces
         self.predict_loop = OmniPredictionLoop(self, gpu_memory_utilization=gpu_memory_utilization)
+
+
+def _with_defaults(kwargs: dict[str, Any], async_d2h: bool) -> list[Any]:
+    """The trainer's callbacks plus the default ones the class docstring lists (a function of its own:
+    jsonargparse reads ``__init__``'s body, and would list the keys read here as more options)."""
+    given = kwargs.get("callbacks") or []
+    callbacks = list(given) if isinstance(given, (list, tuple)) else [given]
+    if async_d2h:
+        from omni_lightning.callbacks.async_d2h import AsyncD2HCallback
+
+        if not any(isinstance(cb, AsyncD2HCallback) for cb in callbacks):
+            callbacks.append(AsyncD2HCallback())
+    # Lightning's default (a rich bar) counts batches, and shows "Epoch 4/-2" for a fit bounded by steps
+    wants_bar = kwargs.get("enable_progress_bar", not kwargs.get("barebones")) is not False
+    if wants_bar and not any(isinstance(cb, ProgressBar) for cb in callbacks):
+        callbacks.append(AudioProgressBar())
+    if not any(isinstance(cb, PredictStartLine) for cb in callbacks):
+        callbacks.append(PredictStartLine())
+    return callbacks

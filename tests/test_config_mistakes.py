@@ -59,8 +59,13 @@ def test_a_rerun_with_nothing_left_to_do_leaves_unknown_options_to_the_parser(tm
     assert finished_job(check_command_line(base)) is not None  # options the checks read, or a config sets
     for known in (["--trainer.precision", "bf16-true"], ["--trainer.strategy", "ddp", "--trainer.devices", "4"]):
         assert finished_job(check_command_line([*base, *known])) is not None, known  # a multi-GPU rerun too
-    for extra in (["--data.predcit", "x"], ["--data.predict+=more.jsonl"], ["--trainer.max_epoch", "3"]):
+    for extra in (["--data.predict+=more.jsonl"], ["--trainer.logger.init_args.save_dir", "x"]):
         assert finished_job(check_command_line([*base, *extra])) is None, extra  # the parser judges these
+    for typo, known in (("--data.predcit", "--data.predict"), ("--trainer.max_epoch", "--trainer.max_epochs")):
+        with pytest.raises(
+            UsageError, match=f"{typo} is not an option of omni-lightning predict: did you mean {known}?"
+        ):
+            check_command_line([*base, typo, "3"])  # named as unknown, not judged as a finished job
 
 
 def test_seeds_class_paths_and_environment_values(tmp_path, monkeypatch):

@@ -6,14 +6,23 @@ produce (known before decoding from each request's frame count), its position th
 far, so its rate is audio seconds per second and its ETA holds on sorted batches; the postfix counts
 requests (bad requests count as done; they produce no audio). Dataloaders whose dataset has no
 ``lengths`` fall back to Lightning's batch count.
+
+:class:`PredictStartLine` prints, before a predict's first batch, one line saying what runs: the model
+and its size, the weights, the device and precision, the memory cap and frame budget, and the job
+(requests and audio seconds to decode, requests already done). ``omni_lightning.Trainer`` installs both.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+# Code2Wav models past this size decode far slower than real time on a CPU
+LARGE_ON_CPU = 50_000_000
 
 
 class AudioProgressBar(TQDMProgressBar):
@@ -24,6 +33,22 @@ class AudioProgressBar(TQDMProgressBar):
         self._audio = False  # the current dataloader is counted in audio seconds
         self._done_s, self._total_s = 0.0, 0.0
         self._done_reqs, self._total_reqs = 0, 0
+
+    def init_validation_tqdm(self) -> Tqdm:
+        """Lightning's validation bar, on the main bar's line where stdout is not a terminal: a bar on a
+        line of its own moves the cursor with ANSI codes, which a log file would keep."""
+        if sys.stdout.isatty():
+            return super().init_validation_tqdm()
+        has_main_bar = self.trainer.state.fn != "validate"
+        return Tqdm(
+            desc=self.validation_description,
+            position=2 * self.process_position,
+            disable=self.is_disabled,
+            leave=not has_main_bar,
+            dynamic_ncols=True,
+            file=sys.stdout,
+            bar_format=self.BAR_FORMAT,
+        )
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dataloader_idx: int) -> bool:
         """Total audio seconds and requests of this rank's share of the dataloader, when known."""
@@ -65,3 +90,62 @@ class AudioProgressBar(TQDMProgressBar):
             bar.n = min(round(self._done_s, 1), bar.total)
             bar.set_postfix({"requests": f"{self._done_reqs}/{self._total_reqs}"}, refresh=False)
             bar.refresh()
+
+
+class PredictStartLine(Callback):
+    """Prints the line the module docstring describes once per ``predict`` (rank 0), after the model
+    is on its device and its decode engine is built, before the first batch; plus one ``warning:``
+    line for a large model on the CPU. Prints nothing for a module without a Code2Wav ``config``."""
+
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        config = getattr(pl_module, "config", None)
+        if not trainer.is_global_zero or config is None or not hasattr(config, "output_length"):
+            return
+        from tqdm import tqdm  # prints above a progress bar, not through it
+
+        params = sum(p.numel() for p in getattr(pl_module, "model", pl_module).parameters())
+        for line in start_lines(trainer, pl_module, config, params):
+            tqdm.write(line)
+
+
+def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -> list[str]:
+    """The start-up line, and a warning line for a large model on the CPU."""
+    hparams = getattr(pl_module, "hparams", {})
+    checkpoint, ckpt_path = hparams.get("checkpoint"), getattr(trainer, "ckpt_path", None)
+    model = f"checkpoint {checkpoint}" if checkpoint else f"{config.name} preset"
+    if ckpt_path or checkpoint:
+        weights = f"weights from {ckpt_path or checkpoint}"
+    else:
+        weights = "random weights" if hparams.get("random_weights") else "the module's own weights (no checkpoint)"
+    device = trainer.strategy.root_device
+    cap = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
+    memory = f"memory cap {cap:.0%} of the GPU" if cap is not None else "no memory cap"
+    engine = getattr(pl_module, "engine", None)
+    frames = getattr(engine, "frames_per_forward", None) or getattr(pl_module, "frames_per_forward", None)
+    budget = f"{frames} frames per forward" if frames else "frames per forward from the memory budget"
+    requests, audio_s = _job(trainer, config)
+    plan = getattr(getattr(trainer, "datamodule", None), "predict_plan", None)
+    done = f", {plan.skipped} already done" if plan is not None and hasattr(plan, "skipped") else ""
+    ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
+    lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {device.type} {trainer.precision}; "
+             f"{memory}, {budget}; {requests} requests to decode ({audio_s:.1f} s of audio){ranks}{done}"]  # fmt: skip
+    if device.type == "cpu" and params > LARGE_ON_CPU:
+        size = f"{params / 1e6:.0f} M parameters"
+        lines.append(f"warning: the {config.name} model ({size}) on the CPU is slow: the bar's time left, measured "
+                     "from the first batches, says how slow; a GPU (--trainer.accelerator gpu) is faster, "
+                     "--model.config tiny a quick try")  # fmt: skip
+    return lines
+
+
+def _job(trainer: pl.Trainer, config: Any) -> tuple[int, float]:
+    """Requests and audio seconds in the predict dataloaders' datasets (every rank's, not only this one's)."""
+    loaders = trainer.predict_dataloaders
+    requests, samples = 0, 0
+    for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+        dataset = getattr(loader, "dataset", None)
+        lengths = getattr(dataset, "lengths", None)
+        if dataset is None or lengths is None:
+            continue
+        requests += len(dataset)
+        samples += sum(config.output_length(n) for n in lengths if n)
+    return requests, samples / config.sample_rate

@@ -114,8 +114,12 @@ def fsync_write(path: Path, text: str, mode: str = "a") -> None:
 
 def _names_a_file(out_dir: Path, name: Any) -> bool:
     # a plain name inside the folder: a hand-edited line cannot point elsewhere
-    return isinstance(name, str) and "/" not in name and "\\" not in name and not name.startswith(".") and (
-        (out_dir / name).is_file()
+    return (
+        isinstance(name, str)
+        and "/" not in name
+        and "\\" not in name
+        and not name.startswith(".")
+        and ((out_dir / name).is_file())
     )
 
 
@@ -156,6 +160,18 @@ class Finished:
         """File stem (casefolded with ``fold``) -> the finished id written there."""
         stems = {row["id"]: Path(row["path"]).stem for row in self.rows.values()}
         return {(s.casefold() if fold else s): req_id for req_id, s in stems.items()}
+
+    def in_other_format(self, req_ids: Iterable[str], audio_format: str) -> dict[str, int]:
+        """Of ``req_ids``, how many are finished in a format other than ``audio_format``, by format.
+        They still count as finished: a rerun does not decode them again in the new format."""
+        counts: dict[str, int] = {}
+        for req_id in req_ids:
+            row = self.rows.get(req_id)
+            if row is not None:
+                written = str(row.get("format") or Path(row["path"]).suffix.lstrip("."))
+                if written != audio_format:
+                    counts[written] = counts.get(written, 0) + 1
+        return counts
 
     def compact(self) -> None:
         """Rewrites ``manifest.jsonl`` as these lines only (errors and torn lines dropped, so failed
@@ -236,6 +252,17 @@ class PredictPlan:
     @property
     def skipped(self) -> int:
         return len(self.ids) - len(self.pending)
+
+
+def other_format_line(finished: Finished, req_ids: Iterable[str], audio_format: str) -> str | None:
+    """One ``warning:`` line for requests finished in another format than ``--format`` (they are not
+    decoded again), saying what to do; None when there are none."""
+    counts = finished.in_other_format(req_ids, audio_format)
+    if not counts:
+        return None
+    return (f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
+            f"{' and '.join(sorted(counts))}, not {audio_format}: they count as done and are not decoded again; "
+            f"give another --out_dir to have every request as {audio_format}")  # fmt: skip
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
