@@ -36,13 +36,15 @@ def run_page(page: Path, folder: Path) -> dict:
     """Runs a page's python blocks in order in ``folder``; the first failure ends the page."""
     namespace: dict = {"__name__": "__main__"}
     os.chdir(folder)
-    start = time.perf_counter()
+    seconds = {}
     for line, code in blocks(page, "python"):
+        start = time.perf_counter()
         try:
             exec(compile(code, f"{page.relative_to(ROOT)}:{line}", "exec"), namespace)
         except BaseException:  # noqa: BLE001 - reported to the parent, which fails the page
             return {"ok": False, "line": line, "error": traceback.format_exc(limit=-8)}
-    return {"ok": True, "seconds": round(time.perf_counter() - start, 2)}
+        seconds[line] = round(time.perf_counter() - start, 2)
+    return {"ok": True, "seconds": seconds}
 
 
 def _child(names: list[str]) -> None:
