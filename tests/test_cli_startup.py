@@ -1,0 +1,124 @@
+"""What a predict says as it starts and stops: the start-up line, the audio-seconds bar and quiet defaults
+without a config file, an interrupted job's count of what it saved, requests finished in another format."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+from conftest import random_codes
+from helpers import ROOT, trainer_kwargs
+
+from omni_lightning import Code2WavModule, CodesDataModule, Trainer
+from omni_lightning.callbacks.progress import AudioProgressBar, start_lines
+from omni_lightning.data.output_folder import file_name
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
+
+
+def code_folder(folder, lengths):
+    folder.mkdir(parents=True)
+    for i, n in enumerate(lengths):
+        np.save(folder / f"r{i:02d}.npy", random_codes(1, n, seed=i)[0].numpy().astype(np.uint16))
+    return folder
+
+
+def omni_lightning(*args, cwd, **kw):
+    """The command as a user runs it from ``cwd``: stdout a pipe (not a terminal), stderr with it."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *args], cwd=cwd, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)  # fmt: skip
+
+
+def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio_seconds(tmp_path):
+    code_folder(tmp_path / "codes", [9, 20, 33])
+    proc = omni_lightning("predict", "--data.predict", "codes/", "--out_dir", "wavs/", "--model.config", "tiny",
+                          "--model.random_weights", "true", "--trainer.accelerator", "cpu", cwd=tmp_path)  # fmt: skip
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0 and "3 requests written" in log, log
+    start = next(line for line in log.splitlines() if line.startswith("predict: tiny preset"))
+    for said in ("2.4 M parameters", "random weights", "cpu 32-true", "no memory cap", "frames per forward",
+                 "3 requests to decode (", "s of audio), 0 already done"):  # fmt: skip
+        assert said in start, start
+    assert log.index(start) < log.index("requests=3/3")  # said before the batches; the bar counts audio seconds
+    assert "s/s" in log and "<00:00" in log  # the bar's rate (audio seconds per second) and its time left
+    assert sorted(os.listdir(tmp_path)) == ["codes", "wavs"]  # no lightning_logs/: predict needs no logger
+    assert "tensorboardX" not in log and "No seed found" not in log and log.count("Seed set to") <= 1, log
+    assert "\x1b" not in log  # stdout is not a terminal: no ANSI codes
+
+
+def test_an_interrupted_predict_says_how_many_requests_it_saved_and_the_same_command_resumes(tmp_path):
+    code_folder(tmp_path / "codes", [30 + 5 * i for i in range(24)])
+    args = ["predict", "--data.predict", "codes", "--out_dir", "wavs", "--model.config", "tiny",
+            "--model.random_weights", "true", "--trainer.accelerator", "cpu", "--data.batch_size", "1"]  # fmt: skip
+    # Ctrl-C as in a terminal: SIGINT at its default, whatever this test process inherited
+    proc = omni_lightning(*args, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(lambda: proc.stdout.read(64), "")), daemon=True)
+    reader.start()
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and "requests=3/24" not in "".join(printed):
+        time.sleep(0.02)
+    assert proc.poll() is None, "the job ended before it could be interrupted:\n" + "".join(printed)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    reader.join(timeout=60)
+    log = "".join(printed)
+    saved = len((tmp_path / "wavs" / "manifest.jsonl").read_text().splitlines())
+    said = f"error: interrupted: {saved} requests saved by this run in wavs ({saved} of 24 done); the same command "
+    assert proc.returncode == 130 and 3 <= saved < 24 and said + "resumes the rest" in log, log
+
+    rerun = omni_lightning(*args, cwd=tmp_path)
+    log = rerun.communicate(timeout=300)[0]
+    assert rerun.returncode == 0 and f"{24 - saved} requests written" in log and f"{saved} already done" in log, log
+    assert f"{24 - saved} requests to decode (" in log and f", {saved} already done" in log  # the start-up line
+
+
+def test_requests_finished_in_another_format_are_reported_in_one_line(tmp_path, capsys):
+    from omni_lightning.cli import main
+
+    code_folder(tmp_path / "codes", [3, 4])
+    out = tmp_path / "wavs"
+    out.mkdir()
+    rows = [{"id": f"r{i:02d}", "path": file_name(f"r{i:02d}"), "format": "wav", "status": "ok"} for i in range(2)]
+    for row in rows:
+        (out / row["path"]).write_bytes(b"RIFF")
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    job = ["predict", "--data.predict", str(tmp_path / "codes"), "--out_dir", str(out), "--model.config", "tiny",
+           "--model.random_weights", "true"]  # fmt: skip
+    assert main([*job, "--format", "flac"]) == 0
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    assert line == (f"warning: 2 requests in {out} are already written as wav, not flac: they count as done and are "
+                    "not decoded again; give another --out_dir to have every request as flac")  # fmt: skip
+    assert main([*job, "--format", "wav"]) == 0 and capsys.readouterr().err == ""  # the same format: nothing said
+
+
+def test_the_trainers_default_bar_writes_no_ansi_codes_into_a_log(tmp_path, capsys):
+    """Lightning's default bar (rich) showed "Epoch 4/-2" for a fit bounded by steps; TQDM's validation bar
+    moves the cursor with ANSI codes, which a log file keeps."""
+    train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
+    kw = {**trainer_kwargs(max_steps=2, val_check_interval=1, num_sanity_val_steps=0), "enable_progress_bar": True}
+    trainer = Trainer(**kw)
+    assert isinstance(trainer.progress_bar_callback, AudioProgressBar)
+    data = CodesDataModule(train=str(train), val=str(train), batch_size=2, crop_frames=12)
+    trainer.fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
+    out = capsys.readouterr().out
+    assert "Validation" in out and "Epoch 1" in out and "\x1b" not in out and "/-" not in out, out
+
+
+def test_a_large_model_on_the_cpu_is_said_before_starting(tmp_path, capsys):
+    """Predict through the Python API prints the start-up line too; the warning's threshold is a parameter count."""
+    module = Code2WavModule(config="tiny", random_weights=True)
+    data = CodesDataModule(predict={"a": random_codes(1, 5)[0]}, batch_size=1)
+    trainer = Trainer(**trainer_kwargs())
+    trainer.predict(module, datamodule=data, return_predictions=False)
+    assert "predict: tiny preset, 2.4 M parameters, random weights; cpu 32-true" in capsys.readouterr().out
+    (line,) = start_lines(trainer, module, module.config, 2_400_000)
+    assert line.startswith("predict: tiny preset")
+    line, warning = start_lines(trainer, module, module.config, 1_500_000_000)
+    assert warning.startswith("warning: the tiny model (1500 M parameters) on the CPU is slow"), warning
