@@ -5,7 +5,8 @@ written from Lightning's documented predict behaviour, so a divergence of ours s
 the ``omni`` case only. The modules are BoringModel-sized and return anything but
 ``MultimodalOutputs``: this file is the pass-through side of the rule (tests/test_runner.py holds
 the runner side). ``test_private_lightning_points_keep_their_shape`` pins the private Lightning
-points OmniPredictionLoop relies on. ``OMNI_LIGHTNING_SLOW=1`` adds a ddp_spawn predict (slow).
+points OmniPredictionLoop relies on, and that its step makes the stock step's calls in order.
+``OMNI_LIGHTNING_SLOW=1`` adds a ddp_spawn predict (slow).
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import re
 import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
 from lightning.pytorch.profilers import AdvancedProfiler, SimpleProfiler
 from torch.utils.data import DataLoader
@@ -455,7 +456,6 @@ def test_exception_in_predict_step(make_trainer):
     with pytest.raises(ValueError, match="boom at batch 1") as err:
         trainer.predict(net, loader())
     assert log.exceptions == [err.value] and not log.ended
-    assert "predict_step" not in vars(trainer.strategy)  # nothing of the failed step is left behind
     assert trainer.interrupted and trainer.state.status == "interrupted"
     progress = trainer.predict_loop.batch_progress.current
     assert (progress.ready, progress.started, progress.processed, progress.completed) == (2, 2, 1, 1)
@@ -499,9 +499,16 @@ def test_batch_size_tuner_on_predict(make_trainer):
 # --- the private Lightning points OmniPredictionLoop relies on (lightning>=2.6,<2.7) -----------------------
 
 
+# what a predict step does, in order: hook calls, progress counters and the stock helpers it runs
+STEP_CALLS = re.compile(
+    r'_call_\w+\(\s*trainer, "\w+"|increment_\w+|_store_data_for_prediction_writer|_build_step_args_from_hook_kwargs'
+    r"|_build_kwargs|_warning_cache\.warn|convert_input|_on_before_batch_transfer|move_data_to_device"
+)
+
+
 def test_private_lightning_points_keep_their_shape():
     """Fails loudly when a Lightning upgrade moves what OmniPredictionLoop relies on (see its module
-    docstring): re-check the loop against the new ``_PredictionLoop`` before widening the pin."""
+    docstring): re-check its step against the new ``_PredictionLoop._predict_step`` before widening the pin."""
 
     def params(fn):
         return list(inspect.signature(fn).parameters)
@@ -510,12 +517,21 @@ def test_private_lightning_points_keep_their_shape():
     assert params(_PredictionLoop._predict_step) == ["self", "batch", "batch_idx", "dataloader_idx", "dataloader_iter"]
     for name in ("_on_before_fetch", "_on_after_fetch", "on_run_start", "on_run_end", "teardown"):
         assert params(getattr(_PredictionLoop, name)) == ["self"], name
-    # the stock step reaches predict_step through the strategy, looked up on it at call time
-    assert '_call_strategy_hook(trainer, "predict_step"' in inspect.getsource(_PredictionLoop._predict_step)
-    assert "getattr(trainer.strategy, hook_name)" in inspect.getsource(pl.trainer.call._call_strategy_hook)
+    # the step OmniPredictionLoop rewrites: the same calls in the same order as the stock one
+    stock, ours = _PredictionLoop._predict_step, OmniPredictionLoop._predict_step
+    assert STEP_CALLS.findall(inspect.getsource(stock)) == STEP_CALLS.findall(inspect.getsource(ours))
+    assert params(_PredictionLoop._build_kwargs) == ["self", "batch", "batch_idx", "dataloader_idx"]
+    assert params(_PredictionLoop._build_step_args_from_hook_kwargs) == ["self", "hook_kwargs", "step_hook_name"]
+    assert params(_PredictionLoop._store_data_for_prediction_writer) == ["self", "batch_idx", "dataloader_idx"]
+    assert params(pl.LightningModule._on_before_batch_transfer) == ["self", "batch", "dataloader_idx"]
+    for name in ("_call_strategy_hook", "_call_callback_hooks", "_call_lightning_module_hook"):
+        assert params(getattr(pl.trainer.call, name))[:3] == ["trainer", "hook_name", "args"], name
+    assert {"_predictions", "_return_predictions", "_warning_cache"} <= set(vars(pl.Trainer(**QUIET).predict_loop))
+    # stock hands the step no dataloader_iter unless the step takes one, and its hooks get the batch pulled last
+    assert "dataloader_iter = None" in inspect.getsource(inspect.getmodule(_PredictionLoop))
+    assert "batch = data_fetcher._batch" in inspect.getsource(stock)
     # the stock fetch action is named after the loop's class, the name OmniPredictionLoop keeps
     assert "[{type(self).__name__}].predict_next" in inspect.getsource(_PredictionLoop._on_before_fetch)
-    assert "_batch" in vars(_DataLoaderIterDataFetcher())
     assert pl.Trainer(**QUIET, inference_mode=False).predict_loop.inference_mode is False
 
 

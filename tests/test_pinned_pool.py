@@ -15,6 +15,7 @@ from host_copies import HostCopies
 
 from omni_lightning import Code2WavModule, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback, PinnedPool
+from omni_lightning.runner.output import runner_output
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,25 @@ def test_pool_random_sizes_never_hands_out_a_buffer_twice():
     assert pool.allocations <= 30  # reuse, not one allocation per acquire
     pool.close()
     assert pool.pinned_bytes == 0
+
+
+def test_a_runner_output_starts_waits_for_and_releases_its_own_copy():
+    copies, pool = HostCopies(), host_pool()
+    stream = copies.new_stream(torch.device("cpu"))
+    wavs = [torch.randn(1, 50), torch.randn(1, 30)]
+    out = runner_output({"req_ids": ["a", "b"]}, {"model_outputs": wavs, "sr": 24000})
+    assert out.start_host_copy(stream, pool, copies) and out.in_flight and pool.in_use == 1
+    assert not out.start_host_copy(stream, pool, copies)  # one copy per output
+    assert not copies.events[0].synchronized  # nothing waited for yet
+    payloads = out.finalize().pooler_output
+    assert copies.events[0].synchronized and not out.in_flight and out.multimodal_outputs is None
+    assert pool.in_use == 0  # the buffer is back: poison it as the next copy would
+    pool.acquire(1).fill_(0xFF)
+    assert all(torch.equal(p["model_outputs"], w) for p, w in zip(payloads, wavs))  # payloads own their storage
+    assert [p["sr"] for p in payloads] == [24000, 24000]
+    built = runner_output({"req_ids": ["c"]}, {"model_outputs": [torch.ones(1, 4)]}).finalize()
+    assert not built.start_host_copy(stream, pool, copies)  # already built: nothing to copy
+    assert not runner_output({"req_ids": ["d"]}, {"sr": 24000}).start_host_copy(stream, pool, copies)  # no tensor
 
 
 def run(model, d2h, reqs, batch_size=3, **kw):

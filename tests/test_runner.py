@@ -249,48 +249,101 @@ def test_bad_loop_configuration():
 
 
 def test_only_multimodal_outputs_get_runner_semantics(model):
-    """The rule: a ``MultimodalOutputs`` becomes an OmniModelRunnerOutput; a plain dict, even one shaped
-    like ours, or a tensor from the same module passes through as on a stock trainer."""
+    """The rule: a ``MultimodalOutputs`` becomes an OmniModelRunnerOutput with the batch's ids; a plain dict,
+    even one shaped like ours, or a tensor from the same module passes through as on a stock trainer."""
 
-    class PlainStep(Code2WavModule):
+    class Step(Code2WavModule):
         def __init__(self, kind, **kw):
             super().__init__(**kw)
             self.kind = kind
 
         def predict_step(self, batch, batch_idx):
-            out = super().predict_step(batch, batch_idx)
-            assert isinstance(out, MultimodalOutputs)
-            return dict(out) if self.kind == "dict" else out["model_outputs"][0]
+            assert "predict_step" not in vars(self.trainer.strategy)  # the strategy's own step, not a patch
+            out = {"model_outputs": self.decode_batch(batch), "sr": self.config.sample_rate}
+            if self.kind == "multimodal":
+                return MultimodalOutputs(out)
+            return out if self.kind == "dict" else out["model_outputs"][0]
 
-    (as_dict,) = Trainer(**trainer_kwargs()).predict(PlainStep("dict", model=model), loader(requests([3, 5]), 2))
+    reqs = requests([3, 5])
+    (runner,) = Trainer(**trainer_kwargs()).predict(Step("multimodal", model=model), loader(reqs, 2))
+    assert isinstance(runner, OmniModelRunnerOutput) and runner.req_ids == ["utt00", "utt01"]
+    with torch.inference_mode():
+        want = model(reqs["utt01"][None])[0]
+    assert (runner.pooler_output[1]["model_outputs"] - want).abs().max() <= 1e-5
+    (as_dict,) = Trainer(**trainer_kwargs()).predict(Step("dict", model=model), loader(reqs, 2))
     assert type(as_dict) is dict and as_dict["sr"] == 24000 and len(as_dict["model_outputs"]) == 2
-    (tensor,) = Trainer(**trainer_kwargs()).predict(PlainStep("tensor", model=model), loader(requests([3]), 2))
+    (tensor,) = Trainer(**trainer_kwargs()).predict(Step("tensor", model=model), loader(requests([3]), 2))
     assert isinstance(tensor, torch.Tensor) and tensor.shape == (1, model.output_length(3))
 
 
+class Embedder(pl.LightningModule):
+    """Any user's module: batches ``{"x": Float[B, 4], "req_ids", "errors"}``, one embedding row per request."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 2)
+
+    def predict_step(self, batch, batch_idx):
+        return MultimodalOutputs(emb=self.layer(batch["x"]), tag="v1")
+
+
+def test_a_users_module_gets_runner_outputs_with_the_ids_and_errors_of_its_step_batch():
+    rows = torch.arange(20.0).view(5, 4)
+    batches = [{"x": rows[:3], "req_ids": ["a", "b", "c"], "errors": {"bad": "no codes"}},
+               {"x": rows[3:], "req_ids": ["d", "e"]}]  # fmt: skip
+    net, writer = Embedder(), Collector("batch")
+    preds = Trainer(**trainer_kwargs(callbacks=[writer])).predict(net, DataLoader(batches, batch_size=None))
+    assert [p.req_ids for p in preds] == [["a", "b", "c"], ["d", "e"]]
+    assert [p.errors for p in preds] == [{"bad": "no codes"}, {}]
+    assert [ids for _, ids, _ in writer.batches] == [["a", "b", "c"], ["d", "e"]]  # the hooks saw runner outputs
+    with torch.no_grad():
+        want = net.layer(rows)
+    got = torch.stack([payload["emb"] for p in preds for payload in p.pooler_output])
+    assert torch.equal(got, want) and {payload["tag"] for p in preds for payload in p.pooler_output} == {"v1"}
+
+
 def test_dataloader_iter_step_with_multimodal_outputs(model):
-    """A ``predict_step(dataloader_iter)`` may return MultimodalOutputs: the ids are those of the batch it
-    pulled (the one Lightning's batch-end hooks receive)."""
+    """A ``predict_step(dataloader_iter)`` returning MultimodalOutputs gets the ids of the batch it pulled
+    last (the one Lightning's batch-end hooks receive)."""
 
     class IterStep(Code2WavModule):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self.steps, self.hook_batches = 0, []
+
         def predict_step(self, dataloader_iter):
-            batch, batch_idx, dataloader_idx = next(dataloader_iter)
+            self.steps += 1
+            pulled = [next(dataloader_iter) for _ in range(2 if self.steps == 1 else 1)]
+            assert dataloader_iter.length == 3  # Lightning's iterator's attributes stay readable
+            batch, batch_idx, dataloader_idx = pulled[-1]
             batch = self.on_before_batch_transfer(batch, dataloader_idx)
             return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
 
-    reqs = requests([4, 2, 6])
-    preds = Trainer(**trainer_kwargs()).predict(IterStep(model=model), loader(reqs, 2))
-    assert [out.req_ids for out in preds] == [["utt00", "utt01"], ["utt02"]]
+        def on_predict_batch_end(self, outputs, batch, batch_idx, dataloader_idx=0):
+            self.hook_batches.append((batch_idx, list(batch["req_ids"])))
+
+    reqs = requests([4, 2, 6, 3, 5])
+    module = IterStep(model=model)
+    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 2))
+    assert [out.req_ids for out in preds] == [["utt02", "utt03"], ["utt04"]]
+    assert module.hook_batches == [(1, ["utt02", "utt03"]), (2, ["utt04"])]
     with torch.inference_mode():
-        want = model(reqs["utt02"][None])[0]
+        want = model(reqs["utt04"][None])[0]
     assert torch.allclose(preds[1].pooler_output[0]["model_outputs"], want, atol=1e-5)
 
 
 def test_plain_tensor_batches_get_generated_ids(model):
-    codes = random_codes(2, 6, seed=9)
-    preds = Trainer(**trainer_kwargs()).predict(Code2WavModule(model=model), DataLoader([codes[0], codes[1]], 2))
-    assert preds[0].req_ids == ["0-0", "0-1"]
-    assert preds[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
+    """Ids ``"<batch_idx>-<i>"``, with the dataloader's index in front past the first dataloader."""
+    codes = random_codes(3, 6, seed=9)
+    dataloaders = [DataLoader([codes[0], codes[1]], 2), DataLoader([codes[2]], 1)]
+    module = Code2WavModule(model=model)
+    first, second = Trainer(**trainer_kwargs()).predict(module, dataloaders)
+    assert [out.req_ids for out in first + second] == [["0-0", "0-1"], ["1-0-0"]]
+    assert first[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
+    # called by hand, outside any trainer, the step returns the same runner output
+    out = module.predict_step({"codes": codes[:2], "req_ids": ["x", "y"]}).finalize()
+    assert out.req_ids == ["x", "y"] and torch.equal(out.pooler_output[0]["model_outputs"],
+                                                     first[0].pooler_output[0]["model_outputs"])  # fmt: skip
 
 
 @pytest.mark.parametrize(

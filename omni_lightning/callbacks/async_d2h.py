@@ -1,60 +1,29 @@
-"""``AsyncD2HCallback``: a step's outputs go to the host on a copy stream while the next step computes.
+"""``AsyncD2HCallback``: each predict step's runner output goes to the host on a copy stream while the
+next step computes (CUDA only).
 
-vLLM-Omni's ``OmniGenerationAsyncOutput`` in Lightning. After each predict step on CUDA the copy
-stream waits for the compute stream, copies every device tensor of the step's multimodal outputs
-into one pinned buffer from a reused pool (``non_blocking``), records an event and returns: the loop
-launches the next batch at once. The output is finalized (event waited, per-request payloads copied
-out of the buffer, buffer returned to the pool) only when consumed: at the next step's end, by a
-writer, or at epoch end. Without CUDA it does nothing and the loop's synchronous path runs.
+vLLM-Omni's ``OmniGenerationAsyncOutput`` in Lightning. The callback owns the resources: a copy stream
+per predict and pinned host buffers from a pool reused across predicts. At each batch end it asks the
+runner output to start its copy (``OmniModelRunnerOutput.start_host_copy``); the output finalizes itself
+when consumed (the loop at the next step's end or at epoch end, or a writer). Without CUDA it does
+nothing and outputs are built synchronously.
 
-The CUDA primitives (streams, events, the asynchronous copy, pinned allocation) sit behind
-:class:`CudaCopies`; anything with the same methods can replace it, which is how the tests run this
-file's pool and transfer logic through real Lightning trainers on a CPU.
+The CUDA primitives sit behind :class:`CudaCopies` (the ``Copies`` protocol of ``runner/output.py``);
+anything with the same methods replaces them, which is how the tests run the pool and the copies
+through real Lightning trainers on a CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from omni_lightning.runner.host_weights import pinned_bytes
-from omni_lightning.runner.output import OmniModelRunnerOutput
+from omni_lightning.runner.output import Copies, OmniModelRunnerOutput, Stream
 
-_ALIGN = 256  # bytes: every tensor in a buffer starts aligned for any dtype and for fast DMA
-
-
-class Event(Protocol):
-    """What a transfer needs of an event; ``torch.cuda.Event`` is one."""
-
-    def synchronize(self) -> None: ...
-
-
-class Stream(Protocol):
-    """What a transfer needs of a stream; ``torch.cuda.Stream`` is one."""
-
-    def wait_stream(self, stream: Any) -> None: ...
-
-    def record_event(self) -> Event: ...
-
-
-class Copies(Protocol):
-    """The device primitives behind the asynchronous copy (see :class:`CudaCopies`)."""
-
-    def new_stream(self, device: torch.device) -> Stream: ...
-
-    def current_stream(self, device: torch.device) -> Stream: ...
-
-    def is_device_tensor(self, t: torch.Tensor) -> bool: ...
-
-    def copy(self, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], stream: Stream) -> None:
-        """Enqueues ``dst.copy_(src)`` for each (dst, src) on ``stream`` and returns at once."""
-
-    def allocate(self, nbytes: int) -> torch.Tensor:
-        """A host byte buffer ``uint8[nbytes]`` the copies can target asynchronously."""
+__all__ = ["AsyncD2HCallback", "Copies", "CudaCopies", "PinnedPool", "shared_pool"]
 
 
 class CudaCopies:
@@ -75,14 +44,14 @@ class CudaCopies:
                 dst.copy_(src, non_blocking=True)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        return pinned_bytes(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
 
 class PinnedPool:
     """Pinned host byte buffers, reused: in steady state a step allocates no pinned memory.
 
-    Buffers are powers of two (at least ``min_bytes``), so a job of many output sizes still holds
-    few of them. ``allocate(nbytes)`` makes a buffer (pinned memory by default).
+    Buffers are powers of two (at least ``min_bytes``), so a job of many output sizes still holds few
+    of them. ``allocate(nbytes)`` makes a buffer (pinned memory by default). Not thread-safe.
     """
 
     def __init__(self, min_bytes: int = 1 << 20, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
@@ -90,7 +59,7 @@ class PinnedPool:
         self.allocate = allocate or CudaCopies().allocate
         self._free: list[torch.Tensor] = []
         self.open = True
-        self.allocations = 0  # pinned allocations made so far (tests and benchmarks read it)
+        self.allocations = 0  # buffers allocated so far (tests and benchmarks read it)
         self.in_use = 0
 
     def acquire(self, nbytes: int) -> torch.Tensor:
@@ -128,10 +97,8 @@ def shared_pool(min_bytes: int = 1 << 20) -> PinnedPool:
     """The process's pool of pinned buffers of at least ``min_bytes``, shared by every
     :class:`AsyncD2HCallback` on the real CUDA copies; a new one once it was closed.
 
-    One per process because a pinned allocation is slow and stops the device (``cudaHostAlloc``:
-    six of them cost 0.15 s of one warm 6,000 s predict on an H200), and a Trainer made per predict
-    call (bench scripts, servers) would otherwise allocate its buffers again while the last Trainer's
-    still wait in a reference cycle for the garbage collector. Not thread-safe: one predict at a time
+    One per process because a pinned allocation is slow and stalls the device, and a Trainer made per
+    predict call (scripts, servers) would otherwise allocate its buffers again. One predict at a time
     per process uses it (as one loop drives one engine).
     """
     pool = _SHARED.get(min_bytes)
@@ -140,79 +107,17 @@ def shared_pool(min_bytes: int = 1 << 20) -> PinnedPool:
     return pool
 
 
-def _device_leaves(value: Any, is_device: Callable[[torch.Tensor], bool], out: list[torch.Tensor]) -> None:
-    if isinstance(value, torch.Tensor):
-        if is_device(value):
-            out.append(value)
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            _device_leaves(v, is_device, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _device_leaves(v, is_device, out)
-
-
-class PinnedHostTransfer:
-    """One step's device tensors copied into one pooled buffer on ``stream``; see module docstring."""
-
-    def __init__(
-        self, outputs: Mapping[str, Any], stream: Stream, pool: PinnedPool, copies: Copies | None = None
-    ) -> None:
-        copies = copies or CudaCopies()
-        leaves: list[torch.Tensor] = []
-        _device_leaves(outputs, copies.is_device_tensor, leaves)
-        offsets, total = [], 0
-        for t in leaves:
-            offsets.append(total)
-            total += -(-t.nbytes // _ALIGN) * _ALIGN
-        self._outputs = outputs
-        self._pool = pool
-        self._buffer: torch.Tensor | None = pool.acquire(total)
-        self._host: dict[int, torch.Tensor] = {}
-        pairs = []
-        for t, offset in zip(leaves, offsets):
-            dst = self._buffer[offset : offset + t.nbytes].view(t.dtype).view(t.shape)
-            pairs.append((dst, t))
-            self._host[id(t)] = dst
-        if leaves:
-            stream.wait_stream(copies.current_stream(leaves[0].device))
-            copies.copy(pairs, stream)
-        self._event = stream.record_event()
-        # `outputs` keeps the device tensors alive until wait(): the allocator cannot hand their
-        # memory to the next step while the copy still reads it
-
-    def wait(self) -> Mapping[str, Any]:
-        self._event.synchronize()
-
-        def swap(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return self._host.get(id(value), value)
-            if isinstance(value, Mapping):
-                return {k: swap(v) for k, v in value.items()}
-            if isinstance(value, (list, tuple)):
-                return type(value)(swap(v) for v in value)
-            return value
-
-        host = swap(self._outputs)
-        self._outputs = None  # device tensors may go now
-        return host
-
-    def release(self) -> None:
-        if self._buffer is not None:
-            self._host.clear()
-            self._pool.release(self._buffer)
-            self._buffer = None
-
-
 class AsyncD2HCallback(Callback):
-    """Overlaps each predict step's device-to-host copies with the next step (CUDA only).
+    """Starts each runner output's host copy on a copy stream at its batch end (CUDA only).
 
     The pinned pool outlives the callback (:func:`shared_pool`: one per process), so repeated
     ``predict`` calls allocate no pinned memory after the first, whatever Trainer runs them; it holds
     a few buffers (two steps' outputs, rounded up to powers of two, at least ``min_bytes``).
     ``close()`` frees them (the next callback starts a new pool); an exception during predict frees
-    them too. ``copies`` replaces the CUDA primitives (:class:`CudaCopies`) and then acts on any device;
-    the tests pass host stand-ins through it.
+    them too. ``copies`` replaces the CUDA primitives (:class:`CudaCopies`) and then acts on any device.
+
+    Plain outputs (anything but a runner output) are left alone: Lightning's step moves them to the
+    CPU synchronously, as on a stock trainer.
     """
 
     def __init__(self, copies: Copies | None = None, min_bytes: int = 1 << 20) -> None:
@@ -244,23 +149,8 @@ class AsyncD2HCallback(Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        """Starts the host copy of a runner output; leaves every other output alone.
-
-        Not done for plain outputs (anything not ``MultimodalOutputs``): stock Lightning hands them to
-        the hooks as returned and moves them to the CPU synchronously inside its private
-        ``_predict_step``; overlapping that copy would mean replacing that step, which omni_lightning
-        keeps stock so that such outputs behave exactly as on ``lightning.Trainer``.
-        """
-        if self.stream is None or not isinstance(outputs, OmniModelRunnerOutput):
-            return
-        mm = outputs.multimodal_outputs
-        if mm is None or outputs.in_flight:  # already built, or already handed to a transfer
-            return
-        leaves: list[torch.Tensor] = []
-        _device_leaves(mm, self._active.is_device_tensor, leaves)
-        if leaves:
-            outputs.set_host_transfer(PinnedHostTransfer(mm, self.stream, self.pool, self._active))
-            self.transfers += 1
+        if self.stream is not None and isinstance(outputs, OmniModelRunnerOutput):
+            self.transfers += outputs.start_host_copy(self.stream, self.pool, self._active)
 
     def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.stream = None
