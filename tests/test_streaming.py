@@ -151,9 +151,9 @@ def test_bad_chunks_raise_for_their_stream_only(odd_model):
     bad[2, 1] = config.codebook_size
     cases = [
         (bad, r"stream 'a': code 2048 at codebook 2, frame 2 is outside \[0, 2048\)"),
-        (codes["a"][:3, 1:3], r"stream 'a': chunk has 3 codebooks, this model expects 16"),
-        (codes["a"][:, 1:3].float(), r"stream 'a': codes must be an integer tensor"),
-        (codes["a"][None, :, 1:3], r"stream 'a': a chunk must have shape \[codebooks, frames\]"),
+        (codes["a"][:3, 1:3], r"stream 'a': shape \(3, 2\) has 3 codebooks, this model expects 16"),
+        (codes["a"][:, 1:3].float(), r"stream 'a': codes have dtype float32; codes must be integers"),
+        (codes["a"][None, :, 1:3], r"stream 'a': codes must have shape \[codebooks, frames\]"),
         (codes["a"][:, 1:3].tolist(), r"stream 'a': codes must be a torch.Tensor"),
     ]
     for chunk, message in cases:

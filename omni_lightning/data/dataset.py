@@ -1,38 +1,31 @@
-"""``CodesDataset``: requests of codec codes (and, for training, their audio) from a manifest, a folder
-or tensors in memory.
+"""``CodesDataset``: requests of codec codes (and, for fit, validate and test, their audio) from a
+manifest, a folder or memory.
 
 Sources:
 - a JSONL manifest, one request a line: ``{"id": "utt1", "codes": "codes/utt1.npy", "audio": "wav/utt1.wav"}``
   (paths relative to the manifest's folder; ``audio`` optional; no ``id``: the codes file's stem);
 - a folder of code files (``.npy``, ``.pt``, ``.safetensors``), subfolders included, the id being the
-  file's relative path without its suffix (``x/a.npy`` -> ``x/a``); any other file in it is not read
-  and is listed (``unread`` and a warning), never skipped silently;
-- a list of tensors (ids ``"0"``, ``"1"``, ...) or a dict id -> tensor.
-Each codes file holds one integer array ``[Q, T]`` (``[1, Q, T]`` is accepted) of any integer dtype
-(int8 ... int64, uint8 ... uint64); it is widened to int64 on load, on the CPU, before its range is
-checked. A float, bool or complex file is a bad request naming its dtype.
+  file's relative path without its suffix (``x/a.npy`` -> ``x/a``); any other file is listed
+  (``unread`` and a warning), never skipped silently;
+- in memory: a list (ids ``"0"``, ``"1"``, ...) or a dict id -> value, each value codes ``[Q, T]`` or
+  a ``(codes, audio)`` pair; tensors or NumPy arrays. Audio in memory is float ``[n]`` or ``[1, n]``
+  at the model's sample rate (``config.sample_rate``); it is not resampled.
+Codes are one integer array ``[Q, T]`` (``[1, Q, T]`` accepted) of any integer dtype, widened to int64
+on the CPU; a float, bool or complex array is a bad request naming its dtype.
 
-Ids must be unique: ``duplicate_ids="error"`` (default) refuses the whole source before anything is
-decoded, listing every repeated id and where it occurs; ``"rename"`` keeps the first occurrence's id and
-numbers the repeats (``a``, ``a#2``, ``a#3``, skipping ids that exist). Ids and files come from
-``sources.py``, which the command line also uses before torch loads. ``skip``: ids left out (a
-resumed job's finished requests, see ``output_folder.py``): their files are never opened.
+Ids must be unique: ``duplicate_ids="error"`` refuses the source, listing every repeated id;
+``"rename"`` numbers the repeats (``a``, ``a#2``, ...). ``skip``: ids left out, never opened.
 
-Every entry is checked when the dataset is built and again, fully, when it is loaded (a tensor in
-memory whose version counter shows no write since its check is not read again: a batch's codes are
-checked once more by the module before any lookup). With
-``on_bad_input="raise"`` the build reads every file and stops, listing every bad entry, before
-anything is decoded. With ``"skip"`` (what a prediction job uses) the build reads only the header of
-``.npy`` and ``.safetensors`` files (shape and dtype: enough to size, sort and refuse most bad
-files), so each file's codes are read once, when loaded; a request whose values turn out bad there
-(codes out of range, a file changed since) becomes an error item (``{"id", "error"}``) that flows
-through the batches to the writer, which records it, while the rest is predicted. Any exception from
-one request's files is that request's failure, never the run's.
+Every entry is checked at the build (``on_bad_input="raise"``: every file read, every bad entry
+listed; ``"skip"``: only the header of ``.npy`` and ``.safetensors`` files) and fully when loaded (a
+tensor in memory unwritten since its check is not read again). A request that fails when loaded
+becomes an error item that flows to the writer; any exception from one request's data is that
+request's failure, never the run's.
 
-Audio (paired data for fine-tuning and evaluation) is read with soundfile, mixed to mono, resampled
-with torchaudio to the model's rate when it differs, and aligned to the codes by this rule: request
-i's target is the first ``output_length(n_frames)`` samples of its audio; longer audio is cut; shorter
-audio is zero-padded and ``audio_length`` marks the real samples, so the pad never enters a loss.
+Audio files are read with soundfile, mixed to mono and resampled to the model's rate. The alignment
+rule, for files and memory alike: a request's target is the first ``output_length(n_frames)``
+samples of its audio; longer audio is cut; shorter audio is zero-padded and ``audio_length`` marks
+the real samples, so the pad never enters a loss.
 """
 
 from __future__ import annotations
@@ -47,61 +40,55 @@ import torch
 from torch.utils.data import Dataset
 
 from omni_lightning.data.files import CODE_SUFFIXES
-from omni_lightning.data.io import check_audio, codes_file_layout, load_audio, load_codes_file
+from omni_lightning.data.io import audio_tensor, check_audio, codes_file_layout, in_memory, load_audio, load_codes_file
 from omni_lightning.data.sources import Entry, list_source, unique_ids
 from omni_lightning.errors import UsageError
-from omni_lightning.models import Code2WavConfig, resolve_config, validate_codes
-from omni_lightning.models.codes import check_codes_layout
+from omni_lightning.models import Code2WavConfig, resolve_config
+from omni_lightning.models.codes import CheckedCodes, check_request_codes, geometry
 
 BAD_INPUT_MODES = ("raise", "skip")
 
 
-def check_layout(codes: Any, config: Code2WavConfig, req_id: str) -> torch.Tensor:
-    """One request's codes as ``[Q, T]`` after the checks that read no value (type, dtype, shape,
-    codebook count, emptiness); works on meta tensors. ValueError naming the request."""
-    if not isinstance(codes, torch.Tensor):
-        raise ValueError(f"request {req_id!r}: codes must be a tensor, got {type(codes).__name__}")
-    if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
-        raise ValueError(f"request {req_id!r}: codes have dtype {str(codes.dtype).replace('torch.', '')}; "
-                         "codes must be integers (int8 ... int64 or uint8 ... uint64)")  # fmt: skip
-    if codes.dim() == 3 and codes.shape[0] == 1:
-        codes = codes[0]
-    if codes.dim() != 2:
-        raise ValueError(f"request {req_id!r}: codes must have shape [codebooks, frames], got {tuple(codes.shape)}")
-    check_codes_layout(codes[None], config, req_ids=[req_id])
-    return codes
-
-
 def check_request(codes: Any, config: Code2WavConfig, req_id: str, values: bool = True) -> torch.Tensor:
-    """One request's codes as Long ``[Q, T]`` (any integer dtype widened), or a ValueError naming it.
-    ``values=False``: the layout only (values checked before and unchanged since)."""
-    codes = check_layout(codes, config, req_id)
-    if not values:
-        return codes.to(device="cpu", dtype=torch.long)
-    if codes.dtype == torch.uint64 and codes.numel():  # values past int64's range would wrap negative
-        top = int(codes.numpy().max())
-        if top >= config.codebook_size:
-            raise ValueError(f"request {req_id!r}: code {top} is outside [0, {config.codebook_size})")
-    codes = codes.to(device="cpu", dtype=torch.long)
-    validate_codes(codes[None], config, req_ids=[req_id])
-    return codes
+    """One request's codes as int64 ``[Q, T]`` on the CPU, or a ValueError naming it (see
+    ``check_request_codes``; ``values=False``: the layout only)."""
+    return check_request_codes(codes, config, f"request {req_id!r}", values=values).cpu()
+
+
+def _memory_entry(req_id: str, value: Any) -> Entry:
+    """An entry of a source in memory: codes, or a ``(codes, audio)`` pair."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            return Entry(req_id, None, error=f"a pair is (codes, audio), got a {type(value).__name__} of {len(value)}")
+        return Entry(req_id, value[0], value[1])
+    return Entry(req_id, value)
 
 
 class CodesDataset(Dataset):
-    """Requests of codec codes; see the module docstring for sources, checks and the audio rule.
+    """Requests of codec codes, and for fit, validate and test their audio; see the module docstring
+    for sources, checks and the audio rule. Items are ``{"id", "codes": Long[Q, T]}`` (paired:
+    ``"audio": Float[output_length(T)]``, ``"audio_length"``), or ``{"id", "error"}`` for a bad
+    request kept by ``on_bad_input="skip"``. Items carry a ``"checked"`` mark (``CheckedCodes``).
 
-    ``crop_frames``: training crops: a random window of that many frames (with the matching audio
-    span) per item; shorter requests are kept whole. Once ``set_epoch`` is called (the data module's
-    batch sampler does, each epoch) a crop is drawn from ``(seed, epoch, index)`` alone, so a fit
-    resumed from a checkpoint takes the crops of an uninterrupted one, on any rank, with or without
-    loader workers (the data module's training loader starts them once the epoch is set; see
-    ``datamodule.StartsAtFirstBatch``). Before ``set_epoch``, crops come from a generator (per loader
-    worker, see ``_crop_rng``).
+    Args:
+        source: a folder of code files, a JSONL manifest, a list or dict (id -> value) of codes
+            ``[Q, T]``, or of ``(codes, audio)`` pairs (audio ``[n]`` or ``[1, n]`` at the model's rate).
+        config: the preset name or config whose codebook geometry the codes are checked against.
+        on_bad_input: ``"raise"`` stops at the build, listing every bad request; ``"skip"`` turns each
+            into an error item.
+        load_audio: read the audio of paired sources (False: codes only).
+        crop_frames: training crops: a random window of that many frames (and its audio) per item;
+            shorter requests are kept whole.
+        seed: seeds the crops; after ``set_epoch`` a crop depends on ``(seed, epoch, index)`` only, so a
+            resumed fit takes the crops of an uninterrupted one, with or without loader workers.
+        duplicate_ids: ``"error"`` refuses repeated ids; ``"rename"`` numbers the repeats.
+        skip: ids left out unread (a resumed job's finished requests).
+        paired: every request must have audio (fit, validate and test); one without it is bad input.
     """
 
     def __init__(
         self,
-        source: str | Path | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+        source: str | Path | Sequence[Any] | Mapping[str, Any],
         config: Code2WavConfig | str = "qwen3-omni",
         on_bad_input: str = "raise",
         load_audio: bool = True,
@@ -127,10 +114,12 @@ class CodesDataset(Dataset):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
             if not hasattr(source, "__iter__"):
-                raise UsageError(f"a data source is a folder, a JSONL manifest, or a list or dict of codes; got "
-                                 f"{type(source).__name__} {source!r:.60}")  # fmt: skip
+                raise UsageError(
+                    "a data source is a folder, a JSONL manifest, or a list or dict of codes or (codes, audio) "
+                    f"pairs; got {type(source).__name__} {source!r:.60}"
+                )
             items = source.items() if isinstance(source, Mapping) else enumerate(source)
-            self.entries = [Entry(str(k), v) for k, v in items]
+            self.entries = [_memory_entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)
         if self.unread:
             from lightning.fabric.utilities.rank_zero import rank_zero_warn
@@ -145,27 +134,35 @@ class CodesDataset(Dataset):
             if entry.error is None:
                 self._scan(entry)
         if paired:  # fit, validate and test compare with the audio: a request without it is bad input
-            if self.entries and all(e.audio is None for e in self.entries):
-                raise UsageError(f"{self.source} has no audio: fit, validate and test need paired data, a "
-                                 "manifest whose lines have an 'audio' path")  # fmt: skip
-            for entry in self.entries:
-                if entry.error is None and entry.audio is None:
-                    entry.error = "no 'audio' path in its manifest line: fit, validate and test compare against it"
+            self._require_audio()
         bad = [e for e in self.entries if e.error is not None]
         if bad and on_bad_input == "raise":
             lines = "\n".join(f"  {e.id}: {e.error}" for e in bad)
             raise UsageError(f"{len(bad)} bad request(s) in {self.source}:\n{lines}")
 
+    def _require_audio(self) -> None:
+        files = any(isinstance(e.codes, Path) for e in self.entries)
+        if self.entries and all(e.audio is None for e in self.entries):
+            given = "a manifest whose lines have an 'audio' path" if files else "(codes, audio) pairs"
+            raise UsageError(f"{self.source} has no audio: fit, validate and test need paired data, {given}")
+        missing = "no 'audio' path in its manifest line" if files else "codes without audio, not a (codes, audio) pair"
+        for entry in self.entries:
+            if entry.error is None and entry.audio is None:
+                entry.error = f"{missing}: fit, validate and test compare against it"
+
     def _scan(self, entry: Entry) -> None:
         try:
             # a file's header first, in either mode: a corrupt one is named by what is wrong with it
             layout = codes_file_layout(entry.codes) if isinstance(entry.codes, Path) else None
-            codes = check_layout(layout, self.config, entry.id) if layout is not None else None
+            who = f"request {entry.id!r}"
+            codes = check_request_codes(layout, self.config, who, values=False) if layout is not None else None
             if codes is None or self.on_bad_input == "raise":  # raise: the values too, before any compute
                 codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
-            if entry.audio is not None and self.load_audio:
+            if isinstance(entry.audio, Path) and self.load_audio:
                 check_audio(entry.audio)
+            elif entry.audio is not None and self.load_audio:
+                entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
         except Exception as err:  # whatever one request's files hold, it is that request's failure
             entry.error = _reason(err)
 
@@ -173,9 +170,8 @@ class CodesDataset(Dataset):
         if isinstance(entry.codes, Path):
             return check_request(load_codes_file(entry.codes), self.config, entry.id)
         # a tensor in memory whose values passed and have not been written since (its version counter
-        # counts in-place writes) is not read again: a 600 s request's check cost 16 ms on the H200 host.
-        # An inference tensor (made under torch.inference_mode) has no version counter: checked every time.
-        codes = entry.codes
+        # counts in-place writes) is not read again; an inference tensor has none: checked every time
+        codes = entry.codes = in_memory(entry.codes, f"request {entry.id!r}: codes")
         tracked = isinstance(codes, torch.Tensor) and not codes.is_inference()
         version = codes._version if tracked else None
         trusted = version is not None and version == entry.checked_version
@@ -217,7 +213,7 @@ class CodesDataset(Dataset):
     @property
     def reads_files(self) -> bool:
         """Whether loading an item reads a file (else every item is already in memory)."""
-        return any(isinstance(e.codes, Path) or e.audio is not None for e in self.entries)
+        return any(isinstance(e.codes, Path) or isinstance(e.audio, Path) for e in self.entries)
 
     @property
     def has_audio(self) -> bool:
@@ -230,14 +226,24 @@ class CodesDataset(Dataset):
         entry = self.entries[index]
         if entry.error is not None:
             return {"id": entry.id, "error": entry.error}
-        try:  # files can change after the scan
-            codes = self._load_codes(entry)
-            audio = load_audio(entry.audio, self.config.sample_rate) if entry.audio and self.load_audio else None
-        except Exception as err:  # whatever one request's files hold, it is that request's failure
-            if self.on_bad_input == "raise":
-                raise
-            return {"id": entry.id, "error": _reason(err)}
-        item: dict[str, Any] = {"id": entry.id, "codes": codes}
+        with torch.inference_mode(False):  # plain tensors: the "checked" mark reads their version counters
+            try:  # files can change after the scan
+                codes = self._load_codes(entry)
+                audio = self._audio(entry)
+            except Exception as err:  # whatever one request's files hold, it is that request's failure
+                if self.on_bad_input == "raise":
+                    raise
+                return {"id": entry.id, "error": _reason(err)}
+            return self._item(index, entry.id, codes, audio)
+
+    def _audio(self, entry: Entry) -> torch.Tensor | None:
+        if entry.audio is None or not self.load_audio:
+            return None
+        if isinstance(entry.audio, Path):
+            return load_audio(entry.audio, self.config.sample_rate)
+        return entry.audio  # checked at the build (audio_tensor)
+
+    def _item(self, index: int, req_id: str, codes: torch.Tensor, audio: torch.Tensor | None) -> dict[str, Any]:
         start = 0
         if self.crop_frames is not None and codes.shape[-1] > self.crop_frames:
             last = codes.shape[-1] - self.crop_frames
@@ -245,7 +251,8 @@ class CodesDataset(Dataset):
                 covered = -(-audio.shape[0] // self.config.total_upsample)  # frames the audio reaches into
                 last = max(0, min(last, covered - self.crop_frames))
             start = self._crop_rng(index).randrange(last + 1)
-            item["codes"] = codes = codes[:, start : start + self.crop_frames]
+            codes = codes[:, start : start + self.crop_frames]
+        item: dict[str, Any] = {"id": req_id, "codes": codes, "checked": CheckedCodes(codes, geometry(self.config))}
         if audio is not None:
             # the rule: request samples [start * up, start * up + output_length(n)) of the audio
             offset = start * self.config.total_upsample

@@ -1,13 +1,15 @@
-"""Reading requests' files: code files (``.npy``, ``.pt``, ``.safetensors``) and audio (soundfile).
+"""Reading requests' data: code files (``.npy``, ``.pt``, ``.safetensors``), audio files (soundfile),
+and codes and audio held in memory (tensors or NumPy arrays).
 
-Every failure is a ``ValueError`` naming the file, never the reader's own exception type, so one bad
-file is one recorded bad request. :func:`codes_file_layout` reads only a file's header (shape and
-dtype), so a job's requests can be sized and sorted without reading their codes twice.
+Every failure is a ``ValueError`` naming the file or the request, never the reader's own exception
+type, so one bad request is one recorded failure. :func:`codes_file_layout` reads only a file's
+header (shape and dtype), so a job's requests can be sized and sorted without reading their codes twice.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ def load_codes_file(path: Path) -> torch.Tensor:
                              "torch.save?): save a torch tensor, or the array as .npy") from err  # fmt: skip
         raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
     if path.suffix == ".npy":
-        value = _numpy_to_tensor(path, value)
+        value = numpy_to_tensor(value, f"codes file {path}")
     if isinstance(value, dict):  # safetensors: the tensor named 'codes', or the only one
         if "codes" not in value and len(value) != 1:
             raise ValueError(f"codes file {path} holds tensors {sorted(value)}; name one 'codes'")
@@ -51,20 +53,28 @@ def load_codes_file(path: Path) -> torch.Tensor:
     return value
 
 
-def _numpy_to_tensor(path: Path, array: Any) -> torch.Tensor:
+def numpy_to_tensor(array: Any, where: str) -> torch.Tensor:
+    """A NumPy array as a tensor sharing its memory (native byte order); ValueError starting with
+    ``where`` for values torch cannot hold (strings, objects, records)."""
     import numpy as np
 
     if not isinstance(array, np.ndarray):
-        raise ValueError(f"codes file {path} holds a {type(array).__name__}, not an array")
-    _check_numpy_dtype(path, array.dtype)
+        raise ValueError(f"{where} holds a {type(array).__name__}, not an array")
+    _check_numpy_dtype(where, array.dtype)
     if not array.dtype.isnative:  # big-endian files: torch takes native byte order only
         array = array.astype(array.dtype.newbyteorder("="))
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def _check_numpy_dtype(path: Path, dtype: Any) -> None:
+def in_memory(value: Any, where: str) -> Any:
+    """``value`` as a tensor when it is a NumPy array, else unchanged (the checks name other types)."""
+    numpy = sys.modules.get("numpy")
+    return numpy_to_tensor(value, where) if numpy is not None and isinstance(value, numpy.ndarray) else value
+
+
+def _check_numpy_dtype(where: Any, dtype: Any) -> None:
     if dtype.kind not in "biuf":  # strings, objects, records: nothing torch can hold
-        raise ValueError(f"codes file {path} holds {dtype} values; codes must be integers")
+        raise ValueError(f"{where} holds {dtype} values; codes must be integers")
 
 
 # safetensors' header dtype names
@@ -90,7 +100,7 @@ def codes_file_layout(path: Path) -> torch.Tensor | None:
         import numpy as np
 
         shape, dtype = header
-        _check_numpy_dtype(path, dtype)
+        _check_numpy_dtype(f"codes file {path}", dtype)
         torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype.newbyteorder("="))).dtype
     else:
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
@@ -158,4 +168,28 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
         import torchaudio
 
         audio = torchaudio.functional.resample(audio, sr, sample_rate)
+    return audio
+
+
+def audio_tensor(audio: Any, req_id: str, sample_rate: int) -> torch.Tensor:
+    """In-memory audio (a float tensor or array ``[n]`` or ``[1, n]`` at ``sample_rate``) as float32
+    ``[n]`` on the CPU; ValueError naming the request for another type, dtype or shape, no sample, or
+    a non-finite sample. It is not resampled: the rate cannot be read from a tensor."""
+    who = f"request {req_id!r}: audio"
+    audio = in_memory(audio, who)
+    want = f"a float tensor [samples] or [1, samples] at {sample_rate} Hz"
+    if not isinstance(audio, torch.Tensor):
+        raise ValueError(f"{who} must be {want}, got {type(audio).__name__}")
+    if not audio.is_floating_point():
+        raise ValueError(f"{who} has dtype {str(audio.dtype).removeprefix('torch.')}; it must be {want}")
+    if audio.dim() == 2 and audio.shape[0] == 1:
+        audio = audio[0]
+    if audio.dim() != 1:
+        raise ValueError(f"{who} has shape {tuple(audio.shape)}; it must be {want} (mono)")
+    if audio.shape[0] == 0:
+        raise ValueError(f"{who} is empty")
+    audio = audio.to(device="cpu", dtype=torch.float32)
+    bad = int(audio.numel() - torch.isfinite(audio).sum())
+    if bad:  # one such target turns every weight of a fit into NaN
+        raise ValueError(f"{who} holds {bad} non-finite sample(s) (NaN or Inf)")
     return audio

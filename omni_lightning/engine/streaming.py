@@ -39,6 +39,7 @@ from omni_lightning.engine.engine import DecodeEngine
 from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
+from omni_lightning.models.codes import check_request_codes
 
 STEP_FRAMES = 16  # frames per stream a full step may push and still replay a CUDA graph (default budget)
 
@@ -242,14 +243,18 @@ class StreamingDecoder:
                 raise ValueError(f"stream {stream_id!r} is closed: a chunk after close() needs a new stream")
             raise ValueError(f"unknown stream {stream_id!r}: open() it first")
         if usable and stream.failed is not None:
-            raise ValueError(f"stream {stream_id!r} failed in an earlier step ({stream.failed}), which may have "
-                             "advanced part of its state: close() it and decode the request again in a new stream")
+            raise ValueError(
+                f"stream {stream_id!r} failed in an earlier step ({stream.failed}), which may have "
+                "advanced part of its state: close() it and decode the request again in a new stream"
+            )
         return stream
 
     def _check_serving(self) -> None:
         if self.retired is not None:
-            raise ValueError(f"this streaming decoder was retired: {self.retired}; its streams were closed. "
-                             "Build a new decoder (module.streaming_decoder()) for the current weights")
+            raise ValueError(
+                f"this streaming decoder was retired: {self.retired}; its streams were closed. "
+                "Build a new decoder (module.streaming_decoder()) for the current weights"
+            )
 
     def _release(self, stream_id: Hashable) -> None:
         stream = self._streams.pop(stream_id, None)
@@ -261,26 +266,10 @@ class StreamingDecoder:
             self._closed.popitem(last=False)
 
     def _checked(self, stream_id: Hashable, stream: _Stream, codes: torch.Tensor) -> torch.Tensor:
-        """``codes`` as int64 ``[Q, n]`` after the checks ``decode`` makes, in this stream's terms."""
-        cfg, name = self.config, f"stream {stream_id!r}"
-        if not isinstance(codes, torch.Tensor):
-            raise ValueError(f"{name}: codes must be a torch.Tensor [codebooks, frames], got {type(codes).__name__}")
-        if codes.dtype == torch.bool or codes.is_floating_point() or codes.is_complex():
-            raise ValueError(f"{name}: codes must be an integer tensor, got dtype {codes.dtype}")
-        if codes.dim() != 2:
-            raise ValueError(f"{name}: a chunk must have shape [codebooks, frames], got {tuple(codes.shape)}")
-        if codes.shape[0] != cfg.num_quantizers:
-            raise ValueError(f"{name}: chunk has {codes.shape[0]} codebooks, this model expects {cfg.num_quantizers}")
-        codes = codes.long()  # compare in int64, as validate_codes does: uint16 has no `<` on the CPU, uint8 wraps
-        bad = (codes < 0) | (codes >= cfg.codebook_size)
-        if codes.numel() and bool(bad.any()):
-            q, t = (int(i) for i in bad.nonzero()[0])
-            at = stream.frames + sum(p.shape[1] for p in stream.pending) + t
-            raise ValueError(
-                f"{name}: code {int(codes[q, t])} at codebook {q}, frame {at} is outside "
-                f"[0, {cfg.codebook_size}) ({int(bad.sum())} bad values in this chunk)"
-            )
-        return codes
+        """``codes`` as int64 ``[Q, n]`` after the checks ``decode`` makes, bad values named at their
+        frame in this stream."""
+        first = stream.frames + sum(p.shape[1] for p in stream.pending)
+        return check_request_codes(codes, self.config, f"stream {stream_id!r}", chunk_from=first)
 
 
 def _check_hashable(stream_id: Hashable) -> None:
