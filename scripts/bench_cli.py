@@ -4,26 +4,20 @@
     python scripts/bench_cli.py --files 1500 --model.config qwen3-omni --trainer.precision bf16-true \\
         --trainer.accelerator gpu --data.batch_size 32                                 # a GPU
 
-Every option this script does not know goes to the command line unchanged (after ``--config
-configs/predict.yaml``). The job: ``--files`` ``.npy`` files of uint16 codes ``[16, T]``, lengths drawn
-uniformly from 2-30 s (``--seed``). Weights: a checkpoint folder saved once from seeded random weights
-of the preset (``--model.config``), loaded with ``--model.checkpoint`` as a user's job would (the model is
-built on the meta device); ``--random-weights`` runs ``--model.random_weights true`` instead.
+Options this script does not know go to the command line unchanged (after ``--config
+configs/predict.yaml``). The job: ``--files`` ``.npy`` files of uint16 codes ``[16, T]``, 2-30 s long
+(``--seed``), decoded with seeded random weights saved once as a checkpoint (``--model.checkpoint``),
+or ``--random-weights`` (``--model.random_weights true``).
 
 What runs, each in a fresh process:
-  cli      the command as a subprocess, with ``--timings``: start-up to the first batch (interpreter and
-           argument checks, Lightning loaded, model/data/trainer built, trainer set up), decode (first
-           batch to the last batch's end), writes (the writer's queue waits, its busy time, its drain
-           after the last batch), end (last batch to process exit), wall; ``loader waits``: time the loop
-           spent fetching batches.
+  cli      the command, with ``--timings``: start-up to the first batch, decode (first batch to the
+           last batch's end), writes (queue waits, busy time, drain), end (to process exit), wall;
+           ``loader waits``: time the loop spent fetching batches.
   noop     the same command again, every request already done: wall time (it ends before torch loads).
-  inproc   ``trainer.predict`` of the same job in a fresh Python process, built by the same LightningCLI
-           parser from the same arguments (``run=False``), no writer, predictions not kept: cold (first
-           predict in the process, like the CLI) and warm (a second predict); the same phase clock; then
-           a third, warm, with the command's ``WaveformWriter`` writing to a temporary folder: what the
-           writer costs the decode, apart from start-up and cold kernels.
-  loader   the predict dataloader alone (same workers, pinned memory on CUDA), iterated once after the
-           warm run: how fast loading could feed the engine.
+  inproc   ``trainer.predict`` of the same job built by the same parser (``run=False``), no writer:
+           cold, warm, then warm with the command's ``WaveformWriter`` (what writing costs the decode).
+  loader   the predict dataloader alone, iterated once after the warm run: how fast loading could feed
+           the engine.
 Ratios: CLI decode phase speed / in-process (cold and warm). Prints a table; writes JSON (``--out``).
 What it does not do: compare with transformers (``bench_forward.py``) or time fit.
 """
@@ -128,8 +122,9 @@ def in_process(args: list[str]) -> dict[str, Any]:
     from omni_lightning.callbacks.writer import WaveformWriter
     from omni_lightning.lightning_cli import OmniCLI
 
-    cli = OmniCLI(Code2WavModule, CodesDataModule, trainer_class=Trainer, run=False, args=args,
-                  save_config_callback=None)  # fmt: skip
+    cli = OmniCLI(
+        Code2WavModule, CodesDataModule, trainer_class=Trainer, run=False, args=args, save_config_callback=None
+    )
     built = time.time()
     model, data, trainer = cli.model, cli.datamodule, cli.trainer
     out: dict[str, Any] = {"built_s": built - started}
@@ -147,9 +142,13 @@ def in_process(args: list[str]) -> dict[str, Any]:
             trainer.callbacks.remove(writer)
             shutil.rmtree(folder, ignore_errors=True)
         phases = profiler.phases()
-        out[name] = {"call_s": returned - called, "to_first_batch_s": phases["first_batch"] - called,
-                     "decode_s": phases["last_batch_end"] - phases["first_batch"],
-                     "loader_waits_s": phases["data_wait_s"], "batches": phases["batches"]}  # fmt: skip
+        out[name] = {
+            "call_s": returned - called,
+            "to_first_batch_s": phases["first_batch"] - called,
+            "decode_s": phases["last_batch_end"] - phases["first_batch"],
+            "loader_waits_s": phases["data_wait_s"],
+            "batches": phases["batches"],
+        }
     config = model.config
     datasets = data.datasets["predict"]
     audio_s = sum(config.output_length(n) for ds in datasets for n in ds.lengths) / config.sample_rate
@@ -165,8 +164,9 @@ def in_process(args: list[str]) -> dict[str, Any]:
         out["loader"]["error"] = str(err)
         return out
     seconds = time.perf_counter() - start
-    out["loader"].update(requests=requests, s=seconds, requests_per_s=requests / seconds,
-                         audio_s_per_s=audio_s / seconds)  # fmt: skip
+    out["loader"].update(
+        requests=requests, s=seconds, requests_per_s=requests / seconds, audio_s_per_s=audio_s / seconds
+    )
     return out
 
 
@@ -208,17 +208,32 @@ def main() -> None:
     noop = run_cli(["predict", *job, "--out_dir", str(out)], None)
     if "nothing left to do" not in noop["stdout"]:
         raise SystemExit(f"the rerun did not find the job done:\n{noop['stdout']}")
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.node(),
-            "platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "command": " ".join(["python", "scripts/bench_cli.py", *sys.argv[1:]])}  # fmt: skip
-    result = {"meta": meta, "job": {"files": args.files, "seed": args.seed, "audio_s": audio_s, "args": job},
-              "cli": cli, "cli_timings": cold["timings"], "noop_wall_s": noop["wall_s"]}  # fmt: skip
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "command": " ".join(["python", "scripts/bench_cli.py", *sys.argv[1:]]),
+    }
+    result = {
+        "meta": meta,
+        "job": {"files": args.files, "seed": args.seed, "audio_s": audio_s, "args": job},
+        "cli": cli,
+        "cli_timings": cold["timings"],
+        "noop_wall_s": noop["wall_s"],
+    }
     args.out.write_text(json.dumps(result, indent=2))  # the CLI's phases are kept if the in-process run fails
-    print("cli:", json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in cli.items()}),
-          f"no-op rerun {noop['wall_s']:.2f} s", flush=True)
+    print(
+        "cli:",
+        json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in cli.items()}),
+        f"no-op rerun {noop['wall_s']:.2f} s",
+        flush=True,
+    )
     child = work / "in_process.json"
-    proc = subprocess.run([sys.executable, __file__, "--in-process-child", str(child), *job], cwd=ROOT,
-                          capture_output=True, text=True)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, __file__, "--in-process-child", str(child), *job], cwd=ROOT, capture_output=True, text=True
+    )
     if proc.returncode != 0:
         raise SystemExit(f"the in-process run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     inproc = json.loads(child.read_text())
@@ -226,30 +241,51 @@ def main() -> None:
     ratios = {name: cli["decode_audio_s_per_s"] / inproc[name]["decode_audio_s_per_s"] for name in ("cold", "warm")}
     rows = [
         ("job", f"{args.files} files, {audio_s:.0f} s of audio, {cli['batches']} batches"),
-        ("cli: start-up to first batch", f"{cli['to_first_batch_s']:.2f} s (checks done {cli['to_checked_s']:.2f}, "
-                                         f"Lightning import {cli['lightning_import_s']:.2f}, build "
-                                         f"{cli['build_s']:.2f}, setup {cli['setup_to_first_batch_s']:.2f})"),
-        ("cli: decode", f"{cli['decode_s']:.2f} s, {cli['decode_audio_s_per_s']:.0f} audio s/s "
-                        f"(loader waits {cli['loader_waits_s']:.2f} s)"),
-        ("cli: writes", f"queue waits {cli['writer_queue_waits_s']:.2f} s, busy {cli['writer_busy_s']:.2f} s, "
-                        f"drained {cli['writer_drain_s']:.2f} s after the last batch"),
+        (
+            "cli: start-up to first batch",
+            f"{cli['to_first_batch_s']:.2f} s (checks done {cli['to_checked_s']:.2f}, "
+            f"Lightning import {cli['lightning_import_s']:.2f}, build "
+            f"{cli['build_s']:.2f}, setup {cli['setup_to_first_batch_s']:.2f})",
+        ),
+        (
+            "cli: decode",
+            f"{cli['decode_s']:.2f} s, {cli['decode_audio_s_per_s']:.0f} audio s/s "
+            f"(loader waits {cli['loader_waits_s']:.2f} s)",
+        ),
+        (
+            "cli: writes",
+            f"queue waits {cli['writer_queue_waits_s']:.2f} s, busy {cli['writer_busy_s']:.2f} s, "
+            f"drained {cli['writer_drain_s']:.2f} s after the last batch",
+        ),
         ("cli: end (last batch to exit)", f"{cli['end_s']:.2f} s"),
         ("cli: wall", f"{cli['wall_s']:.2f} s, {cli['wall_x_realtime']:.0f}x real time"),
         ("cli: no-op rerun", f"{noop['wall_s']:.2f} s"),
-        ("in-process cold", f"first batch {inproc['cold']['to_first_batch_s']:.2f} s after predict(), decode "
-                            f"{inproc['cold']['decode_s']:.2f} s, {inproc['cold']['decode_audio_s_per_s']:.0f} "
-                            "audio s/s"),
-        ("in-process warm", f"decode {inproc['warm']['decode_s']:.2f} s, "
-                            f"{inproc['warm']['decode_audio_s_per_s']:.0f} audio s/s"),
-        ("in-process warm, writing", f"decode {inproc['warm_writer']['decode_s']:.2f} s, "
-                                     f"{inproc['warm_writer']['decode_audio_s_per_s']:.0f} audio s/s (the writer's "
-                                     "cost: this against the warm row)"),
-        ("loader alone", f"failed: {inproc['loader']['error']}" if "error" in inproc["loader"] else
-                         f"{inproc['loader']['requests_per_s']:.0f} requests/s, "
-                         f"{inproc['loader']['audio_s_per_s']:.0f} audio s/s ({inproc['loader']['workers']} workers, "
-                         f"pin_memory={inproc['loader']['pin_memory']})"),
+        (
+            "in-process cold",
+            f"first batch {inproc['cold']['to_first_batch_s']:.2f} s after predict(), decode "
+            f"{inproc['cold']['decode_s']:.2f} s, {inproc['cold']['decode_audio_s_per_s']:.0f} "
+            "audio s/s",
+        ),
+        (
+            "in-process warm",
+            f"decode {inproc['warm']['decode_s']:.2f} s, {inproc['warm']['decode_audio_s_per_s']:.0f} audio s/s",
+        ),
+        (
+            "in-process warm, writing",
+            f"decode {inproc['warm_writer']['decode_s']:.2f} s, "
+            f"{inproc['warm_writer']['decode_audio_s_per_s']:.0f} audio s/s (the writer's "
+            "cost: this against the warm row)",
+        ),
+        (
+            "loader alone",
+            f"failed: {inproc['loader']['error']}"
+            if "error" in inproc["loader"]
+            else f"{inproc['loader']['requests_per_s']:.0f} requests/s, "
+            f"{inproc['loader']['audio_s_per_s']:.0f} audio s/s ({inproc['loader']['workers']} workers, "
+            f"pin_memory={inproc['loader']['pin_memory']})",
+        ),
         ("cli decode / in-process", f"{ratios['cold']:.2f} of cold, {ratios['warm']:.2f} of warm"),
-    ]  # fmt: skip
+    ]
     print(table(rows))
     result.update(in_process=inproc, ratios=ratios)
     args.out.write_text(json.dumps(result, indent=2))

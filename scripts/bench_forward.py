@@ -50,7 +50,7 @@ def fidelity(base: Code2Wav, device: torch.device) -> dict:
         "transformers_mel": float(mel(theirs[:, 0], want[:, 0])),
     }
     res["guard_holds"] = res["ours_rel_l2"] <= res["transformers_rel_l2"] and res["ours_mel"] <= res["transformers_mel"]
-    return res  # fmt: skip
+    return res
 
 
 def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -67,8 +67,10 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
         audio = batch * base.config.output_length(frames) / base.config.sample_rate
         row = {"batch": batch, "audio_s": audio}
         with torch.inference_mode():
-            candidates = {"ours": lambda c=codes, n=[frames] * batch: engine.decode(c, n),
-                          "transformers": lambda c=codes: ref(c)}  # fmt: skip
+            candidates = {
+                "ours": lambda c=codes, n=[frames] * batch: engine.decode(c, n),
+                "transformers": lambda c=codes: ref(c),
+            }
             if compiled is not None:
                 candidates["transformers_compile"] = lambda c=codes: compiled(c)
             for name, fn in candidates.items():
@@ -105,14 +107,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in res["forward"]:
         comp = r.get("transformers_compile", {}).get("x_realtime")
-        print(f"| {r['batch']} | {r['ours']['ms']:.2f} | {r['ours']['x_realtime']:,.0f} | "
-              f"{r['transformers']['x_realtime']:,.0f} | {r['ours_vs_transformers']:.2f} | "
-              f"{'' if comp is None else f'{comp:,.0f}'} | {r.get('ours_vs_compile', '')} |")  # fmt: skip
+        print(
+            f"| {r['batch']} | {r['ours']['ms']:.2f} | {r['ours']['x_realtime']:,.0f} | "
+            f"{r['transformers']['x_realtime']:,.0f} | {r['ours_vs_transformers']:.2f} | "
+            f"{'' if comp is None else f'{comp:,.0f}'} | {r.get('ours_vs_compile', '')} |"
+        )
     if "fidelity" in res:
         f = res["fidelity"]
-        print(f"fidelity vs fp32: ours bf16 rel L2 {f['ours_rel_l2']:.3e} mel {f['ours_mel']:.4f}; "
-              f"transformers bf16 {f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; "
-              f"guard holds: {f['guard_holds']}")  # fmt: skip
+        print(
+            f"fidelity vs fp32: ours bf16 rel L2 {f['ours_rel_l2']:.3e} mel {f['ours_mel']:.4f}; "
+            f"transformers bf16 {f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; "
+            f"guard holds: {f['guard_holds']}"
+        )
 
 
 if __name__ == "__main__":

@@ -45,15 +45,28 @@ class Clock(pl.Callback):
 
 def predict(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dict:
     clock = Clock()
-    trainer = Trainer(accelerator=args.device, devices=1, precision=args.precision, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[clock], gpu_memory_utilization=args.share)  # fmt: skip
+    trainer = Trainer(
+        accelerator=args.device,
+        devices=1,
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+        gpu_memory_utilization=args.share,
+    )
     start = time.perf_counter()
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=args.batch))
     end = time.perf_counter()
     wavs = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
-    return {"seconds": end - start, "batches_s": clock.seconds, "wavs": wavs,
-            "before_batches_s": clock.start - start, "after_batches_s": end - clock.end}  # fmt: skip
+    return {
+        "seconds": end - start,
+        "batches_s": clock.seconds,
+        "wavs": wavs,
+        "before_batches_s": clock.start - start,
+        "after_batches_s": end - clock.end,
+    }
 
 
 def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -70,8 +83,12 @@ def check(base: Code2Wav, reqs: dict, wavs: dict, args: argparse.Namespace, devi
             assert got.shape == alone.shape, (req_id, got.shape, alone.shape)
             diffs.append(float((got - alone).abs().max()))
             errors.append(rel_l2(got, alone))
-    return {"checked": len(diffs), "max_abs_diff": max(diffs), "max_rel_l2": max(errors),
-            "median_rel_l2": statistics.median(errors)}  # fmt: skip
+    return {
+        "checked": len(diffs),
+        "max_abs_diff": max(diffs),
+        "max_rel_l2": max(errors),
+        "median_rel_l2": statistics.median(errors),
+    }
 
 
 def profiled(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> dict:
@@ -86,8 +103,12 @@ def profiled(module: Code2WavModule, reqs: dict, args: argparse.Namespace) -> di
     print(events.table(sort_by="self_cuda_time_total", row_limit=15, max_name_column_width=60), file=sys.stderr)
     waits = [e for e in events if e.key.startswith("cuda") and "Launch" not in e.key]  # the host's waits on the device
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), file=sys.stderr)
-    return {"wall_s": run["seconds"], "batches_s": run["batches_s"], "gpu_kernel_s": busy,
-            "host_cuda_calls": {e.key: {"count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in waits}}
+    return {
+        "wall_s": run["seconds"],
+        "batches_s": run["batches_s"],
+        "gpu_kernel_s": busy,
+        "host_cuda_calls": {e.key: {"count": e.count, "self_cpu_s": e.self_cpu_time_total / 1e6} for e in waits},
+    }
 
 
 def peer_loop(base: Code2Wav, reqs: dict, args: argparse.Namespace, device: torch.device) -> dict:
@@ -131,22 +152,38 @@ def main() -> None:
     base = random_model(args.preset)
     reqs = mixed_job(base.config, args.requests, args.min_s, args.max_s, args.seed)
     audio = audio_seconds(base.config, [c.shape[-1] for c in reqs.values()])
-    module = Code2WavModule(model=random_model(args.preset), graph_frames=args.graph_frames,
-                            frames_per_forward=args.frames)  # fp32 on the CPU: the Trainer moves and casts it
+    module = Code2WavModule(
+        model=random_model(args.preset), graph_frames=args.graph_frames, frames_per_forward=args.frames
+    )  # fp32 on the CPU: the Trainer moves and casts it
     cold = predict(module, reqs, args)
     stats = dict(module.engine_stats)  # the cold run's (the engine's counts go on across predicts)
-    res = {"requests": len(reqs), "audio_s": audio, "share": args.share, "precision": args.precision,
-           "cold_s": cold["seconds"], "cold_engine": stats, "cold": memory(device)}  # fmt: skip
+    res = {
+        "requests": len(reqs),
+        "audio_s": audio,
+        "share": args.share,
+        "precision": args.precision,
+        "cold_s": cold["seconds"],
+        "cold_engine": stats,
+        "cold": memory(device),
+    }
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # the warm runs' own peak
     runs = [predict(module, reqs, args) for _ in range(args.repeats)]
     warm = statistics.median(r["seconds"] for r in runs)
-    res["warm_phases_s"] = {k: statistics.median(r[k] for r in runs) for k in ("before_batches_s", "batches_s",
-                                                                             "after_batches_s")}  # fmt: skip
-    res.update(warm_s=warm, x_realtime=audio / warm, batches_x=audio / statistics.median(r["batches_s"] for r in runs),
-               cold_x=audio / cold["seconds"], warm=memory(device), warm_engine=module.engine_stats,
-               frames_per_forward=module.engine_stats["frames_per_forward"],
-               captures=stats.get("captures", 0), capture_s=stats.get("capture_s", 0.0))  # fmt: skip
+    res["warm_phases_s"] = {
+        k: statistics.median(r[k] for r in runs) for k in ("before_batches_s", "batches_s", "after_batches_s")
+    }
+    res.update(
+        warm_s=warm,
+        x_realtime=audio / warm,
+        batches_x=audio / statistics.median(r["batches_s"] for r in runs),
+        cold_x=audio / cold["seconds"],
+        warm=memory(device),
+        warm_engine=module.engine_stats,
+        frames_per_forward=module.engine_stats["frames_per_forward"],
+        captures=stats.get("captures", 0),
+        capture_s=stats.get("capture_s", 0.0),
+    )
     if args.profile and device.type == "cuda":
         res["profile"] = profiled(module, reqs, args)
     res["report"] = f"cold: {stats}; warm: {module.engine_stats}"
@@ -161,10 +198,12 @@ def main() -> None:
         res["ratio_to_peer"] = res["x_realtime"] / res["peer"]["x_realtime"]
     save(args.out, res, args)
     mem = res["warm"].get("peak_reserved_gib")
-    line = (f"{args.preset} {args.precision} share={args.share} graph_frames={args.graph_frames}: "
-            f"{len(reqs)} requests, {audio:,.0f} s audio; "
-            f"warm {res['x_realtime']:,.0f}x ({res['batches_x']:,.0f}x batches), cold {res['cold_s']:.2f} s, "
-            f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}")  # fmt: skip
+    line = (
+        f"{args.preset} {args.precision} share={args.share} graph_frames={args.graph_frames}: "
+        f"{len(reqs)} requests, {audio:,.0f} s audio; "
+        f"warm {res['x_realtime']:,.0f}x ({res['batches_x']:,.0f}x batches), cold {res['cold_s']:.2f} s, "
+        f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}"
+    )
     if mem is not None:
         line += f", peak reserved {mem:.2f} GiB"
     line += " (warm phases: " + ", ".join(f"{k[:-2]} {v:.3f} s" for k, v in res["warm_phases_s"].items()) + ")"

@@ -66,8 +66,14 @@ class Clock(pl.Callback):
 
 
 def trainer_for(variant: str, device: torch.device, clock: Clock) -> pl.Trainer:
-    kw = dict(accelerator=device.type, devices=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    kw = dict(
+        accelerator=device.type,
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     callbacks = [clock] + ([AsyncD2HCallback()] if variant == "async" else [])
     if variant in ("omni", "async"):
         return Trainer(callbacks=callbacks, async_d2h=variant == "async", **kw)
@@ -129,8 +135,14 @@ def main() -> None:
                 for variant in args.variants:
                     times[variant].append(run_variant(variant, model, loader, device))
             audio_s = len(reqs) * base.config.output_length(frames) / base.sample_rate
-            row = {"preset": args.preset, "device": str(device), "dtype": dtype_name, "batch": batch,
-                   "batches": n_batches, "audio_s": audio_s}  # fmt: skip
+            row = {
+                "preset": args.preset,
+                "device": str(device),
+                "dtype": dtype_name,
+                "batch": batch,
+                "batches": n_batches,
+                "audio_s": audio_s,
+            }
             for v, ts in times.items():
                 row[f"{v}_s"] = statistics.median(ts)
                 row[f"{v}_spread"] = (max(ts) - min(ts)) / statistics.median(ts)
@@ -138,9 +150,13 @@ def main() -> None:
             rows.append(row)
             print(f"  done {dtype_name} batch {batch}", file=sys.stderr, flush=True)
         del model
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-            "lightning": pl.__version__, "args": vars(args),
-            "machine": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}  # fmt: skip
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "lightning": pl.__version__,
+        "args": vars(args),
+        "machine": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
     print(f"\n{args.preset} on {meta['machine']}, {args.seconds:g} s clips, x real time (median of {args.repeats})")

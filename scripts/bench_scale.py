@@ -67,8 +67,17 @@ class Seen(pl.Callback):
 
 
 def ddp_trainer(args: argparse.Namespace, world: int, **kw: Any) -> Trainer:
-    return Trainer(accelerator=args.device, devices=world, strategy="ddp", precision=args.precision, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
+    return Trainer(
+        accelerator=args.device,
+        devices=world,
+        strategy="ddp",
+        precision=args.precision,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def gather(record: dict) -> list[dict]:
@@ -106,27 +115,43 @@ def bench_predict(args: argparse.Namespace, world: int, config: Any) -> dict[str
     trainer.strategy.barrier("warm")  # the process group the cold run made
     reset_peak(device)
     _, warm_s, warm_ids = predict_once(args, world, module, reqs)
-    ranks = gather({"cold_s": cold_s, "warm_s": warm_s, "cold_ids": cold_ids, "warm_ids": warm_ids,
-                    "peak_reserved_gib": peak_reserved(device)})  # fmt: skip
+    ranks = gather(
+        {
+            "cold_s": cold_s,
+            "warm_s": warm_s,
+            "cold_ids": cold_ids,
+            "warm_ids": warm_ids,
+            "peak_reserved_gib": peak_reserved(device),
+        }
+    )
     if module.engine is not None:
         module.engine.close()  # its graphs and state: not fit's memory
     lengths = {r: c.shape[-1] for r, c in reqs.items()}
     audio = audio_seconds(config, list(lengths.values()))
     wall = max(r["warm_s"] for r in ranks)
-    return {"requests": len(reqs), "audio_s": audio, "wall_s": wall, "audio_s_per_s": audio / wall,
-            "cold_wall_s": max(r["cold_s"] for r in ranks),
-            "counts": {run: count(ranks, f"{run}_ids", reqs) for run in ("cold", "warm")},
-            "rank_requests": [len(r["warm_ids"]) for r in ranks],
-            "rank_audio_s": [audio_seconds(config, [lengths[i] for i in r["warm_ids"]]) for r in ranks],
-            "rank_wall_s": [r["warm_s"] for r in ranks],
-            "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks]}  # fmt: skip
+    return {
+        "requests": len(reqs),
+        "audio_s": audio,
+        "wall_s": wall,
+        "audio_s_per_s": audio / wall,
+        "cold_wall_s": max(r["cold_s"] for r in ranks),
+        "counts": {run: count(ranks, f"{run}_ids", reqs) for run in ("cold", "warm")},
+        "rank_requests": [len(r["warm_ids"]) for r in ranks],
+        "rank_audio_s": [audio_seconds(config, [lengths[i] for i in r["warm_ids"]]) for r in ranks],
+        "rank_wall_s": [r["warm_s"] for r in ranks],
+        "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks],
+    }
 
 
 def count(ranks: list[dict], key: str, reqs: dict) -> dict[str, Any]:
     """Requests seen over all ranks against the job: nothing lost, nothing decoded twice."""
     ids = [i for r in ranks for i in r[key]]
-    res = {"seen": len(ids), "unique": len(set(ids)), "missing": len(set(reqs) - set(ids)),
-           "unknown": len(set(ids) - set(reqs))}  # fmt: skip
+    res = {
+        "seen": len(ids),
+        "unique": len(set(ids)),
+        "missing": len(set(reqs) - set(ids)),
+        "unknown": len(set(ids) - set(reqs)),
+    }
     res["ok"] = res["seen"] == res["unique"] == len(reqs) and res["missing"] == res["unknown"] == 0
     return res
 
@@ -144,14 +169,27 @@ def bench_fit(args: argparse.Namespace, world: int, base: Code2Wav) -> dict[str,
         torch.cuda.reset_peak_memory_stats()
     # every rank takes `batches` batches of the dataset's world x batches (Lightning's DistributedSampler)
     trainer.fit(module, train_dataloaders=paired_loader(config, args.batch, frames, batches * world))
-    ranks = gather({"seconds": clock.seconds, "steps": clock.timed, "updated": clock.updated,
-                    "peak_reserved_gib": peak_reserved(trainer.strategy.root_device)})  # fmt: skip
+    ranks = gather(
+        {
+            "seconds": clock.seconds,
+            "steps": clock.timed,
+            "updated": clock.updated,
+            "peak_reserved_gib": peak_reserved(trainer.strategy.root_device),
+        }
+    )
     seconds = max(r["seconds"] for r in ranks)
     audio = world * args.batch * clock.timed * config.output_length(frames) / config.sample_rate
-    return {"batch_per_rank": args.batch, "crop_s": CROP_S, "steps": clock.timed, "seconds": seconds,
-            "step_s": seconds / max(clock.timed, 1), "audio_s_per_s": audio / max(seconds, 1e-9),
-            "rank_seconds": [r["seconds"] for r in ranks], "updated": ranks[0]["updated"],
-            "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks]}  # fmt: skip
+    return {
+        "batch_per_rank": args.batch,
+        "crop_s": CROP_S,
+        "steps": clock.timed,
+        "seconds": seconds,
+        "step_s": seconds / max(clock.timed, 1),
+        "audio_s_per_s": audio / max(seconds, 1e-9),
+        "rank_seconds": [r["seconds"] for r in ranks],
+        "updated": ranks[0]["updated"],
+        "peak_reserved_gib": [r["peak_reserved_gib"] for r in ranks],
+    }
 
 
 def run_world(args: argparse.Namespace) -> None:
@@ -223,15 +261,21 @@ def report(rows: list[dict], args: argparse.Namespace) -> None:
         eff = "-" if phase["efficiency"] is None else f"{phase['efficiency']:.0%}"
         return f"{phase['audio_s_per_s']:{speed}} | {eff} | " + ("-" if peak[0] is None else f"{max(peak):.2f}")
 
-    print(f"\n{args.preset} {args.precision} on {args.device}: predict {args.requests} requests per rank "
-          f"(batch {args.batch}), fit {args.batch} x {CROP_S:g} s per rank")  # fmt: skip
-    print("| N | requests | each seen once | predict s | audio s/s | eff. | peak reserved GiB (max rank) "
-          "| fit audio s/s | eff. | peak reserved GiB (max rank) |")  # fmt: skip
+    print(
+        f"\n{args.preset} {args.precision} on {args.device}: predict {args.requests} requests per rank "
+        f"(batch {args.batch}), fit {args.batch} x {CROP_S:g} s per rank"
+    )
+    print(
+        "| N | requests | each seen once | predict s | audio s/s | eff. | peak reserved GiB (max rank) "
+        "| fit audio s/s | eff. | peak reserved GiB (max rank) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = r["predict"]
-        print(f"| {r['devices']} | {p['requests']} | {'yes' if seen_once(r) else 'NO'} | {p['wall_s']:.2f} "
-              f"| {cells(p, ',.0f')} | {cells(r.get('fit'), ',.1f')} |")  # fmt: skip
+        print(
+            f"| {r['devices']} | {p['requests']} | {'yes' if seen_once(r) else 'NO'} | {p['wall_s']:.2f} "
+            f"| {cells(p, ',.0f')} | {cells(r.get('fit'), ',.1f')} |"
+        )
     if not all(seen_once(r) for r in rows):
         raise SystemExit("requests were lost or decoded twice: see the counts in " + args.out)
 

@@ -157,8 +157,9 @@ def run(args: argparse.Namespace) -> dict:
             stream_step(0, 1)
             for a in range(1, ramp, args.chunk):
                 stream_step(a, a + args.chunk)
-            steady[f"{name}_pipelined"] = timed(lambda f=stream_step: [f(a, a + args.chunk) for a in starts[:half]],
-                                                device) / half  # fmt: skip
+            steady[f"{name}_pipelined"] = (
+                timed(lambda f=stream_step: [f(a, a + args.chunk) for a in starts[:half]], device) / half
+            )
             steady[f"{name}_sync"] = statistics.median(
                 timed(lambda a=a, f=stream_step: f(a, a + args.chunk), device) for a in starts[half:]
             )
@@ -169,8 +170,9 @@ def run(args: argparse.Namespace) -> dict:
         on_device = codes.to(device)
         for name, base in baselines.items():
             base.chunk(on_device, ramp, ramp + args.chunk)  # warm-up (autotune, capture)
-            steady[f"{name}_pipelined"] = timed(lambda b=base: [b.chunk(on_device, a, a + args.chunk)
-                                                                for a in starts[:half]], device) / half  # fmt: skip
+            steady[f"{name}_pipelined"] = (
+                timed(lambda b=base: [b.chunk(on_device, a, a + args.chunk) for a in starts[:half]], device) / half
+            )
             steady[f"{name}_sync"] = statistics.median(
                 timed(lambda a=a, b=base: b.chunk(on_device, a, a + args.chunk), device) for a in starts[half:]
             )
@@ -235,30 +237,46 @@ def main() -> None:
     args = parser.parse_args()
     res = run(args)
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
-    res["meta"] = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "torch": torch.__version__,
-                   "machine": machine, "threads": torch.get_num_threads(), "args": vars(args)}  # fmt: skip
+    res["meta"] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "machine": machine,
+        "threads": torch.get_num_threads(),
+        "args": vars(args),
+    }
     Path(args.out).write_text(json.dumps(res, indent=2))
-    names = [("stream", "streaming (ours)"), ("stream_eager", "streaming (ours), eager"),
-             ("redecode_eager", f"re-decode, {args.context} ctx, eager"),
-             ("redecode_graph", f"re-decode, {args.context} ctx, CUDA graphs")]  # fmt: skip
-    print(f"\n{args.preset} {args.dtype} on {machine}, torch {torch.__version__}; "
-          f"{args.streams} streams x {args.chunk}-frame chunks")  # fmt: skip
+    names = [
+        ("stream", "streaming (ours)"),
+        ("stream_eager", "streaming (ours), eager"),
+        ("redecode_eager", f"re-decode, {args.context} ctx, eager"),
+        ("redecode_graph", f"re-decode, {args.context} ctx, CUDA graphs"),
+    ]
+    print(
+        f"\n{args.preset} {args.dtype} on {machine}, torch {torch.__version__}; "
+        f"{args.streams} streams x {args.chunk}-frame chunks"
+    )
     print("| decoder | first audio, median (p90) ms | steady x real time, pipelined | synced each step | step ms |")
     print("|---|---|---|---|---|")
     for key, label in names:
         if key not in res["ttfa_ms"]:
             continue
         x, ms = res["steady_x_realtime"], res["steady_step_ms"]
-        print(f"| {label} | {res['ttfa_ms'][key]:.2f} ({res['ttfa_p90_ms'][key]:.2f}) | {x[key + '_pipelined']:,.0f} "
-              f"| {x[key + '_sync']:,.0f} | {ms[key + '_pipelined']:.2f} |")  # fmt: skip
+        print(
+            f"| {label} | {res['ttfa_ms'][key]:.2f} ({res['ttfa_p90_ms'][key]:.2f}) | {x[key + '_pipelined']:,.0f} "
+            f"| {x[key + '_sync']:,.0f} | {ms[key + '_pipelined']:.2f} |"
+        )
     if "stream_graph_only" in res["steady_x_realtime"]:
-        print(f"| streaming, graph replay only | | {res['steady_x_realtime']['stream_graph_only']:,.0f} | | "
-              f"{res['steady_step_ms']['stream_graph_only']:.2f} |")  # fmt: skip
+        print(
+            f"| streaming, graph replay only | | {res['steady_x_realtime']['stream_graph_only']:,.0f} | | "
+            f"{res['steady_step_ms']['stream_graph_only']:.2f} |"
+        )
     f = res["fidelity_rel_l2"]
-    print(f"\nfidelity vs fp32 decode ({res['fidelity_frames']} frames), rel L2: streaming {args.dtype} "
-          f"{f['stream']:.2e}, decode {args.dtype} {f['decode']:.2e}, re-decode fp32 {f['redecode_fp32']:.2e}, "
-          f"re-decode {args.dtype} {f['redecode']:.2e}; fp32 streaming max abs diff "
-          f"{res['fp32_stream_max_abs_diff']:.1e}")  # fmt: skip
+    print(
+        f"\nfidelity vs fp32 decode ({res['fidelity_frames']} frames), rel L2: streaming {args.dtype} "
+        f"{f['stream']:.2e}, decode {args.dtype} {f['decode']:.2e}, re-decode fp32 {f['redecode_fp32']:.2e}, "
+        f"re-decode {args.dtype} {f['redecode']:.2e}; fp32 streaming max abs diff "
+        f"{res['fp32_stream_max_abs_diff']:.1e}"
+    )
     print(f"state per stream: {res['state_bytes_per_stream']:,} bytes; graphs captured in {res['capture_s']:.1f} s")
 
 

@@ -39,18 +39,32 @@ def paired_loader(config: Code2WavConfig, batch: int, frames: int, batches: int,
     """``batches`` batches of ``batch`` pairs: codes ``[Q, frames]`` and noise audio of their length."""
     gen = torch.Generator().manual_seed(seed)
     samples = config.output_length(frames)
-    items = [{"id": str(i), "codes": torch.randint(0, config.codebook_size, (config.num_quantizers, frames),
-                                                   generator=gen),
-              "audio": 0.1 * torch.randn(samples, generator=gen), "audio_length": samples}
-             for i in range(batch * batches)]  # fmt: skip
+    items = [
+        {
+            "id": str(i),
+            "codes": torch.randint(0, config.codebook_size, (config.num_quantizers, frames), generator=gen),
+            "audio": 0.1 * torch.randn(samples, generator=gen),
+            "audio_length": samples,
+        }
+        for i in range(batch * batches)
+    ]
     return DataLoader(items, batch_size=batch, collate_fn=collate_codes)
 
 
 def fit_trainer(device: str, precision: str, batches: int, adversarial: bool, callbacks: list) -> pl.Trainer:
     """A Trainer for ``batches`` training batches (manual GAN optimization counts two steps per batch)."""
-    return Trainer(accelerator=device, devices=1, precision=precision, max_steps=batches * (2 if adversarial else 1),
-                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                   limit_val_batches=0, callbacks=callbacks)  # fmt: skip
+    return Trainer(
+        accelerator=device,
+        devices=1,
+        precision=precision,
+        max_steps=batches * (2 if adversarial else 1),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
 
 
 class EagerGenerator(Code2WavModule):
@@ -92,8 +106,11 @@ class StepClock(pl.Callback):
         elif self.seen == self.batches - 1:
             synchronize(pl_module)
             self.seconds, self.timed = time.perf_counter() - self.start, self.seen - self.warmup
-            self.before = {n: p.detach().to("cpu", copy=True) for n, p in pl_module.model.named_parameters()
-                           if p.requires_grad and not n.startswith("code_embedding")}  # fmt: skip
+            self.before = {
+                n: p.detach().to("cpu", copy=True)
+                for n, p in pl_module.model.named_parameters()
+                if p.requires_grad and not n.startswith("code_embedding")
+            }
 
     def on_train_end(self, trainer, pl_module) -> None:
         graph = pl_module.training_graph
@@ -115,15 +132,30 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
         torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, train_dataloaders=paired_loader(config, batch, frames, batches))
     audio_s = clock.timed * batch * config.output_length(frames) / config.sample_rate
-    peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # fmt: skip
+    peak = (
+        torch.cuda.max_memory_allocated()
+        if args.device == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
     del module, trainer
     gc.collect()
-    return {"preset": args.preset, "device": args.device, "precision": precision, "batch": batch,
-            "crop_s": args.crop_seconds, "adversarial": args.adversarial, "learning_rate": args.learning_rate,
-            "steps": clock.timed, "seconds": clock.seconds, "step_s": clock.seconds / max(clock.timed, 1),
-            "audio_s_per_s": audio_s / max(clock.seconds, 1e-9), "peak_memory_gib": peak / 2**30,
-            "updated": clock.updated, "graphs": graphs, "graph": clock.graph}  # fmt: skip
+    return {
+        "preset": args.preset,
+        "device": args.device,
+        "precision": precision,
+        "batch": batch,
+        "crop_s": args.crop_seconds,
+        "adversarial": args.adversarial,
+        "learning_rate": args.learning_rate,
+        "steps": clock.timed,
+        "seconds": clock.seconds,
+        "step_s": clock.seconds / max(clock.timed, 1),
+        "audio_s_per_s": audio_s / max(clock.seconds, 1e-9),
+        "peak_memory_gib": peak / 2**30,
+        "updated": clock.updated,
+        "graphs": graphs,
+        "graph": clock.graph,
+    }
 
 
 def machine(device: str) -> str:
@@ -131,8 +163,12 @@ def machine(device: str) -> str:
 
 
 def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine(args.device),
-            "torch": torch.__version__, "args": vars(args)}  # fmt: skip
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(args.device),
+        "torch": torch.__version__,
+        "args": vars(args),
+    }
     Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
@@ -146,8 +182,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12, help="timed batches")
     parser.add_argument("--warmup", type=int, default=4, help="untimed batches before them")
     parser.add_argument("--adversarial", action="store_true", help="with the discriminators (GAN)")
-    parser.add_argument("--graphs", choices=["on", "off", "both"], default="on",
-                        help="fit's CUDA graphs of the generator (training/graphs.py): as by default, off, or both")
+    parser.add_argument(
+        "--graphs",
+        choices=["on", "off", "both"],
+        default="on",
+        help="fit's CUDA graphs of the generator (training/graphs.py): as by default, off, or both",
+    )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--out", default="bench_train.json")
     args = parser.parse_args()
@@ -160,8 +200,11 @@ def main() -> None:
         for precision in args.precision:
             for graphs in {"on": [True], "off": [False], "both": [False, True]}[args.graphs]:
                 rows.append(bench_one(base, args, precision, batch, graphs))
-                print(f"  done batch {batch} {precision} graphs {graphs}: {rows[-1]['graph']}", file=sys.stderr,
-                      flush=True)  # fmt: skip
+                print(
+                    f"  done batch {batch} {precision} graphs {graphs}: {rows[-1]['graph']}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             write_json(args.out, args, rows)  # after every row: a later crash keeps the earlier ones
     memory = "peak GPU memory allocated" if args.device == "cuda" else "peak process RSS"
     gan = ", GAN" if args.adversarial else ""
@@ -170,8 +213,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         used = "replayed" if r["graph"].get("replays") else ("off" if not r["graphs"] else "not used")
-        print(f"| {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | {r['audio_s_per_s']:.1f} "
-              f"| {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |")  # fmt: skip
+        print(
+            f"| {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | {r['audio_s_per_s']:.1f} "
+            f"| {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |"
+        )
 
 
 if __name__ == "__main__":

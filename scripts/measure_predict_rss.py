@@ -62,8 +62,14 @@ def run_one(folder: str, batch_size: int, variant: str) -> dict:
 
     def predict(keep: bool):
         data = CodesDataModule(predict=folder, batch_size=batch_size, num_workers=0)
-        trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
         return trainer.predict(module, datamodule=data, return_predictions=keep)
 
     predict(False)
@@ -77,9 +83,16 @@ def run_one(folder: str, batch_size: int, variant: str) -> dict:
     after = rss_bytes()
     audio = sum(p["model_outputs"].nbytes for out in outputs for p in out.pooler_output)
     requests = sum(out.num_reqs for out in outputs)
-    return {"variant": variant, "requests": requests, "audio_mb": audio / 1e6, "rss_before_mb": before / 1e6,
-            "rss_after_mb": after / 1e6, "rss_growth_mb": (after - before) / 1e6,
-            "growth_per_audio": (after - before) / audio, "seconds": seconds}  # fmt: skip
+    return {
+        "variant": variant,
+        "requests": requests,
+        "audio_mb": audio / 1e6,
+        "rss_before_mb": before / 1e6,
+        "rss_after_mb": after / 1e6,
+        "rss_growth_mb": (after - before) / 1e6,
+        "growth_per_audio": (after - before) / audio,
+        "seconds": seconds,
+    }
 
 
 def main() -> None:
@@ -107,12 +120,18 @@ def main() -> None:
     print("| variant | requests | audio (MB) | RSS before (MB) | RSS after (MB) | growth (MB) | growth / audio |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['variant']} | {r['requests']} | {r['audio_mb']:.0f} | {r['rss_before_mb']:.0f} | "
-              f"{r['rss_after_mb']:.0f} | {r['rss_growth_mb']:.0f} | {r['growth_per_audio']:.2f}x |")  # fmt: skip
+        print(
+            f"| {r['variant']} | {r['requests']} | {r['audio_mb']:.0f} | {r['rss_before_mb']:.0f} | "
+            f"{r['rss_after_mb']:.0f} | {r['rss_growth_mb']:.0f} | {r['growth_per_audio']:.2f}x |"
+        )
     if args.json is not None:
-        meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.processor() or platform.machine(),
-                "cpus": os.cpu_count(), "torch_threads": os.environ.get("OMP_NUM_THREADS"),
-                "args": {k: str(v) for k, v in vars(args).items()}}  # fmt: skip
+        meta = {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "torch_threads": os.environ.get("OMP_NUM_THREADS"),
+            "args": {k: str(v) for k, v in vars(args).items()},
+        }
         args.json.write_text(json.dumps({**meta, "results": results}, indent=2) + "\n")
 
 

@@ -38,14 +38,41 @@ GROUPS: list[tuple[str, tuple[str, ...]]] = [
     ("memory copies", ("memcpy", "memset")),
     ("optimizer + clipping", ("multi_tensor_apply", "_foreach", "adam")),
     (ELEMENTWISE, ("elementwise", "vectorized", "unrolled", "snake", "pointwise", "triton_poi")),
-    ("convolution", ("conv", "cudnn", "implicit_gemm", "fprop", "dgrad", "wgrad", "winograd", "flip_filter",
-                     "im2col", "col2im")),  # fmt: skip
+    (
+        "convolution",
+        ("conv", "cudnn", "implicit_gemm", "fprop", "dgrad", "wgrad", "winograd", "flip_filter", "im2col", "col2im"),
+    ),  # fmt: skip
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("STFT / FFT", ("fft", "radix", "stft")),
     ("GEMM", ("gemm", "nvjet", "cublas", "cutlass", "aten::mm", "aten::addmm", "aten::bmm", "matmul")),
     ("reduction / norm", ("reduce", "norm", "softmax", "aten::sum", "aten::mean", "aten::max", "aten::min")),
-    (ELEMENTWISE, ("sin", "cos", "exp", "pow", "mul", "add", "sub", "div", "copy", "cat", "leaky", "abs", "log",
-                   "clamp", "where", "gather", "scatter", "index", "fill", "pad", "reflection", "aten::")),  # fmt: skip
+    (
+        ELEMENTWISE,
+        (
+            "sin",
+            "cos",
+            "exp",
+            "pow",
+            "mul",
+            "add",
+            "sub",
+            "div",
+            "copy",
+            "cat",
+            "leaky",
+            "abs",
+            "log",
+            "clamp",
+            "where",
+            "gather",
+            "scatter",
+            "index",
+            "fill",
+            "pad",
+            "reflection",
+            "aten::",
+        ),
+    ),  # fmt: skip
 ]
 
 
@@ -117,10 +144,12 @@ def _annotation(event: Any) -> bool:
 def kernel_table(prof: profile, device: str, rows: int) -> dict[str, Any]:
     """Self time per kernel (CUDA) or operator (CPU), grouped, and the top ``rows`` of them."""
     on_device = device == "cuda"
-    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if on_device else "CPU")
-              and not (on_device and _annotation(e))]  # fmt: skip
-    timed = [(e.key, (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e3, e.count)
-             for e in events]  # fmt: skip
+    events = [
+        e
+        for e in prof.key_averages()
+        if e.device_type.name == ("CUDA" if on_device else "CPU") and not (on_device and _annotation(e))
+    ]
+    timed = [(e.key, (e.self_device_time_total if on_device else e.self_cpu_time_total) / 1e3, e.count) for e in events]
     timed = sorted((t for t in timed if t[1] > 0), key=lambda t: -t[1])
     total = sum(ms for _, ms, _ in timed)
     groups: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
@@ -130,10 +159,13 @@ def kernel_table(prof: profile, device: str, rows: int) -> dict[str, Any]:
     return {
         "kernel_ms": total,
         "kernels": sum(count for _, _, count in timed),
-        "groups": [{"group": g, "ms": ms, "share": ms / max(total, 1e-9), "calls": int(calls)}
-                   for g, (ms, calls) in sorted(groups.items(), key=lambda kv: -kv[1][0])],  # fmt: skip
-        "top": [{"name": name[:200], "group": group_of(name), "ms": ms, "calls": count}
-                for name, ms, count in timed[:rows]],  # fmt: skip
+        "groups": [
+            {"group": g, "ms": ms, "share": ms / max(total, 1e-9), "calls": int(calls)}
+            for g, (ms, calls) in sorted(groups.items(), key=lambda kv: -kv[1][0])
+        ],
+        "top": [
+            {"name": name[:200], "group": group_of(name), "ms": ms, "calls": count} for name, ms, count in timed[:rows]
+        ],
     }
 
 
@@ -149,16 +181,26 @@ def profile_one(base: Code2Wav, args: argparse.Namespace, adversarial: bool) -> 
     counts = callback.counter.counts if callback.counter is not None else {}
     table["operators"] = sum(counts.values())
     table["top_operators"] = dict(sorted(counts.items(), key=lambda kv: -kv[1])[: args.rows])
-    return {"mode": "generator + GAN" if adversarial else "generator", "preset": args.preset,
-            "precision": args.precision, "batch": args.batch, "crop_s": args.crop_seconds,
-            "step_ms": 1000 * callback.step_s, **table}  # fmt: skip
+    return {
+        "mode": "generator + GAN" if adversarial else "generator",
+        "preset": args.preset,
+        "precision": args.precision,
+        "batch": args.batch,
+        "crop_s": args.crop_seconds,
+        "step_ms": 1000 * callback.step_s,
+        **table,
+    }
 
 
 def markdown(run: dict[str, Any], unit: str) -> str:
-    lines = [f"**{run['mode']}**, {run['preset']} {run['precision']}, batch {run['batch']} x {run['crop_s']:g} s: "
-             f"step {run['step_ms']:.1f} ms wall, {run['kernel_ms']:.1f} ms of {unit} ({run['kernels']} calls); "
-             f"{run['operators']} operators dispatched in the batch before", "",
-             "| group | ms | share | calls |", "|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"**{run['mode']}**, {run['preset']} {run['precision']}, batch {run['batch']} x {run['crop_s']:g} s: "
+        f"step {run['step_ms']:.1f} ms wall, {run['kernel_ms']:.1f} ms of {unit} ({run['kernels']} calls); "
+        f"{run['operators']} operators dispatched in the batch before",
+        "",
+        "| group | ms | share | calls |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {g['group']} | {g['ms']:.2f} | {g['share']:.1%} | {g['calls']} |" for g in run["groups"]]
     lines += ["", f"| top {unit} | group | ms | calls |", "|---|---|---|---|"]
     lines += [f"| `{t['name'][:90]}` | {t['group']} | {t['ms']:.2f} | {t['calls']} |" for t in run["top"]]
@@ -172,8 +214,12 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--crop-seconds", type=float, default=2.0)
-    parser.add_argument("--warmup", type=int, default=3,
-                        help="batches before the profiled one (>= 2: the last one's operators are counted)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=3,
+        help="batches before the profiled one (>= 2: the last one's operators are counted)",
+    )
     parser.add_argument("--graphs", choices=["on", "off"], default="on", help="fit's CUDA graphs of the generator")
     parser.add_argument("--rows", type=int, default=15, help="top kernels listed")
     parser.add_argument("--modes", nargs="+", choices=["generator", "gan"], default=["generator", "gan"])

@@ -60,30 +60,47 @@ def main() -> None:
     parser.add_argument("--frames", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--graph-frames", type=int, default=None, help="default: 512, 256 at 1024 frames or less")
     parser.add_argument("--new-shape-cost", type=int, nargs="+", default=[Planner.new_shape_cost])
-    parser.add_argument("--step-cost", type=int, nargs="+", default=[Planner.step_cost],
-                        help="the planner's fixed cost of a forward, in frames")
+    parser.add_argument(
+        "--step-cost",
+        type=int,
+        nargs="+",
+        default=[Planner.step_cost],
+        help="the planner's fixed cost of a forward, in frames",
+    )
     args = parser.parse_args()
     config = resolve_config("qwen3-omni")
     data = CodesDataModule(predict=mixed_job(config, 384, 2.0, 30.0, 0), batch_size=32)
     data.setup("predict")
     loader = data.predict_dataloader()
     loader = loader[0] if isinstance(loader, list) else loader
-    jobs = {"job": [b["lengths"].tolist() for b in loader], "b1x125": [[125]], "b32x125": [[125] * 32],
-            "lone7500": [[7500]]}  # fmt: skip
-    print("| frames | graph frames | step cost | new shape cost | job | forwards, padding, shapes "
-          "| x real time (model) |")
+    jobs = {
+        "job": [b["lengths"].tolist() for b in loader],
+        "b1x125": [[125]],
+        "b32x125": [[125] * 32],
+        "lone7500": [[7500]],
+    }
+    print(
+        "| frames | graph frames | step cost | new shape cost | job | forwards, padding, shapes | x real time (model) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for frames, step_cost, new_cost in itertools.product(args.frames, args.step_cost, args.new_shape_cost):
         graph_frames = args.graph_frames or (512 if frames > 1024 else 256)
-        planner = Planner(frames, graph_frames=min(graph_frames, frames), exact_eager=True, step_cost=step_cost,
-                          new_shape_cost=new_cost)  # fmt: skip
+        planner = Planner(
+            frames,
+            graph_frames=min(graph_frames, frames),
+            exact_eager=True,
+            step_cost=step_cost,
+            new_shape_cost=new_cost,
+        )
         for name, batches in jobs.items():
             seen: set = set()
             price(planner, batches, seen)  # cold: captures
             warm = price(planner, batches, seen)
             audio = sum(config.output_length(n) for b in batches for n in b) / config.sample_rate
-            print(f"| {frames} | {graph_frames} | {step_cost} | {new_cost} | {name} | {warm['forwards']}, "
-                  f"{100 * warm['padding']:.0f} %, {warm['shapes']} shapes | {audio / warm['ms'] * 1e3:,.0f}x |")
+            print(
+                f"| {frames} | {graph_frames} | {step_cost} | {new_cost} | {name} | {warm['forwards']}, "
+                f"{100 * warm['padding']:.0f} %, {warm['shapes']} shapes | {audio / warm['ms'] * 1e3:,.0f}x |"
+            )
 
 
 if __name__ == "__main__":

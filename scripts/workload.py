@@ -21,8 +21,9 @@ import torch
 from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
 
 
-def mixed_job(config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, max_s: float = 30.0,
-              seed: int = 0) -> dict[str, torch.Tensor]:  # fmt: skip
+def mixed_job(
+    config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, max_s: float = 30.0, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """``requests`` requests of uniform random ``min_s``..``max_s`` seconds of random codes (seeded):
     the benchmarks' mixed job (384 of 2-30 s, seed 0)."""
     rng = random.Random(seed)
@@ -31,7 +32,7 @@ def mixed_job(config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, m
     return {
         f"req-{i:04d}": torch.randint(
             0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)), generator=gen
-        )  # fmt: skip
+        )
         for i in range(requests)
     }
 
@@ -84,9 +85,11 @@ def memory(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
     gib = 2**30
-    return {"peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
-            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
-            "reserved_gib": torch.cuda.memory_reserved(device) / gib}  # fmt: skip
+    return {
+        "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / gib,
+        "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+        "reserved_gib": torch.cuda.memory_reserved(device) / gib,
+    }
 
 
 def save(path: str | Path, result: dict[str, Any], args: Any) -> None:
@@ -97,6 +100,8 @@ def save(path: str | Path, result: dict[str, Any], args: Any) -> None:
     result["meta"] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "lightning": lightning.__version__, "args": vars(args),
-    }  # fmt: skip
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "args": vars(args),
+    }
     Path(path).write_text(json.dumps(result, indent=2, default=str))

@@ -30,8 +30,14 @@ TINY = Code2WavConfig.from_name("tiny")
 PCM16 = 1.5 / 2**15  # PCM_16 rounding
 
 # Small enough for many forwards in a test, with the real 1920x geometry.
-MICRO = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-             intermediate_size=32, decoder_dim=16)  # fmt: skip
+MICRO = dict(
+    hidden_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=32,
+    decoder_dim=16,
+)
 
 
 def micro_config(**overrides) -> Code2WavConfig:
@@ -62,8 +68,15 @@ LENGTHS = [9, 1, 23, 4, 17, 2, 30]
 
 
 def trainer_kwargs(**kw):
-    return dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False, **kw)  # fmt: skip
+    return dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kw,
+    )
 
 
 def requests(lengths=LENGTHS, seed=0):
@@ -165,8 +178,9 @@ class SigtermInLastBatch(Callback):
 def predict_to(out, source, model, **data_kw):
     writer = WaveformWriter(out)
     data = CodesDataModule(predict=source if isinstance(source, dict) else str(source), skip_done=out, **data_kw)
-    Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), datamodule=data,
-                                                          return_predictions=False)  # fmt: skip
+    Trainer(**trainer_kwargs(callbacks=[writer])).predict(
+        Code2WavModule(model=model), datamodule=data, return_predictions=False
+    )
     return writer
 
 

@@ -106,8 +106,10 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     (own / "manifest.jsonl").write_text(json.dumps({"id": "a", "codes": str(tmp_path / "one.npy")}) + "\n")
     runs.append([*good[:-1], str(own / "manifest.jsonl"), "--out_dir", str(own)])
     wanted.append((str(own / "manifest.jsonl"), "is the manifest this job writes in --out_dir"))
-    for fmt, subtype, value, fix in (("flac", "FLOAT", "'FLOAT'", "cannot be written as flac: use one of PCM_16"),
-                                     ("mp3", "PCM_16", "'mp3'", "is not an output format: use one of wav, flac")):
+    for fmt, subtype, value, fix in (
+        ("flac", "FLOAT", "'FLOAT'", "cannot be written as flac: use one of PCM_16"),
+        ("mp3", "PCM_16", "'mp3'", "is not an output format: use one of wav, flac"),
+    ):
         runs.append([*good, "--format", fmt, "--subtype", subtype])
         wanted.append((value, fix))
     # the weights guard: no --model.checkpoint, no --ckpt_path, no --model.random_weights true
@@ -118,8 +120,13 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     for sub, args in no_weights.items():
         for random in ([], ["--model.random_weights", "false"]):
             runs.append([sub, *args, *random])
-            wanted.append((f"{sub} has no weights", "--model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) "
-                           "or --ckpt_path <Lightning .ckpt>; --model.random_weights true"))
+            wanted.append(
+                (
+                    f"{sub} has no weights",
+                    "--model.checkpoint <folder> (a Qwen3-Omni or Code2Wav checkpoint) "
+                    "or --ckpt_path <Lightning .ckpt>; --model.random_weights true",
+                )
+            )
     runs += [["predcit", *good[1:]], [], ["--config", "configs/predict.yaml"]]  # said before Lightning loads
     wanted += [("'predcit' is not a subcommand", "(did you mean predict?): use one of fit, validate, test, predict, "
                 "demo"), ("no subcommand given", "use one of fit"), ("no subcommand", "--help lists")]  # fmt: skip

@@ -1,7 +1,6 @@
 """Codes a model and a job take: any integer dtype, range checks that never wrap, a check that
 follows in-place writes, and a bad request that fails alone while the others decode."""
 
-
 import numpy as np
 import pytest
 import torch

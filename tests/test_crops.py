@@ -1,6 +1,5 @@
 """Training crops: random per loader worker and per epoch."""
 
-
 import torch
 from helpers import TINY
 

@@ -1,6 +1,5 @@
 """The demo command: it reruns only in a folder it made, and refuses counts below one."""
 
-
 import pytest
 
 

@@ -210,10 +210,9 @@ def test_planner_pads_little_on_the_mixed_job_with_few_shapes():
 
 
 def test_planner_runs_a_lone_request_as_its_own_shape_not_as_padding_rows():
-    """With CUDA graphs on, eager forwards take the whole budget; a lone 10 s request under a
-    2048-frame budget was run as 32 rows of 64 frames (31 of padding) and then smaller pieces, 4
-    forwards where one does (a 10 s clip took 11.6 ms on an H200 instead of 5.1). No forward
-    may be more padding rows than request rows; the lone request is one forward, once captured."""
+    """With CUDA graphs on, eager forwards take the whole budget, but a lone 10 s request under a
+    2048-frame budget is not run as 32 rows of 64 frames: no forward may be more padding rows than
+    request rows, and the lone request is one forward once captured."""
     for frames, graph_frames in ((2048, 512), (1024, 256), (4096, 512)):
         planner, seen = Planner(frames, graph_frames=graph_frames, exact_eager=True), set()
         for run in range(2):
@@ -229,11 +228,9 @@ def test_planner_runs_a_lone_request_as_its_own_shape_not_as_padding_rows():
             assert plan.rows <= max(2 * len(plan.requests), 1) or plan.rows * plan.chunk <= graph_frames, (n, plan)
 
 
-
 def test_planner_ends_a_long_lone_request_in_one_forward_of_its_remainder():
     """A 600 s request (7,500 frames) under 2048 frames per forward: whole-budget forwards, then one
-    forward of what is left (it was 2 rows x 1024 frames, one row padding, then one more; 4 %
-    padding at most now, where it was 13 % on an H200). Without CUDA graphs (CPU), the same."""
+    forward of what is left, one row each, 4 % padding at most. Without CUDA graphs (CPU), the same."""
     for exact_eager in (True, False):
         planner = Planner(2048, graph_frames=512 if exact_eager else 0, exact_eager=exact_eager)
         remaining, plans = [7500], []
@@ -243,8 +240,9 @@ def test_planner_ends_a_long_lone_request_in_one_forward_of_its_remainder():
         assert all(p.rows == 1 for p in plans), plans
         assert len(plans) == 4 and sum(p.chunk for p in plans) / 7500 - 1 < 0.04, plans
 
+
 def test_planner_prefers_a_shape_it_has_run_rows_padded_never_chunks():
-    """A new shape costs a capture or new cuDNN plans on CUDA (~0.5 s on an H200): three rows' last
+    """A new shape costs a capture or new cuDNN plans on CUDA: three rows' last
     frames replay a 32-row bucket already run rather than start a 4-row one; a bucket of a longer
     chunk is never taken (a stream's step computes only its own frames)."""
     planner = Planner(2048, graph_frames=512, exact_eager=True)
@@ -280,7 +278,7 @@ def test_frame_budget_follows_the_memory_budget():
     # the last decoder stage: 1920 samples x 96 channels, three tensors alive, bf16
     assert 1920 * 96 * 3 * 2 <= per_frame <= 1920 * 96 * 4 * 2
     assert activation_bytes_per_frame(big, torch.float32) == pytest.approx(2 * per_frame, rel=0.05)
-    budget = int(0.03 * 140 * 2**30) - 2**30  # a 0.03 share of an H200, less weights and state
+    budget = int(0.03 * 140 * 2**30) - 2**30  # a 0.03 share of a 140 GiB GPU, less weights and state
     graph_frames = graph_frames_for_budget(budget, per_frame, 512)
     assert graph_frames <= 512 and graph_pool_bytes(graph_frames, per_frame) <= budget / 4
     frames = frames_for_budget(budget - graph_pool_bytes(graph_frames, per_frame), per_frame)
@@ -304,10 +302,18 @@ def test_batch_decode_pads_last_frames_to_shapes_it_has_run_and_stays_exact(mode
     assert stats["new_shapes"] == len(engine.ever) <= 2 and stats["new_shape_s"] > 0  # 4 without padding in time
 
 
-@pytest.mark.parametrize("bad", [{"graph_frames": -1}, {"graph_share": 0}, {"graph_share": 1.5},
-                                 {"gpu_memory_utilization": 0}, {"gpu_memory_utilization": 1.5}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"graph_frames": -1},
+        {"graph_share": 0},
+        {"graph_share": 1.5},
+        {"gpu_memory_utilization": 0},
+        {"gpu_memory_utilization": 1.5},
+    ],
+)
 def test_bad_engine_settings_are_refused_naming_the_value(model, bad):
-    (name, value), = bad.items()
+    ((name, value),) = bad.items()
     with pytest.raises(ValueError, match=f"{name} must be .*got {value}"):
         DecodeEngine(model, **bad)
 
@@ -455,8 +461,11 @@ def test_the_engine_holds_convolution_weights_channels_last_and_hands_them_back_
     packing them for the host (as the move back does on CUDA) makes them contiguous again."""
     module = Code2WavModule(model=random_model(micro_config(), seed=6))
     model = module.model
-    convs = [m.weight for m in model.modules() if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d))
-             and m.kernel_size[0] > 1]  # fmt: skip
+    convs = [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) and m.kernel_size[0] > 1
+    ]
     assert convs and all(w.is_contiguous() and w.stride(1) != 1 for w in convs if w.shape[1] > 1)
     module.engine = DecodeEngine(model, frames_per_forward=24, capture=RecordingCapture())
     assert all(w.unsqueeze(2).is_contiguous(memory_format=torch.channels_last) for w in convs)

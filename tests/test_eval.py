@@ -98,10 +98,18 @@ def test_an_evaluation_that_scored_nothing_is_nan_not_perfect():
     assert "loss" not in empty  # no batch brought losses
     metrics = AudioMetrics()
     clean = torch.sin(torch.arange(4800) / 10.0)
-    metrics.update(clean[None, None], clean[None], torch.tensor([4800]), losses={"loss": torch.tensor(2.0),
-                   "mel": torch.tensor(0.5), "stft": torch.tensor(1.5)})  # fmt: skip
-    metrics.update(clean.repeat(3, 1)[:, None], clean.repeat(3, 1), torch.tensor([4800] * 3),
-                   losses={"loss": torch.tensor(1.0), "mel": torch.tensor(0.25), "stft": torch.tensor(0.75)})
+    metrics.update(
+        clean[None, None],
+        clean[None],
+        torch.tensor([4800]),
+        losses={"loss": torch.tensor(2.0), "mel": torch.tensor(0.5), "stft": torch.tensor(1.5)},
+    )
+    metrics.update(
+        clean.repeat(3, 1)[:, None],
+        clean.repeat(3, 1),
+        torch.tensor([4800] * 3),
+        losses={"loss": torch.tensor(1.0), "mel": torch.tensor(0.25), "stft": torch.tensor(0.75)},
+    )
     out = metrics.compute()  # losses are batch means: weighted by batch size, as Lightning's logging did
     assert out["loss"] == pytest.approx((2.0 + 3 * 1.0) / 4) and out["mel"] == pytest.approx((0.5 + 0.75) / 4)
 

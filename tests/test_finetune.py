@@ -218,13 +218,18 @@ def test_bad_paired_requests_are_refused_or_skipped_by_name_never_trained_on(pai
     the fit mid-run with "training needs paired data") are bad input. With ``on_bad_input="raise"`` the
     line is refused at set-up, naming it (a NaN target raises when it is read); with ``"skip"`` both
     are left out, each named in one warning, and the fit trains on the rest with finite weights."""
-    wav, _ = sf.read(str(pairs[0].parent / json.loads(pairs[0].read_text().splitlines()[3])["audio"]),
-                     dtype="float32")  # fmt: skip
+    wav, _ = sf.read(str(pairs[0].parent / json.loads(pairs[0].read_text().splitlines()[3])["audio"]), dtype="float32")
     wav[100:200] = np.nan
     sf.write(tmp_path / "nan.wav", wav, 24000, subtype="FLOAT")
     _, rows = variant(pairs, tmp_path, [])
-    manifest, _ = variant(pairs, tmp_path, [{**rows[0], "id": "nan target", "audio": str(tmp_path / "nan.wav")},
-                                            {"id": "no audio", "codes": rows[1]["codes"]}])  # fmt: skip
+    manifest, _ = variant(
+        pairs,
+        tmp_path,
+        [
+            {**rows[0], "id": "nan target", "audio": str(tmp_path / "nan.wav")},
+            {"id": "no audio", "codes": rows[1]["codes"]},
+        ],
+    )
     with pytest.raises(UsageError, match="no audio: no 'audio' path in its manifest line"):
         CodesDataModule(train=str(manifest), on_bad_input="raise").setup("fit")  # (the NaN: when read)
     data = CodesDataModule(train=str(manifest), batch_size=1, crop_frames=20, on_bad_input="skip")
@@ -243,8 +248,10 @@ def test_a_gan_batch_too_short_for_the_discriminators_names_its_requests(pairs, 
     row = json.loads(train.read_text().splitlines()[0])
     wav, sr = sf.read(str(train.parent / row["audio"]), dtype="float32")
     sf.write(tmp_path / "tiny.wav", wav[:500], sr, subtype="FLOAT")
-    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "tiny clip", "codes": str(train.parent / row["codes"]),
-                                                  "audio": str(tmp_path / "tiny.wav")}) + "\n")  # fmt: skip
+    (tmp_path / "m.jsonl").write_text(
+        json.dumps({"id": "tiny clip", "codes": str(train.parent / row["codes"]), "audio": str(tmp_path / "tiny.wav")})
+        + "\n"
+    )
     data = CodesDataModule(train=str(tmp_path / "m.jsonl"), batch_size=1)
     with pytest.raises(UsageError, match=r"need >= 1025 samples: request\(s\) \['tiny clip'\] have fewer"):
         Trainer(**fit_kwargs(2)).fit(student(adversarial=True), datamodule=data)
@@ -256,16 +263,21 @@ def test_crops_start_inside_the_real_audio(pairs, tmp_path):
     row = json.loads(train.read_text().splitlines()[0])
     wav, sr = sf.read(str(train.parent / row["audio"]), dtype="float32")
     sf.write(tmp_path / "short.wav", wav[: len(wav) // 4], sr, subtype="FLOAT")
-    (tmp_path / "m.jsonl").write_text(json.dumps({"id": "s", "codes": str(train.parent / row["codes"]),
-                                                  "audio": str(tmp_path / "short.wav")}) + "\n")  # fmt: skip
+    (tmp_path / "m.jsonl").write_text(
+        json.dumps({"id": "s", "codes": str(train.parent / row["codes"]), "audio": str(tmp_path / "short.wav")}) + "\n"
+    )
     ds = CodesDataset(str(tmp_path / "m.jsonl"), "tiny", crop_frames=4, paired=True)
     assert ds.lengths[0] > 4 * 4  # the codes run far past the audio
     assert all(ds[0]["audio_length"] > 0 for _ in range(30))
 
 
 def test_out_of_range_optimization_settings_are_refused_by_name():
-    for kw, name in (({"learning_rate": -1.0}, "learning_rate"), ({"mel_weight": -0.5}, "mel_weight"),
-                     ({"discriminator_lr": float("nan")}, "discriminator_lr"), ({"min_lr_ratio": 2.0}, "min_lr_ratio")):
+    for kw, name in (
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"mel_weight": -0.5}, "mel_weight"),
+        ({"discriminator_lr": float("nan")}, "discriminator_lr"),
+        ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+    ):
         with pytest.raises(ValueError, match=name):
             Code2WavModule(model=random_model("tiny"), **kw)
 
@@ -295,9 +307,8 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_fit_resumed_at_an_epoch_end_takes_the_crops_and_weights_of_an_uninterrupted_one(pairs, tmp_path, workers):
     """Training crops are keyed on (seed, epoch, request), so the resumed epoch crops as the
-    uninterrupted run's did (a crop generator not in the checkpoint used to start over: epoch 0's
-    crops again). With loader workers too: Lightning makes the resumed fit's first iterator before it
-    sets the epoch, and workers started there cropped and ordered batches with epoch 0."""
+    uninterrupted run's did (not epoch 0's crops again). With loader workers too: Lightning makes the
+    resumed fit's first iterator before it sets the epoch, and workers started there must not use epoch 0."""
     data = partial(datamodule, pairs, num_workers=workers)
     whole_log, whole = LossLog(), student(total_steps=100)  # a fixed schedule: runs of other lengths agree
     Trainer(**fit_kwargs(4, callbacks=[whole_log])).fit(whole, datamodule=data())
@@ -355,8 +366,15 @@ def precision_kwargs(precision, accelerator="cpu"):
 
 
 # 16-mixed with the GAN only: without it, the GradScaler's path is Lightning's own automatic optimization
-CASES = [("32-true", False), ("32-true", True), ("bf16-mixed", False), ("bf16-mixed", True), ("bf16-true", False),
-         ("bf16-true", True), ("16-mixed", True)]  # fmt: skip
+CASES = [
+    ("32-true", False),
+    ("32-true", True),
+    ("bf16-mixed", False),
+    ("bf16-mixed", True),
+    ("bf16-true", False),
+    ("bf16-true", True),
+    ("16-mixed", True),
+]
 
 
 GPU_CASES = [(p, a) for p in ("32-true", "bf16-mixed", "bf16-true", "16-mixed") for a in (False, True)]

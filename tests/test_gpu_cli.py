@@ -11,14 +11,13 @@ import soundfile as sf
 import torch
 from helpers import cli, random_codes, random_model, save_model
 
-cuda = pytest.mark.gpu
+pytestmark = pytest.mark.gpu  # every test here needs CUDA
 
 
 def rel_l2(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-@cuda
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
 def test_cli_predict_on_cuda_under_a_small_cap_writes_every_request_exact(tmp_path, precision, no_tf32):
     ckpt = save_model(tmp_path / "ckpt")

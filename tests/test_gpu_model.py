@@ -1,5 +1,4 @@
-"""CUDA-only checks of the kernels and the engine's forward (skipped without a GPU; run on an H200
-through the device tool)."""
+"""CUDA-only checks of the kernels and the engine's forward (``pytest -m gpu``; skipped without CUDA)."""
 
 import pytest
 import torch
@@ -9,10 +8,9 @@ from omni_lightning import DecodeEngine
 from omni_lightning.kernels import Kernels
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton
 
-cuda = pytest.mark.gpu
+pytestmark = pytest.mark.gpu  # every test here needs CUDA
 
 
-@cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_snake_beta_kernel_matches_the_reference_on_any_strides(dtype):
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -29,7 +27,6 @@ def test_snake_beta_kernel_matches_the_reference_on_any_strides(dtype):
             assert (y.float() - want.float()).abs().max() <= tol * want.float().abs().max()
 
 
-@cuda
 def test_fast_sine_is_as_accurate_as_libdevice_for_any_argument():
     # the default kernel reduces the argument to [-pi, pi] and uses the GPU's sin.approx
     gen = torch.Generator(device="cuda").manual_seed(2)
@@ -46,7 +43,6 @@ def test_fast_sine_is_as_accurate_as_libdevice_for_any_argument():
         assert errors[False] <= 2 * errors[True] + 2e-6, (scale, errors)
 
 
-@cuda
 def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
     model = random_model("tiny").cuda()
     ref = reference_model(model).cuda()
@@ -57,7 +53,6 @@ def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
             assert (model(codes, kernels=kernels) - want).abs().max() <= 1e-4, kernels.name
 
 
-@cuda
 def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32):
     model = random_model("tiny", seed=3).cuda()
     lengths = [1, 7, 71, 72, 73, 200, 5]

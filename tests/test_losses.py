@@ -31,8 +31,10 @@ def cut_item_losses(pred, target):
     for n, m in zip((512, 1024, 2048), (40, 80, 128)):
         spectrogram = torchaudio.transforms.MelSpectrogram(24000, n_fft=n, hop_length=n // 4, n_mels=m, power=1.0)
         mel.append(F.l1_loss(torch.log(spectrogram(pred) + 1e-5), torch.log(spectrogram(target) + 1e-5)))
-        pm, tm = (torch.stft(x, n, n // 4, window=torch.hann_window(n), return_complex=True).abs().clamp_min(1e-7)
-                  for x in (pred, target))  # fmt: skip
+        pm, tm = (
+            torch.stft(x, n, n // 4, window=torch.hann_window(n), return_complex=True).abs().clamp_min(1e-7)
+            for x in (pred, target)
+        )
         stft.append(torch.linalg.norm(tm - pm) / torch.linalg.norm(tm) + F.l1_loss(torch.log(pm), torch.log(tm)))
     return torch.stack(mel).mean(), torch.stack(stft).mean()
 
@@ -98,8 +100,11 @@ def test_discriminators_run_channels_last_and_score_as_channels_first():
     assert four_d and all(p.is_contiguous(memory_format=torch.channels_last) for p in four_d)
     assert not all(p.is_contiguous() for p in four_d)  # (a [out, 1, k, 1] weight is both)
     assert all(p.is_contiguous() for p in first.parameters())
-    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in Discriminators().bfloat16().parameters()
-               if p.dim() == 4)  # fmt: skip
+    assert all(
+        p.is_contiguous(memory_format=torch.channels_last)
+        for p in Discriminators().bfloat16().parameters()
+        if p.dim() == 4
+    )
     grads = []
     for d in (disc, first):
         inp = x.clone().requires_grad_()

@@ -22,9 +22,15 @@ from omni_lightning.training.schedule import WarmupCosine, adamw_with_schedule, 
 def one_frame_pairs(config, count, seed=0):
     gen = torch.Generator().manual_seed(seed)
     samples = config.output_length(1)
-    return [{"id": str(i), "codes": torch.randint(0, config.codebook_size, (16, 1), generator=gen),
-             "audio": 0.1 * torch.randn(samples, generator=gen), "audio_length": samples}
-            for i in range(count)]  # fmt: skip
+    return [
+        {
+            "id": str(i),
+            "codes": torch.randint(0, config.codebook_size, (16, 1), generator=gen),
+            "audio": 0.1 * torch.randn(samples, generator=gen),
+            "audio_length": samples,
+        }
+        for i in range(count)
+    ]
 
 
 class Weights(pl.Callback):
@@ -114,8 +120,10 @@ def test_the_fused_step_agrees_with_the_foreach_step(dtype):
     """Fused (CUDA's default here) and foreach AdamW, with master weights (bf16) and without (fp32)."""
     layers = [bf16_linear(0).to(dtype) for _ in range(2)]
     schedule = WarmupCosine(0, 100, 0.1)
-    optimizers = [adamw_with_schedule(layer.parameters(), schedule, fused, lr=1e-3, weight_decay=0.1)[0]
-                  for layer, fused in zip(layers, (False, True))]  # fmt: skip
+    optimizers = [
+        adamw_with_schedule(layer.parameters(), schedule, fused, lr=1e-3, weight_decay=0.1)[0]
+        for layer, fused in zip(layers, (False, True))
+    ]
     for seed in range(4):
         for optimizer, layer in zip(optimizers, layers):
             step(optimizer, layer, seed)

@@ -36,11 +36,23 @@ def test_tiny_matches_transformers(tiny_model, frames):
 def test_non_default_config_matches_transformers():
     # grouped KV heads (4 query heads share 1), explicit head_dim, other rates, a short window
     config = Code2WavConfig(
-        name="odd", codebook_size=100, num_quantizers=4, hidden_size=48, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=16, intermediate_size=80,
-        sliding_window=5, rope_theta=5000.0, upsampling_ratios=(3,), upsample_rates=(4, 3, 2),
-        decoder_dim=48, hidden_act="gelu", sample_rate=7200,
-    )  # fmt: skip
+        name="odd",
+        codebook_size=100,
+        num_quantizers=4,
+        hidden_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=80,
+        sliding_window=5,
+        rope_theta=5000.0,
+        upsampling_ratios=(3,),
+        upsample_rates=(4, 3, 2),
+        decoder_dim=48,
+        hidden_act="gelu",
+        sample_rate=7200,
+    )
     model = random_model(config, seed=3)
     ref = reference_model(model)
     assert config.total_upsample == 72 and config.frame_rate == 100
@@ -128,7 +140,7 @@ def test_chunked_decode_is_exact_with_memory_bounded_by_the_chunk(tiny_model):
 def test_a_forward_with_state_runs_under_grad_mode_as_the_readme_shows(tiny_model):
     """README's snippet has no ``no_grad``: a forward with a state under grad mode (parameters that
     require grad, as ``from_pretrained`` gives them) returns audio with its graph and leaves the state
-    detached; chunked decode works there too (both used to raise from the state's in-place write)."""
+    detached; chunked decode works there too."""
     codes = random_codes(2, 30, seed=12)
     assert all(p.requires_grad for p in tiny_model.parameters())
     state = tiny_model.new_state(2)
@@ -160,9 +172,15 @@ def test_presets_and_config_errors():
 
 
 def test_from_hf_reads_standalone_and_full_configs(tmp_path):
-    standalone = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-                  "decoder_dim": 64, "rope_parameters": {"rope_type": "default", "rope_theta": 5e3},
-                  "model_type": "", "transformers_version": "5.17.0"}  # fmt: skip
+    standalone = {
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "decoder_dim": 64,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5e3},
+        "model_type": "",
+        "transformers_version": "5.17.0",
+    }
     a = Code2WavConfig.from_hf(standalone)
     assert a.hidden_size == 64 and a.rope_theta == 5e3 and a.sample_rate == 24000
     full = {"model_type": "qwen3_omni_moe", "thinker_config": {}, "code2wav_config": standalone}

@@ -19,7 +19,8 @@ def test_a_predict_limited_to_no_batch_counts_every_request_as_not_run(tmp_path,
     writer = WaveformWriter(tmp_path / "out")
     data = CodesDataModule(predict={"a": random_codes(1, 3)[0], "b": random_codes(1, 4)[0]}, skip_done=tmp_path / "out")
     Trainer(**trainer_kwargs(callbacks=[writer], limit_predict_batches=0)).predict(
-        Code2WavModule(model=model), datamodule=data, return_predictions=False)  # fmt: skip
+        Code2WavModule(model=model), datamodule=data, return_predictions=False
+    )
     assert writer.stats["missing"] == 2 and writer.stats["limited"] and not writer.any_failed
     assert "2 requests not run (the trainer limits predict batches" in writer.summary()
     assert (tmp_path / "out" / ".a.wav.tmp").is_dir()
@@ -30,8 +31,10 @@ def rss_bytes():
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim") or not os.path.exists("/proc/self/status"),
-                    reason="measures glibc's heap through /proc")  # fmt: skip
+@pytest.mark.skipif(
+    not hasattr(ctypes.CDLL(None), "malloc_trim") or not os.path.exists("/proc/self/status"),
+    reason="measures glibc's heap through /proc",
+)
 def test_returned_predictions_keep_about_their_own_size_resident(model):
     job = {f"r{i}": random_codes(1, 190, seed=80 + i)[0] for i in range(4)}  # 4 x 15 s
     module = Code2WavModule(model=model)

@@ -1,6 +1,5 @@
 """The progress bar counts audio seconds, not batches."""
 
-
 import pytest
 import torch
 from conftest import random_codes

@@ -1,7 +1,6 @@
 """Request ids in a predict job: each maps to one file inside the output folder, a rerun resumes,
 and a repeated id stops the job before any decode (or is numbered on request)."""
 
-
 import numpy as np
 import pytest
 import torch

@@ -14,8 +14,8 @@ from omni_lightning.errors import UsageError
 
 
 def test_a_single_code_file_or_a_binary_file_as_a_source_is_a_usage_error_naming_it(tmp_path):
-    """From Python as on the command line: a code file is not a manifest (it used to be read as one
-    and fail with a UnicodeDecodeError)."""
+    """From Python as on the command line: a code file is not a manifest, and a binary file is named,
+    not a UnicodeDecodeError."""
     np.save(tmp_path / "a.npy", random_codes(1, 3)[0].numpy())
     (tmp_path / "blob.jsonl").write_bytes(b"\x93\xff\x00binary")
     (tmp_path / "late.jsonl").write_bytes(b'{"id": "x", "codes": "a.npy"}\n\xff\xfe\n')
@@ -48,14 +48,20 @@ def test_links_to_folders_and_odd_manifest_ids_are_reported_never_dropped_or_rew
     with pytest.raises(UsageError, match=r"holds no code files \(it holds 1 other file\(s\), e.g. linked\)"):
         CodesDataset(str(tmp_path / "only"), TINY)
 
-    lines = [{"id": "", "codes": "elsewhere/x.npy"}, {"id": True, "codes": "in/a.npy"},
-             {"id": {"k": 1}, "codes": "in/a.npy"}, {"id": 7, "codes": "in/a.npy"}]  # fmt: skip
+    lines = [
+        {"id": "", "codes": "elsewhere/x.npy"},
+        {"id": True, "codes": "in/a.npy"},
+        {"id": {"k": 1}, "codes": "in/a.npy"},
+        {"id": 7, "codes": "in/a.npy"},
+    ]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     dataset = CodesDataset(str(tmp_path / "m.jsonl"), TINY, on_bad_input="skip")
     assert dataset.ids == ["x", "line-2", "line-3", "7"]  # "" takes the file's name, as no id does
     must = "'id' must be a string (or a number), got"
-    assert dataset.bad == {"line-2": f"{tmp_path / 'm.jsonl'}:2: {must} true",
-                           "line-3": f"{tmp_path / 'm.jsonl'}:3: {must} {{\"k\": 1}}"}
+    assert dataset.bad == {
+        "line-2": f"{tmp_path / 'm.jsonl'}:2: {must} true",
+        "line-3": f'{tmp_path / "m.jsonl"}:3: {must} {{"k": 1}}',
+    }
 
 
 def test_a_pt_file_that_torch_did_not_write_is_told_apart_from_one_holding_other_objects(tmp_path):

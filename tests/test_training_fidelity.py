@@ -75,8 +75,14 @@ def fit_both_paths() -> dict:
     for i in range(2 * (STEPS + 1)):  # batches of a 2-frame and a 1-frame crop (right-padded)
         frames = 2 - i % 2
         samples = config.output_length(frames)
-        items.append({"id": str(i), "codes": torch.randint(0, config.codebook_size, (16, frames), generator=gen),
-                      "audio": 0.1 * torch.randn(samples, generator=gen), "audio_length": samples})  # fmt: skip
+        items.append(
+            {
+                "id": str(i),
+                "codes": torch.randint(0, config.codebook_size, (16, frames), generator=gen),
+                "audio": 0.1 * torch.randn(samples, generator=gen),
+                "audio_length": samples,
+            }
+        )
     train = DataLoader(items[: 2 * STEPS], batch_size=2, collate_fn=collate_codes)
     val = DataLoader(items[2 * STEPS :], batch_size=2, collate_fn=collate_codes)
     runs = {}
@@ -84,16 +90,20 @@ def fit_both_paths() -> dict:
         calls["triton"] = 0
         model = Code2Wav(config)
         model.load_state_dict(base.state_dict())
-        module = Interpreted(model=model, fast_training=fast, learning_rate=1e-3, total_steps=10**6,
-                             stft_weight=0.0)  # fmt: skip
+        module = Interpreted(model=model, fast_training=fast, learning_rate=1e-3, total_steps=10**6, stft_weight=0.0)
         record = Record()
         trainer = Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[record]))  # fit: no validation
         trainer.fit(module, train_dataloaders=train)
         fit_calls = calls["triton"]
         validated = trainer.validate(module, dataloaders=val, verbose=False)[0]
-        runs[fast] = dict(losses=record.losses, grads=record.grads, val=validated["val/loss"],
-                          kernels=module.training_kernels.name, fit_calls=fit_calls,
-                          val_calls=calls["triton"] - fit_calls)  # fmt: skip
+        runs[fast] = dict(
+            losses=record.losses,
+            grads=record.grads,
+            val=validated["val/loss"],
+            kernels=module.training_kernels.name,
+            fit_calls=fit_calls,
+            val_calls=calls["triton"] - fit_calls,
+        )
     fast, plain = runs[True], runs[False]
     loss_errors = [abs(a - b) / abs(b) for a, b in zip(fast["losses"], plain["losses"])]
     grad_errors, parameter_errors = [], []
@@ -101,15 +111,18 @@ def fit_both_paths() -> dict:
         assert got.keys() == want.keys()
         diff = sum(float((got[n] - want[n]).square().sum()) for n in want) ** 0.5
         grad_errors.append(diff / sum(float(want[n].square().sum()) for n in want) ** 0.5)
-        parameter_errors.append(max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want
-                                    if float(want[n].norm()) > 0))  # fmt: skip
+        parameter_errors.append(
+            max(float((got[n] - want[n]).norm() / want[n].norm()) for n in want if float(want[n].norm()) > 0)
+        )
     return {
         "steps": [len(fast["losses"]), len(plain["losses"]), len(fast["grads"]), len(plain["grads"])],
         "kernels": [fast["kernels"], plain["kernels"]],
         "calls": [fast["fit_calls"], fast["val_calls"], plain["fit_calls"], plain["val_calls"]],
-        "loss": loss_errors, "grad": grad_errors, "parameter": parameter_errors,
+        "loss": loss_errors,
+        "grad": grad_errors,
+        "parameter": parameter_errors,
         "val": abs(fast["val"] - plain["val"]) / abs(plain["val"]),
-    }  # fmt: skip
+    }
 
 
 def test_fast_training_path_gives_the_reference_losses_and_gradients_over_ten_steps():

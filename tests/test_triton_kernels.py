@@ -142,12 +142,13 @@ def test_snake_beta_reference_gradients_pass_gradcheck():
 def test_snake_beta_backward_in_the_triton_interpreter_equals_the_references_autograd():
     done = run_interpreted(BACKWARD)
     if done.returncode and "only 0-dimensional arrays can be converted to Python scalars" in done.stderr:
-        # Triton 3.6's interpreter holds scalars as 1-element arrays, which numpy 2.4 and later no longer
-        # turn into an int (the backward loops over a runtime count); seen on the H200 machine's image
-        # (Triton 3.6, numpy 2.5) and here with Triton 3.6 and numpy 2.4; Triton 3.8's interpreter runs it
+        # Triton 3.6's interpreter holds scalars as 1-element arrays, which numpy >= 2.4 will not turn
+        # into an int (the backward loops over a runtime count); Triton 3.8's interpreter runs it
         import numpy
         import triton
 
-        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop over a runtime bound under "
-                    f"numpy {numpy.__version__}")  # fmt: skip
+        pytest.skip(
+            f"Triton {triton.__version__}'s interpreter cannot loop over a runtime bound under "
+            f"numpy {numpy.__version__}"
+        )
     assert done.returncode == 0 and "backward ok 12" in done.stdout, done.stderr[-3000:]

@@ -66,8 +66,10 @@ def no_room(device: torch.device, fraction: float | None, err: BaseException) ->
         total, reserved = _cap_and_held(device, 1.0)
         held = f"this process holds {reserved / 2**30:.2f} GiB"
         if fraction is not None:
-            where += (f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of "
-                      f"the GPU's {total / 2**30:.1f} GiB and {held} (weights included); give it a larger share")
+            where += (
+                f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of "
+                f"the GPU's {total / 2**30:.1f} GiB and {held} (weights included); give it a larger share"
+            )
         else:
             where += f": {held} of the GPU's {total / 2**30:.1f} GiB; other processes hold the rest"
     return torch.OutOfMemoryError(f"{where} ({str(err).splitlines()[0][:300]})")

@@ -132,8 +132,9 @@ class Planner:
                 best = (score, Plan(rows, chunk, tuple(picked), take))
         return best[1]
 
-    def _all_candidates(self, n_rows: int, longest: int, seen: set[tuple[int, int]],
-                        pad_in_time: bool = False) -> list[tuple[int, int, int]]:  # fmt: skip
+    def _all_candidates(
+        self, n_rows: int, longest: int, seen: set[tuple[int, int]], pad_in_time: bool = False
+    ) -> list[tuple[int, int, int]]:
         """``(chunk, rows bucket, rows taken)``: each chunk's own shapes up to the first that holds the
         longest row (larger chunks only add padding), then every shape run before (``seen``) that fits
         the budget and none of those chunks, rows padded up if need be (a few rows' last frames replay

@@ -24,8 +24,9 @@ class EngineStats:
         out: dict[str, float] = {"frames_per_forward": self.planner.frames, **self.work}
         if self.graphs is not None:
             s = self.graphs.stats
-            out.update(captures=s.captures, capture_s=s.capture_s, replays=s.replays, eager=s.eager,
-                       failures=s.failures)  # fmt: skip
+            out.update(
+                captures=s.captures, capture_s=s.capture_s, replays=s.replays, eager=s.eager, failures=s.failures
+            )
         if self.device.type == "cuda":
             out["peak_reserved_gib"] = torch.cuda.max_memory_reserved(self.device) / 2**30
         return out
@@ -35,11 +36,15 @@ class EngineStats:
         s = self.stats()
         line = f"decode engine: {s['frames_per_forward']} frames per forward"
         if s["computed"]:
-            line += (f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding), "
-                     f"{s['new_shapes']} shapes (first runs {s['new_shape_s']:.2f} s)")  # fmt: skip
+            line += (
+                f", {s['forwards']} forwards ({1 - s['frames'] / s['computed']:.0%} padding), "
+                f"{s['new_shapes']} shapes (first runs {s['new_shape_s']:.2f} s)"
+            )
         if "captures" in s:
-            line += (f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
-                     f"{s['eager']} eager forwards")  # fmt: skip
+            line += (
+                f", {s['captures']} CUDA graph(s) captured in {s['capture_s']:.2f} s, {s['replays']} replays, "
+                f"{s['eager']} eager forwards"
+            )
         if "peak_reserved_gib" in s:
             line += f", peak reserved {s['peak_reserved_gib']:.2f} GiB"
         return line

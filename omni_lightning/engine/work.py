@@ -34,8 +34,9 @@ class Work:
         return self.codes.shape[1] - self.done
 
 
-def to_device(chunks: Sequence[torch.Tensor], device: torch.device,
-              move: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[torch.Tensor]:  # fmt: skip
+def to_device(
+    chunks: Sequence[torch.Tensor], device: torch.device, move: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, the CPU ones in one copy through pinned
     memory that the host does not wait for (a pageable copy per chunk would wait for the device each
     time). ``move`` replaces that copy of the one flat int64 buffer (tests run it on a CPU)."""
@@ -61,8 +62,15 @@ def gather(picked: Sequence[Work], take: Sequence[int], rows: int, chunk: int, d
     return codes
 
 
-def scatter(out: torch.Tensor, picked: Sequence[Work], take: Sequence[int], up: int, tail: int,
-            dtype: torch.dtype, together: bool) -> None:  # fmt: skip
+def scatter(
+    out: torch.Tensor,
+    picked: Sequence[Work],
+    take: Sequence[int],
+    up: int,
+    tail: int,
+    dtype: torch.dtype,
+    together: bool,
+) -> None:
     """Row ``r`` of a forward's output ``[rows, 1, chunk * up]`` to ``picked[r]`` (its first ``tail``
     samples dropped at a fresh slot's start); each work moves on by ``take[r]`` frames. ``together``:
     when the forward decodes every work whole, all their samples go in one multi-tensor copy, each into

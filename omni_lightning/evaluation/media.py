@@ -83,9 +83,12 @@ def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) ->
         gen_fig = spectrogram_figure(s["generated"], sample_rate, f"{s['id']} generated")
         ref_fig = spectrogram_figure(s["reference"], sample_rate, f"{s['id']} reference")
         values = request_metrics(s["generated"], s["reference"], mel, stft)
-        row = [wandb.Audio(s["generated"].numpy(), sample_rate=sample_rate, caption=s["id"]),
-               wandb.Audio(s["reference"].numpy(), sample_rate=sample_rate, caption=s["id"]),
-               wandb.Image(gen_fig, caption=s["id"]), wandb.Image(ref_fig, caption=s["id"])]  # fmt: skip
+        row = [
+            wandb.Audio(s["generated"].numpy(), sample_rate=sample_rate, caption=s["id"]),
+            wandb.Audio(s["reference"].numpy(), sample_rate=sample_rate, caption=s["id"]),
+            wandb.Image(gen_fig, caption=s["id"]),
+            wandb.Image(ref_fig, caption=s["id"]),
+        ]
         for key, item in zip(media, row):
             media[key].append(item)
         table.add_data(s["id"], *row, float(values["mel_distance"]), float(values["si_sdr"]))
@@ -148,8 +151,9 @@ class EvaluationMedia(pl.Callback):
             if len(self._samples) >= self.log_samples:
                 break
             n = int(lengths[i])
-            self._samples.append({"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(),
-                                  "reference": audio[i, :n].float().cpu()})  # fmt: skip
+            self._samples.append(
+                {"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(), "reference": audio[i, :n].float().cpu()}
+            )
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._collect(trainer, outputs, batch)

@@ -1,19 +1,16 @@
 """Evaluation metrics against reference audio, correct under DDP (torchmetrics sum states).
 
-Per request, on its real samples only: mel L1 distance (log-mel, multi-resolution), multi-resolution
-STFT distance (spectral convergence + log magnitude), SI-SDR and SNR (torchmetrics' functional
-implementations, without zero-mean). The run-level values are means over requests, reduced across
-ranks, plus the request count, audio seconds and audio seconds per wall-clock second since the last
-``reset``. With no request scored the means are NaN, not 0 (a checkpoint monitor must not take an
-epoch that scored nothing for its best). The module's reconstruction losses (``loss``, ``mel``,
-``stft``, batch means) are accumulated here too, weighted by batch size, and reduced as the
-metrics are at epoch end: logged per step with ``sync_dist``, a rank that had no batch to score (its
-requests all skipped as bad input) never joined the others' reduction, and DDP waited for ever.
+Per request, on its real samples only: mel L1 distance (multi-resolution log-mel), multi-resolution
+STFT distance (spectral convergence + log magnitude), SI-SDR and SNR (torchmetrics' functional ones,
+without zero-mean). Run-level values are means over requests reduced across ranks, plus the request
+count, audio seconds and audio seconds per wall-clock second; with no request scored the means are
+NaN, not 0, so a checkpoint monitor never picks an epoch that scored nothing. The module's
+reconstruction losses are accumulated here too and reduced at epoch end, so a rank with no batch to
+score still joins the reduction.
 
-A batch is scored at once on the device, with no host sync: the spectral distances by the losses'
-batched path (each item on its own frames, ``training/spectrogram.py``), SI-SDR and SNR on the batch
-with every sample past an item's length zeroed in both signals, which adds nothing to their sums:
-the same values as cutting each request.
+A batch is scored on the device with no host sync: spectral distances through the losses' batched
+path (``training/spectrogram.py``), SI-SDR and SNR with samples past each item's length zeroed in
+both signals (the same values as cutting each request).
 """
 
 from __future__ import annotations
@@ -85,8 +82,13 @@ class AudioMetrics(Metric):
         super().reset()
         self._t0 = time.perf_counter()
 
-    def update(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor,
-               losses: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+    def update(
+        self,
+        pred: torch.Tensor,
+        target: torch.Tensor,
+        lengths: torch.Tensor,
+        losses: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         """``pred`` [B, 1, T] or [B, T], ``target`` [B, N], ``lengths`` real samples per request;
         ``losses``: the batch's mean reconstruction losses (:data:`LOSSES`), if any."""
         lengths = lengths.to(pred.device).clamp(max=min(pred.shape[-1], target.shape[-1]))

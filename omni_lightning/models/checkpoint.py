@@ -109,7 +109,7 @@ def load_pretrained(
                 ("unexpected keys", unexpected),
                 ("mis-shaped tensors (checkpoint != model)", misshaped),
                 ("tensors that are not floating point", not_float),
-            )  # fmt: skip
+            )
             if items
         ]
         raise ValueError(f"checkpoint {folder} does not match {config.name!r}: " + "; ".join(parts))

@@ -56,7 +56,7 @@ class Code2Wav(nn.Module):
                     CausalConvTranspose1d(config.hidden_size, config.hidden_size, r, r),
                     ConvNeXtBlock(config.hidden_size),
                 ]
-            )  # fmt: skip
+            )
             for r in config.upsampling_ratios
         )
         dims = [config.decoder_dim // 2**i for i in range(len(config.upsample_rates) + 1)]
@@ -187,8 +187,9 @@ class Code2Wav(nn.Module):
         return torch.cat(pieces, dim=-1)[:, 0, self.config.tail :]
 
     @classmethod
-    def resolve(cls, model: Code2Wav | None, checkpoint: str | Path | None = None,
-                config: Code2WavConfig | str = "qwen3-omni") -> Code2Wav:  # fmt: skip
+    def resolve(
+        cls, model: Code2Wav | None, checkpoint: str | Path | None = None, config: Code2WavConfig | str = "qwen3-omni"
+    ) -> Code2Wav:
         """``model`` itself; None: loaded from ``checkpoint``, else built from ``config`` (random weights).
         UsageError naming a ``model`` that is not a ``Code2Wav`` (a preset's name, say)."""
         if model is None:
@@ -196,8 +197,10 @@ class Code2Wav(nn.Module):
         if not isinstance(model, Code2Wav):
             named = isinstance(model, str)
             hint = f"; pass config={model!r} (a preset) or checkpoint={model!r} (weights)" if named else ""
-            raise UsageError(f"model must be a Code2Wav (or None: built from checkpoint or config), got "
-                             f"{type(model).__name__} {model!r:.60}{hint}")  # fmt: skip
+            raise UsageError(
+                f"model must be a Code2Wav (or None: built from checkpoint or config), got "
+                f"{type(model).__name__} {model!r:.60}{hint}"
+            )
         return model
 
     @classmethod

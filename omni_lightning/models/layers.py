@@ -45,8 +45,9 @@ class CausalConv1d(nn.Module):
     future. It reads a buffer whose first ``context`` steps are that history (:meth:`Step.with_history`,
     or the SnakeBeta before it, which writes its output after the history)."""
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1,
-                 groups: int = 1) -> None:  # fmt: skip
+    def __init__(
+        self, in_channels: int, out_channels: int, kernel_size: int, dilation: int = 1, groups: int = 1
+    ) -> None:
         super().__init__()
         self.conv = nn.Conv1d(in_channels, out_channels, kernel_size, dilation=dilation, groups=groups)
         self.context = (kernel_size - 1) * dilation
@@ -77,8 +78,9 @@ class CausalConvTranspose1d(nn.Module):
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
         super().__init__()
         if kernel_size not in (stride, 2 * stride):
-            raise ValueError(f"a transposed convolution needs kernel == stride or 2 * stride, got {kernel_size}, "
-                             f"stride {stride}")  # fmt: skip
+            raise ValueError(
+                f"a transposed convolution needs kernel == stride or 2 * stride, got {kernel_size}, stride {stride}"
+            )
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.trim = kernel_size - stride
         self.context = 1 if self.trim else 0
@@ -90,8 +92,13 @@ class CausalConvTranspose1d(nn.Module):
     def forward(self, buf: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """``buf [B, context + T, C_in]`` to ``[B, T * stride, C_out]``."""
         conv = self.conv
-        y = F.conv_transpose2d(_nhwc(buf), conv.weight.unsqueeze(2), conv.bias if bias else None,
-                               stride=(1, conv.stride[0]), padding=(0, self.trim))  # fmt: skip
+        y = F.conv_transpose2d(
+            _nhwc(buf),
+            conv.weight.unsqueeze(2),
+            conv.bias if bias else None,
+            stride=(1, conv.stride[0]),
+            padding=(0, self.trim),
+        )
         return _time_major(y)
 
 
@@ -104,14 +111,29 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor, step: Step, bias: torch.Tensor | None = None,
-                before: CausalConv1d | CausalConvTranspose1d | None = None, junk: int = 0) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        x: torch.Tensor,
+        step: Step,
+        bias: torch.Tensor | None = None,
+        before: CausalConv1d | CausalConvTranspose1d | None = None,
+        junk: int = 0,
+    ) -> torch.Tensor:
         """snake(x + bias), after ``before``'s history (the result is that layer's input; saved)."""
         context = before.context if before is not None else 0
         history = step.history(before.state_name) if context else None
         dilation = before.conv.dilation[0] if isinstance(before, CausalConv1d) else 1
-        buf = step.kernels.snake_beta(x, self.alpha, self.beta, bias, context=history, context_len=context,
-                                      fresh=step.fresh, junk=junk, multiple=dilation)  # fmt: skip
+        buf = step.kernels.snake_beta(
+            x,
+            self.alpha,
+            self.beta,
+            bias,
+            context=history,
+            context_len=context,
+            fresh=step.fresh,
+            junk=junk,
+            multiple=dilation,
+        )
         if context:
             step.save(before.state_name, buf, x.shape[1])
         return buf

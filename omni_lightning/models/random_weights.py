@@ -51,8 +51,8 @@ def randomize_weights(model: Code2Wav, seed: int = 0, output_std: float = 0.2) -
     captured = []
     handle = model.decoder[-1].register_forward_hook(lambda mod, inp, out: captured.append(out.float().std()))
     try:
-        probe = torch.randint(0, model.config.codebook_size, (2, model.config.num_quantizers, 8),
-                              generator=gen).to(last.weight.device)  # fmt: skip
+        probe = torch.randint(0, model.config.codebook_size, (2, model.config.num_quantizers, 8), generator=gen)
+        probe = probe.to(last.weight.device)
         model(probe)
     finally:
         handle.remove()

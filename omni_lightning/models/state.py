@@ -45,8 +45,9 @@ class DecodeState:
     gather of whole rows would be fewer kernels but hold a copy of every row's state at once.
     """
 
-    def __init__(self, model: Code2Wav, slots: int, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self, model: Code2Wav, slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> None:
         if slots < 1:
             raise ValueError(f"a DecodeState needs at least one slot, got {slots}")
         ref = next(model.parameters())
@@ -104,8 +105,9 @@ class Step:
     new histories, written to the state only when the forward completes (:meth:`commit`), so a
     forward that fails (out of memory, say) leaves every request's state as it was."""
 
-    def __init__(self, state: DecodeState | None, kernels: Kernels, batch: int, frames: int,
-                 device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self, state: DecodeState | None, kernels: Kernels, batch: int, frames: int, device: torch.device
+    ) -> None:
         self.kernels, self.state, self.frames = kernels, state, frames
         self.rows = self.pos = self.valid = None
         self.fresh: torch.Tensor | bool = True  # no state: every row starts at frame 0

@@ -74,8 +74,9 @@ class Attention(nn.Module):
         shape = (self.n_kv_heads, self.past, self.head_dim)
         return {f"{self.state_name}.k": shape, f"{self.state_name}.v": shape} if self.past else {}
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                step: Step) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, step: Step
+    ) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -112,11 +113,13 @@ class TransformerLayer(nn.Module):
         self.self_attn_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
         self.mlp_layer_scale = LayerScale(config.hidden_size, config.layer_scale_initial_scale)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                step: Step) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor, step: Step
+    ) -> torch.Tensor:
         # x + scale * y as one fused op (LayerScale's product and the residual add)
-        x = torch.addcmul(x, self.self_attn_layer_scale.scale, self.self_attn(self.input_layernorm(x), cos, sin, mask,
-                                                                              step))  # fmt: skip
+        x = torch.addcmul(
+            x, self.self_attn_layer_scale.scale, self.self_attn(self.input_layernorm(x), cos, sin, mask, step)
+        )
         return torch.addcmul(x, self.mlp_layer_scale.scale, self.mlp(self.post_attention_layernorm(x)))
 
 

@@ -1,25 +1,16 @@
 """The GAN step of fine-tuning, under Lightning's manual optimization: the discriminators, then the generator.
 
-The order is HiFi-GAN's: the discriminators learn from real audio and from the generated audio as
-it is (detached), then the generator takes the reconstruction, adversarial and feature-matching
-losses against the updated discriminators. Both see the same segment, every item cut to the
-shortest item's length, so padding never reaches a discriminator (the module reads that length on
-the CPU, before the batch goes to the device, so the step never waits for the device; a batch whose
-lengths are already on the device costs one host sync, read before the forward is queued).
+HiFi-GAN's order: the discriminators learn from real and (detached) generated audio, then the
+generator takes the reconstruction, adversarial and feature-matching losses against them. Every item
+is cut to the batch's shortest real length (read on the CPU where the batch carries it), so padding
+never reaches a discriminator.
 
-Precisions (``training/discriminators.py`` for the discriminators' dtypes):
-- Gradients are clipped in :meth:`AdversarialStep.clip`, which the module calls from
-  ``on_before_optimizer_step``: there, under 16-mixed, Lightning's GradScaler has unscaled this
-  optimizer's gradients. Clipping in the step, before ``optimizer.step()``, would clip gradients
-  still multiplied by the loss scale (a clip at norm 1 would act at 1 / 65,536 of it).
-- 16-mixed updates the scale after each of the two optimizer steps (Lightning's plugin does), so the
-  generator's backward runs at the scale the discriminators' step left; each backward is unscaled by
-  the scale it was made with, and a step with non-finite gradients is skipped (its logged norm is
-  then not finite).
-- The generator's backward runs with the discriminators' parameters frozen (``toggle_optimizer``),
-  so no weight gradients are computed for them there.
-Not done: gradient accumulation (Lightning refuses it with manual optimization: both optimizers step
-on every batch) and separate discriminator/generator update rates.
+Gradients are clipped in :meth:`AdversarialStep.clip`, called from ``on_before_optimizer_step``,
+where 16-mixed's GradScaler has unscaled them. Under 16-mixed each backward is unscaled by the scale
+it was made with, and a step with non-finite gradients is skipped. The generator's backward runs with
+the discriminators frozen (``toggle_optimizer``).
+Not done: gradient accumulation (Lightning refuses it under manual optimization) and separate
+update rates for the two networks.
 """
 
 from __future__ import annotations
@@ -77,8 +68,14 @@ class AdversarialStep:
             module.untoggle_optimizer(opt_g)
         for scheduler in module.lr_schedulers():
             scheduler.step()
-        return {"loss": g_loss, "adv": adv, "feature_matching": fm, "disc": d_loss, "grad_norm": g_norm,
-                "disc_grad_norm": d_norm}  # fmt: skip
+        return {
+            "loss": g_loss,
+            "adv": adv,
+            "feature_matching": fm,
+            "disc": d_loss,
+            "grad_norm": g_norm,
+            "disc_grad_norm": d_norm,
+        }
 
     def segment(self, batch: dict[str, Any], lengths: torch.Tensor) -> int:
         """The samples every item is cut to: the batch's shortest real audio, read on the CPU before the
@@ -91,9 +88,11 @@ class AdversarialStep:
         need = self.discriminators.min_samples
         if shortest < need:
             short = [r for r, n in zip(batch["req_ids"], lengths.tolist()) if n < need]
-            raise UsageError(f"the GAN cuts a batch to its shortest real audio, and the discriminators need >= "
-                             f"{need} samples: request(s) {short[:5]} have fewer (shortest {shortest}); longer "
-                             "crops (crop_frames) or longer audio")  # fmt: skip
+            raise UsageError(
+                f"the GAN cuts a batch to its shortest real audio, and the discriminators need >= "
+                f"{need} samples: request(s) {short[:5]} have fewer (shortest {shortest}); longer "
+                "crops (crop_frames) or longer audio"
+            )
         return shortest
 
     def _step(self, module: pl.LightningModule, optimizer: Any, loss: torch.Tensor, norm: str) -> torch.Tensor:

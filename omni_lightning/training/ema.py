@@ -1,31 +1,16 @@
 """EMA weights for fine-tuning: Lightning's ``WeightAveraging`` callback with an exponential average.
 
-``Code2WavModule(ema_decay=...)`` adds :class:`EMAWeights` to ``trainer.fit`` (``configure_callbacks``).
-During fit the average is updated after every optimizer step and swapped in for each validation
-epoch. At the end of fit the module holds the averaged weights, so ``validate``, ``test``,
-``predict`` and ``export_pretrained`` on the same in-memory module use them; the raw weights stay
-here and ``Code2WavModule.use_ema(False)`` puts them back. A checkpoint written during fit holds the
-averaged weights as its ``state_dict`` and the raw ones under ``current_model_state`` (Lightning's
-layout), so ``load_from_checkpoint`` gives the averaged weights and ``fit(ckpt_path=...)`` resumes
-both, with the update count.
+``Code2WavModule(ema_decay=...)`` adds :class:`EMAWeights` to ``fit``. The average is updated after
+every optimizer step and swapped in for validation; after fit the module holds it (for validate,
+test, predict, export) and ``Code2WavModule.use_ema(False)`` puts the raw weights back. Checkpoints
+hold the average as ``state_dict`` and the raw weights under ``current_model_state``, as Lightning does.
 
-What differs from ``lightning.pytorch.callbacks.EMAWeightAveraging``, and why:
-- the update is ``torch.lerp(average, weight, 1 - decay)``, not ``decay * average + (1 - decay) *
-  weight``: lerp leaves an equal pair bit-identical, the sum does not always (float rounding), and a
-  frozen parameter (``freeze`` / ``train_only``) must not drift;
-- buffers are copied, not averaged (``use_buffers=False``): Code2Wav's buffers are constants, and
-  averaging its int64 codebook offsets can truncate them;
-- the average is float32 whatever the module's dtype: Lightning copies the module as ``setup`` finds
-  it, so a module built in bf16 (``Code2Wav.from_pretrained(dtype=torch.bfloat16)``) would get a bf16
-  average, which barely moves at decay 0.999;
-- the update never waits for the device (:class:`_HostCountedAverage`);
-- at the end of fit the averaged and raw weights are swapped, not copied, so the raw weights can be
-  restored; the averaging state is then released, so a later validate, test or ``save_checkpoint``
-  sees the module's (averaged) weights as they are.
-Not done: the average covers every parameter of the LightningModule, the discriminators of
-adversarial training included (Lightning averages the module it is given; they hold no part of a
-prediction). A module loaded from a checkpoint holds the averaged weights and no raw ones in memory
-(they are in the checkpoint's ``current_model_state``).
+Unlike ``EMAWeightAveraging``: the update is ``torch.lerp`` (a frozen parameter never drifts by
+rounding); buffers are copied, not averaged (Code2Wav's int64 offsets would truncate); the average
+is fp32 whatever the module's dtype; the update never waits for the device; at the end of fit the
+weights are swapped, not copied, so the raw ones can be restored.
+Not done: the discriminators are averaged too (Lightning averages the whole module); a module loaded
+from a checkpoint holds no raw weights in memory.
 """
 
 from __future__ import annotations

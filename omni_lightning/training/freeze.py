@@ -13,8 +13,9 @@ def freeze_parameters(model: nn.Module, freeze: list[str], train_only: list[str]
     a ``ValueError`` (a typo would otherwise freeze nothing or everything without a word)."""
     for arg, prefixes in (("freeze", freeze), ("train_only", train_only)):
         if isinstance(prefixes, str):  # a list of characters otherwise
-            raise UsageError(f"{arg} is a list of parameter-name prefixes, e.g. [{prefixes!r}], got the string "
-                             f"{prefixes!r}")  # fmt: skip
+            raise UsageError(
+                f"{arg} is a list of parameter-name prefixes, e.g. [{prefixes!r}], got the string {prefixes!r}"
+            )
     names = [n for n, _ in model.named_parameters()]
     for prefix in [*freeze, *(train_only or [])]:
         if not any(n.startswith(prefix) for n in names):

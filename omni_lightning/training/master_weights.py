@@ -64,8 +64,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     def master_weights(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(parameter, its fp32 copy)`` for every parameter, in group order."""
-        return [(p, m) for group, inner in zip(self.param_groups, self.fp32.param_groups)
-                for p, m in zip(group["params"], inner["params"])]  # fmt: skip
+        return [
+            (p, m)
+            for group, inner in zip(self.param_groups, self.fp32.param_groups)
+            for p, m in zip(group["params"], inner["params"])
+        ]
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

@@ -33,8 +33,16 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-NON_NEGATIVE = ("learning_rate", "discriminator_lr", "weight_decay", "mel_weight", "stft_weight",
-                "adversarial_weight", "feature_matching_weight", "warmup_steps")
+NON_NEGATIVE = (
+    "learning_rate",
+    "discriminator_lr",
+    "weight_decay",
+    "mel_weight",
+    "stft_weight",
+    "adversarial_weight",
+    "feature_matching_weight",
+    "warmup_steps",
+)
 
 
 def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
@@ -53,8 +61,11 @@ def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0):
         raise ValueError(f"grad_clip must be >= 0 or None, got {clip!r}")
     betas = hparams.get("betas")
-    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
-            isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)):  # fmt: skip
+    if not (
+        isinstance(betas, (tuple, list))
+        and len(betas) == 2
+        and all(isinstance(b, numbers.Real) and not isinstance(b, bool) and 0 <= b < 1 for b in betas)
+    ):
         raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
 
 
@@ -115,10 +126,12 @@ def fine_tuning_optimizers(
         raise ValueError("every model parameter is frozen: nothing to fine-tune")
     total = total_steps or int(estimated_stepping_batches) // (1 if discriminators is None else 2)
     schedule = WarmupCosine(warmup_steps, max(total, 1), min_lr_ratio)
-    opt, sched = adamw_with_schedule(params, schedule, fused, lr=learning_rate, betas=tuple(betas),
-                                     weight_decay=weight_decay)
+    opt, sched = adamw_with_schedule(
+        params, schedule, fused, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay
+    )
     if discriminators is None:
         return {"optimizer": opt, "lr_scheduler": sched}
-    opt_d, sched_d = adamw_with_schedule(discriminators.parameters(), schedule, fused, lr=discriminator_lr,
-                                         betas=tuple(betas), weight_decay=0.0)  # AdamW's default is 1e-2
+    opt_d, sched_d = adamw_with_schedule(
+        discriminators.parameters(), schedule, fused, lr=discriminator_lr, betas=tuple(betas), weight_decay=0.0
+    )  # AdamW's default is 1e-2
     return [opt, opt_d], [sched, sched_d]

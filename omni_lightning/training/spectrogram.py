@@ -85,8 +85,17 @@ class MultiResolutionSTFT(nn.Module):
             spectra = []
             for n in self.n_ffts:
                 hop, window = n // 4, getattr(self, f"window_{n}")
-                pm, tm = (torch.stft(x[:, pad - n // 2 : pad - n // 2 + t + n], n, hop, window=window, center=False,
-                                     return_complex=True).abs() for x in (pred_signal, target_signal))  # fmt: skip
+                pm, tm = (
+                    torch.stft(
+                        x[:, pad - n // 2 : pad - n // 2 + t + n],
+                        n,
+                        hop,
+                        window=window,
+                        center=False,
+                        return_complex=True,
+                    ).abs()
+                    for x in (pred_signal, target_signal)
+                )
                 mask = (torch.arange(pm.shape[-1], device=pm.device)[None] <= (lengths // hop)[:, None]).float()
                 spectra.append(Spectrum(pm, tm, mask, mask.sum(1)))
         return spectra

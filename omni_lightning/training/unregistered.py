@@ -1,14 +1,10 @@
 """``Unregistered``: an ``nn.Module`` that a LightningModule uses without registering it as a submodule.
 
-The fine-tuning losses and the evaluation metrics hold constants (STFT windows, mel filterbanks)
-that must stay fp32 and stay out of checkpoints. Registered, they would follow the LightningModule
-everywhere: into its ``state_dict``, and through ``module.to(torch.bfloat16)``, which Lightning's
-bf16-true applies to the whole module (rounding every window and filterbank to 8 bits). Held here,
-they are built with their owner, in its ``__init__``, and placed on the device where they are used.
-
-Placement runs outside inference mode on purpose: ``validate``, ``test`` and ``predict`` run under
-``torch.inference_mode``, where a moved buffer would become an inference tensor, and a later
-``fit`` could not save it for backward.
+The fine-tuning losses and the evaluation metrics hold fp32 constants (STFT windows, mel
+filterbanks) that must stay out of checkpoints and out of ``module.to(torch.bfloat16)`` (bf16-true).
+Held here, they are built in their owner's ``__init__`` and placed on the device where they are
+used, outside inference mode (a buffer moved under ``inference_mode`` could not be saved for a
+later ``fit``'s backward).
 """
 
 from __future__ import annotations
