@@ -21,29 +21,34 @@ Source = str | Path | list
 
 
 class CodesDataModule(pl.LightningDataModule):
-    """Sources per stage (manifest, folder, tensors; ``predict`` may be a list of sources, one
-    dataloader each: paths, mappings of id to tensor, or ``CodesDataset``s; a list of tensors is one
-    source). The codebook geometry comes from ``config`` or from the trainer's module. A fit with
-    no ``val`` runs no validation; ``validate`` and ``test`` without their data are usage errors.
+    """Codes, and for training and evaluation their audio, from files or memory in length-bucketed batches.
 
-    ``on_bad_input``: ``"skip"`` (default) predicts the good requests and reports the bad ones;
-    ``"raise"`` stops before any compute. ``duplicate_ids``: ``"error"`` (default) refuses a source
-    whose ids repeat, ``"rename"`` numbers the repeats (see ``CodesDataset``); ids may repeat across
-    predict sources (one dataloader each), but a ``WaveformWriter`` refuses such a job before any
-    decode, as each id names one file. ``crop_frames``: random
-    training crops. ``num_workers``: loader processes; None picks 0 for data already in memory
-    (tensors: a worker would only add a fork and a copy of every batch through shared memory) and
-    otherwise Lightning's suggestion for this machine (0 when it suggests one or fewer, else up to
-    4), so file reading overlaps compute where there are cores to spare. On CUDA, batches are
-    collated into pinned memory, so their copy to the GPU does not wait for a staging copy.
+    A source is a folder of code files, a JSONL manifest, or data in memory: a list (ids ``"0"``,
+    ``"1"``, ...) or dict (id -> value) of codes ``[Q, T]``, or for fit, validate and test of
+    ``(codes, audio)`` pairs, audio float ``[n]`` or ``[1, n]`` at the model's sample rate
+    (``config.sample_rate``, 24 kHz for the shipped presets; see ``CodesDataset``). ``predict`` may
+    also be a list of sources (paths, dicts or ``CodesDataset`` objects), one dataloader each. The codebook
+    geometry comes from ``config`` or from the trainer's module. Batches come from ``collate_codes``
+    with its "checked" mark, so the module does not check their codes again; on CUDA they are
+    collated into pinned memory. ``predict_plan`` records the predict job in ``setup`` (every id, input
+    files not read, what was finished), which a writer reads before anything is decoded.
 
-    ``predict_plan`` records the predict job in ``setup`` (every id over all sources, input files not
-    read, and with ``skip_done`` what was finished), which a writer reads before anything is decoded.
-    ``skip_done``: a ``WaveformWriter``'s output folder (or its ``output_folder.Finished``, already
-    read). The predict requests its manifest lists as finished (read once, in ``setup``) are neither
-    read nor decoded, so a rerun resumes; the writer then reads the plan instead of the folder. The
-    command line sets it to ``--out_dir``. Without it every request is decoded and the writer still
-    writes no finished id twice.
+    Args:
+        predict: what to decode: a folder, a JSONL manifest, codes in memory, or a list of such sources.
+        train: fit's paired data: a JSONL manifest with audio paths, or (codes, audio) pairs in memory.
+        val: validation's paired data; a fit without it runs no validation.
+        test: test's paired data.
+        batch_size: requests per batch at most.
+        max_frames: padded frames per batch at most (requests x longest); None: no limit.
+        num_workers: loader processes; None: 0 for data in memory, else Lightning's suggestion for this
+            machine (0 when it suggests one or fewer, at most 4).
+        on_bad_input: "skip" decodes the good requests and reports the bad ones; "raise" stops before any compute.
+        crop_frames: training crops of that many frames (and their audio); None: whole requests.
+        config: preset name whose codebook geometry the codes are checked against; None: the module's.
+        seed: seeds the training batches' order and the crops.
+        duplicate_ids: "error" refuses a source whose ids repeat; "rename" numbers the repeats (a, a#2, ...).
+        skip_done: an output folder (or its read ``Finished``): the requests its manifest lists as finished
+            are neither read nor decoded, so a rerun resumes (the command line sets it to --out_dir).
     """
 
     def __init__(
@@ -94,13 +99,22 @@ class CodesDataModule(pl.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
 
-    def _dataset(self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = False
-                 ) -> CodesDataset:  # fmt: skip
+    def _dataset(
+        self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = False
+    ) -> CodesDataset:
         if isinstance(source, CodesDataset):
             return source
-        return CodesDataset(source, self._config(), on_bad_input=self.on_bad_input, duplicate_ids=self.duplicate_ids,
-                            crop_frames=self.crop_frames if train else None, seed=self.seed, skip=skip,
-                            paired=paired)  # fmt: skip
+        crop = self.crop_frames if train else None
+        return CodesDataset(
+            source,
+            self._config(),
+            on_bad_input=self.on_bad_input,
+            crop_frames=crop,
+            seed=self.seed,
+            duplicate_ids=self.duplicate_ids,
+            skip=skip,
+            paired=paired,
+        )
 
     def setup(self, stage: str) -> None:
         # refused here rather than in the dataloader hook: Lightning 2.6 leaves DataLoader.__init__
@@ -126,8 +140,10 @@ class CodesDataModule(pl.LightningDataModule):
         if world == 1 or stage not in ("fit", "validate", "test", "predict"):
             return
         if stage == "predict":
-            fix = ("pass Trainer(use_distributed_sampler=False): this data module splits the requests across "
-                   "ranks itself (the command line does so)")  # fmt: skip
+            fix = (
+                "pass Trainer(use_distributed_sampler=False): this data module splits the requests across "
+                "ranks itself (the command line does so)"
+            )
             datasets = self.datasets.get("predict", []) if _injects_sampler(self.trainer) else []
         else:
             fix, name = "use fewer devices", "test" if stage == "test" else "validate"
@@ -138,8 +154,10 @@ class CodesDataModule(pl.LightningDataModule):
 
     def _setup_predict(self, sources: Any) -> None:
         # a list of paths, mappings or datasets is several sources; a list of tensors is one source
-        many = isinstance(sources, (list, tuple)) and len(sources) > 0 and all(
-            isinstance(s, (str, Path, Mapping, CodesDataset)) for s in sources
+        many = (
+            isinstance(sources, (list, tuple))
+            and len(sources) > 0
+            and all(isinstance(s, (str, Path, Mapping, CodesDataset)) for s in sources)
         )
         finished = self.skip_done
         if isinstance(finished, (str, Path)):
@@ -166,13 +184,21 @@ class CodesDataModule(pl.LightningDataModule):
         world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer is not None else (1, 0)
         # training steps in lockstep under DDP (even batches); inference takes each request once
         batches = LengthBucketBatchSampler(
-            sampler, self.batch_size, lengths=dataset.lengths, max_frames=self.max_frames, shuffle=shuffle,
-            seed=self.seed, even_batches=shuffle, num_replicas=world, rank=rank,
-        )  # fmt: skip
+            sampler,
+            self.batch_size,
+            lengths=dataset.lengths,
+            max_frames=self.max_frames,
+            shuffle=shuffle,
+            seed=self.seed,
+            even_batches=shuffle,
+            num_replicas=world,
+            rank=rank,
+        )
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
         loader = StartsAtFirstBatch if shuffle else DataLoader
-        return loader(dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset),
-                      pin_memory=pin)  # fmt: skip
+        return loader(
+            dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset), pin_memory=pin
+        )
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:  # setup refuses a stage without data; this is a hook called without it
