@@ -98,5 +98,27 @@ def test_bash_blocks_that_need_a_gpu_or_a_checkpoint_say_so():
     assert not missing, f"bash blocks that need a GPU or a checkpoint without a comment saying so: {missing}"
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_and_their_anchors_exist():
+    broken = []
+    for page in pages():
+        for target in LINK.findall(page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, fragment = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            headings = [anchor(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), re.M)] if file.is_file() else []
+            if not file.exists() or (fragment and fragment not in headings):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, f"links to missing files or headings: {broken}"
+
+
 if __name__ == "__main__":
     _child(sys.argv[1:])
