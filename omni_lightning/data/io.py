@@ -39,8 +39,10 @@ def load_codes_file(path: Path) -> torch.Tensor:
         if path.suffix == ".pt" and torch_save_format(path) is None:
             raise ValueError(f"codes file {path} is not a file torch.save wrote (corrupt, or another format)") from err
         if type(err).__name__ == "UnpicklingError" and "Weights only load failed" in str(err):
-            raise ValueError(f"codes file {path} holds objects other than tensors (a numpy array saved with "
-                             "torch.save?): save a torch tensor, or the array as .npy") from err  # fmt: skip
+            raise ValueError(
+                f"codes file {path} holds objects other than tensors (a numpy array saved with "
+                "torch.save?): save a torch tensor, or the array as .npy"
+            ) from err
         raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
     if path.suffix == ".npy":
         value = numpy_to_tensor(value, f"codes file {path}")
@@ -78,10 +80,21 @@ def _check_numpy_dtype(where: Any, dtype: Any) -> None:
 
 
 # safetensors' header dtype names
-_SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-                       "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-                       "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-                       "F64": torch.float64}  # fmt: skip
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+}
 
 
 def codes_file_layout(path: Path) -> torch.Tensor | None:

@@ -17,28 +17,19 @@ class LengthBucketBatchSampler(BatchSampler):
     """Sorts the indices ``sampler`` yields by length and cuts them into batches.
 
     A batch closes at ``batch_size`` requests or when its padded size (requests x longest) would
-    pass ``max_frames``. Deterministic: the same indices give the same batches; ``shuffle`` permutes
-    the order of batches with ``seed + epoch`` (call ``set_epoch``). ``lengths`` defaults to
-    ``sampler``'s dataset's ``lengths``.
+    pass ``max_frames``. Deterministic: ``shuffle`` permutes the batches with ``seed + epoch``
+    (``set_epoch``). ``lengths`` defaults to the sampler's dataset's ``lengths``.
 
-    **Several ranks.** ``num_replicas`` and ``rank`` (``CodesDataModule`` gives the trainer's) make
-    this sampler split every index ``sampler`` yields across ranks itself. Without them it takes them
-    from a ``DistributedSampler`` given as ``sampler`` (what Lightning injects under DDP unless
-    ``use_distributed_sampler=False``), and splits the whole dataset; a ``DistributedSampler``'s own
-    order and its padding (repeated indices) are never used. Every rank computes the same split from
-    the same lengths, so nothing is exchanged.
+    Several ranks: ``num_replicas`` and ``rank`` (or a ``DistributedSampler`` given as ``sampler``,
+    whose own order and padding are not used) split the whole dataset; every rank computes the same
+    split, so nothing is exchanged.
 
-    - ``even_batches=False`` (predict, validate, test): each request goes to exactly one rank, none
-      is repeated. Requests are dealt longest first in a serpentine (ranks 0..N-1, then N-1..0, ...),
-      so ranks get as many requests as each other (one more at most) and frame totals that differ
-      by at most the longest request: they finish together. Each rank batches its share as above.
-      A rank may get no request (fewer requests than ranks).
+    - ``even_batches=False`` (predict, validate, test): each request goes to one rank. Requests are
+      dealt longest first in a serpentine (ranks 0..N-1, then N-1..0, ...), so ranks get as many
+      requests as each other (one more at most) and similar frame totals. A rank may get none.
     - ``even_batches=True`` (fit): every rank yields the same number of batches, as DDP's lockstep
-      steps need. The global batches are those of one process with ``batch_size x world`` requests
-      per batch, closed early when a rank's share would pass ``max_frames``; each is dealt to ranks
-      strided by length (rank ``r`` takes items ``r, r + N, ...``), and a rank that the batch leaves
-      without an item takes one of its items again (the only repeats). So at the same global batch
-      the ranks see one process's batches, split (``shuffle`` orders them alike on every rank).
+      needs: one process's batches of ``batch_size x world`` requests, each dealt to the ranks by
+      stride; a rank the batch leaves empty repeats one of its items (the only repeats).
     """
 
     def __init__(
@@ -121,8 +112,8 @@ class LengthBucketBatchSampler(BatchSampler):
         order = sorted(self._indices(), key=lambda i: (-self.lengths[i], i))
         if world == 1:
             return order
-        return [i for p, i in enumerate(order) if (p % world if (p // world) % 2 == 0 else world - 1 - p % world)
-                == self.rank]  # fmt: skip
+        rank_of = [p % world if (p // world) % 2 == 0 else world - 1 - p % world for p in range(len(order))]
+        return [i for i, r in zip(order, rank_of) if r == self.rank]
 
     def _batches(self) -> list[list[int]]:
         world = self.num_replicas
@@ -146,9 +137,8 @@ class LengthBucketBatchSampler(BatchSampler):
 
 class _EpochRelay:
     """The sampler a :class:`LengthBucketBatchSampler` reads (``inner``), whose ``set_epoch`` reaches the
-    batch sampler: Lightning calls ``set_epoch`` on a dataloader's sampler and on its batch sampler's
-    ``sampler``, never on the batch sampler itself, so without this the shuffle's epoch stayed 0 and
-    every epoch had the same batch order. Iteration, length and other attributes are ``inner``'s."""
+    batch sampler: Lightning calls ``set_epoch`` on a batch sampler's ``sampler``, never on the batch
+    sampler itself. Iteration, length and other attributes are ``inner``'s."""
 
     def __init__(self, inner: Sampler[int] | Iterable[int], owner: LengthBucketBatchSampler) -> None:
         self.inner, self.owner = inner, owner

@@ -32,8 +32,9 @@ class Entry:
     checked_version: int | None = None  # a tensor in memory: its version counter when its values passed
 
 
-def list_source(source: str | Path, duplicate_ids: str = "error",
-                name: str = "data source") -> tuple[list[Entry], list[Path]]:  # fmt: skip
+def list_source(
+    source: str | Path, duplicate_ids: str = "error", name: str = "data source"
+) -> tuple[list[Entry], list[Path]]:
     """``(entries, unread files)`` of a folder or a manifest, ids made unique (see :func:`unique_ids`).
 
     UsageError naming ``name`` and the source when it is neither (see :func:`check_source`), a folder
@@ -76,8 +77,10 @@ def check_source(flag: str, value: str | Path) -> None:
         problem = type(err).__name__
         raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({problem}): {SOURCE_FIX}") from err
     if first is None:
-        raise UsageError(f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
-                         '{"id": "utt1", "codes": "codes/utt1.npy"}')  # fmt: skip
+        raise UsageError(
+            f"{flag} {value} is empty: a manifest lists one JSON request per line, e.g. "
+            '{"id": "utt1", "codes": "codes/utt1.npy"}'
+        )
     try:
         row = json.loads(first)
     except json.JSONDecodeError:

@@ -1,28 +1,16 @@
 """``StreamingDecoder``: many streams of codec frames decoded chunk by chunk, each exactly as ``decode``.
 
-Slot bookkeeping over a :class:`~omni_lightning.engine.engine.DecodeEngine`: a stream holds one of
-the engine's slots (its per-layer state, ``DecodeState``), a step hands every stream's pending frames
-to the engine at once (``DecodeEngine.advance``: the same planner, buckets, CUDA graphs and memory
-budget as batch decode), and closing a stream frees its slot. After ``n`` frames a stream has
-emitted ``output_length(n)`` samples, all that ``decode`` of those frames gives: the decoder's
-one-frame look-ahead is carried as state, so nothing is held back and nothing is decoded twice.
+A stream holds one slot of a :class:`~omni_lightning.engine.engine.DecodeEngine` (its per-layer
+state); a step hands every stream's pending frames to the engine at once (``DecodeEngine.advance``:
+the planner, CUDA graphs and memory budget of batch decode). After ``n`` frames a stream has emitted
+``output_length(n)`` samples: the one-frame look-ahead is carried as state, so nothing is held back
+or decoded twice. A step whose forward raises marks its streams failed (their state is unknown);
+``retire`` ends every stream when the weights are about to change. Calls from several threads run
+one at a time (``engine/serial.py``).
 
-A step whose forward raises (not out of memory, which the engine absorbs) may have advanced some of
-its streams' state and not others: those streams are marked failed, and any later use of them raises
-(``close`` still frees them). ``retire`` ends every stream of a decoder whose weights are about to
-change (``Code2WavModule`` does so when ``fit`` starts): a stream's state only matches the weights it
-was decoded with.
-
-Threads may share a decoder: its calls run one at a time (``engine/serial.py``), and ``step`` with
-chunks pushes and decodes in one call, so a thread per stream calling ``step({its stream: chunk})``
-gets its own samples. ``push`` from one thread and ``step()`` from another is the one-loop server's
-pattern: that step advances (and returns) every stream pushed so far. ``retire`` from another thread
-waits for a step in progress.
-
-Not done, and why: no re-reading of parameters that were replaced rather than updated in place
-(``model.to(...)`` after building the decoder: build a new one; ``reads`` tells); no detection of
-weights written in place while a stream is open outside ``fit`` (it would cost a pass over every
-parameter per step).
+Not done: re-reading parameters replaced rather than updated in place (``model.to(...)``: build a
+new decoder; ``reads`` tells), or detecting weights written in place while a stream is open outside
+``fit`` (a pass over every parameter per step).
 """
 
 from __future__ import annotations
@@ -70,19 +58,28 @@ class StreamingDecoder:
     memory budget comes from on a shared GPU, go to it). Each stream holds ``state_bytes_per_stream``.
     """
 
-    def __init__(self, model: Code2Wav, max_streams: int = 64, cuda_graphs: bool = True,
-                 frames_per_forward: int | None = None, engine: DecodeEngine | None = None,
-                 gpu_memory_utilization: float | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model: Code2Wav,
+        max_streams: int = 64,
+        cuda_graphs: bool = True,
+        frames_per_forward: int | None = None,
+        engine: DecodeEngine | None = None,
+        gpu_memory_utilization: float | None = None,
+    ) -> None:
         check_count("max_streams", max_streams)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         self.model, self.config = model, model.config
-        # every stream's step of up to STEP_FRAMES frames replays a CUDA graph (a 64 x 10 step ran
-        # eagerly, bound by the host's launches); its graphs take most of the budget (budget.py)
+        # a step of up to STEP_FRAMES frames per stream replays a CUDA graph; graphs take most of the budget
         self.engine = engine or DecodeEngine(
-            model, frames_per_forward=frames_per_forward, max_rows=max_streams, cuda_graphs=cuda_graphs,
-            graph_frames=max(512, max_streams * STEP_FRAMES), graph_share=0.75,
+            model,
+            frames_per_forward=frames_per_forward,
+            max_rows=max_streams,
+            cuda_graphs=cuda_graphs,
+            graph_frames=max(512, max_streams * STEP_FRAMES),
+            graph_share=0.75,
             gpu_memory_utilization=gpu_memory_utilization,
-        )  # fmt: skip
+        )
         self.max_streams = self.engine.max_rows
         self.cuda_graphs = cuda_graphs
         ref = next(model.parameters())
@@ -134,9 +131,11 @@ class StreamingDecoder:
         try:
             slot = self.engine.acquire()
         except ValueError:
-            raise ValueError(f"cannot open a stream: all {self.max_streams} stream slots of this decoder are in use; "
-                             "close a stream (or finish an iterator) first, or use a decoder with a larger "
-                             "max_streams (module.streaming_decoder(max_streams=...))") from None  # fmt: skip
+            raise ValueError(
+                f"cannot open a stream: all {self.max_streams} stream slots of this decoder are in use; "
+                "close a stream (or finish an iterator) first, or use a decoder with a larger "
+                "max_streams (module.streaming_decoder(max_streams=...))"
+            ) from None
         self._closed.pop(stream_id, None)
         self._streams[stream_id] = _Stream(slot)
         return stream_id
@@ -152,8 +151,10 @@ class StreamingDecoder:
         """Pushes ``chunks`` (all checked before any is queued), then advances every stream with
         pushed frames; returns ``{stream: samples [1, m]}`` for those streams."""
         if chunks is not None and not isinstance(chunks, Mapping):
-            raise ValueError(f"step() takes a mapping {{stream id: codes [codebooks, frames]}} (or nothing), got "
-                             f"{type(chunks).__name__}; push(stream, codes) queues one stream's chunk")  # fmt: skip
+            raise ValueError(
+                f"step() takes a mapping {{stream id: codes [codebooks, frames]}} (or nothing), got "
+                f"{type(chunks).__name__}; push(stream, codes) queues one stream's chunk"
+            )
         self._check_serving()
         if chunks:
             checked = {sid: self._checked(sid, self._get(sid), codes) for sid, codes in chunks.items()}
