@@ -26,8 +26,7 @@ def encode_durably(path: Path, wav: Any, sr: int, audio_format: str, subtype: st
         data = wav.float().reshape(-1).numpy() if isinstance(wav, torch.Tensor) else np.asarray(wav).reshape(-1)
         if subtype == "PCM_16":  # libsndfile truncates toward -inf (a -0.5 LSB bias): round here
             data = np.clip(np.rint(data * np.float32(32768)), -32768, 32767).astype(np.int16)
-        # encoded in memory, then written: libsndfile writing to a file swallows the disk's error (a full
-        # disk gave "AssertionError: " and a traceback on stderr per file); os.write raises it, named
+        # encoded in memory, then written: libsndfile hides the disk's error (a full disk); os.write names it
         encoded = io.BytesIO()
         sf.write(encoded, data, sr, subtype=subtype, format=audio_format.upper())
         with open(path, "wb") as f:

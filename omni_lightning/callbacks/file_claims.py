@@ -18,6 +18,8 @@ from typing import Any
 from omni_lightning.data.output_folder import Finished, file_name, file_stem
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
+DUPLICATE = "duplicate id: a request with this id was already written in this run"
+
 
 @dataclass
 class Decision:
@@ -47,8 +49,7 @@ class FileClaims:
             key = stem.casefold() if self.fold else stem
             owner = d.claims.get(key, self.owners.get(key))
             if req_id in self.claimed or (owner == req_id and key in d.claims):
-                d.lines.append(error_line(req_id, "duplicate id: a request with this id was already written in "
-                                                  "this run"))  # fmt: skip
+                d.lines.append(error_line(req_id, DUPLICATE))
             elif req_id in self.finished:
                 d.skipped += 1
             elif owner is not None and owner != req_id:
@@ -69,3 +70,17 @@ class FileClaims:
 def error_line(req_id: str, reason: str) -> dict[str, Any]:
     """A manifest line for a request that failed."""
     return {"id": req_id, "status": "error", "reason": reason}
+
+
+def written_line(req_id: str, path: str, audio_format: str, subtype: str, n_samples: int, sr: int) -> dict[str, Any]:
+    """A manifest line for a request whose file ``path`` (relative to the folder) is durable."""
+    return {
+        "id": req_id,
+        "path": path,
+        "format": audio_format,
+        "subtype": subtype,
+        "n_samples": n_samples,
+        "duration_s": n_samples / sr,
+        "sr": sr,
+        "status": "ok",
+    }

@@ -59,8 +59,8 @@ class WriteQueue:
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
-            raise BackgroundWriteError(f"the background writer failed: {type(self._error).__name__}: "
-                                       f"{self._error}") from self._error  # fmt: skip
+            error = self._error
+            raise BackgroundWriteError(f"the background writer failed: {type(error).__name__}: {error}") from error
 
     def put(self, item: Any) -> None:
         """Queues ``item``; blocks while the queue is full. Raises the worker's error, if any."""

@@ -1,39 +1,27 @@
-"""``WaveformWriter``: each request's waveform to ``<out_dir>/<name>.wav`` (or ``.flac``), written off
-the predict loop's thread, resumable, nothing lost.
+"""``WaveformWriter``: each request's waveform to ``<out_dir>/<name>.wav`` (or ``.flac``), written off the
+predict loop's thread, exactly once, resumable.
 
-- Names, formats and what is finished are ``data/output_folder.py``'s: file names come from ids
-  injectively and never leave ``out_dir``; WAV as PCM_16, PCM_24 or FLOAT, FLAC as PCM_16 or PCM_24.
-  Before anything is decoded the writer refuses a job in which two requests share an id (over all
-  predict sources) or a file name (on a case-insensitive file system, names that differ only by case):
-  the ids a ``CodesDataModule`` listed (``predict_plan``); for other data, at the first repeat.
-- **Off the critical path.** At each batch end the writer takes the previous batch (its host copy,
-  ``AsyncD2HCallback``, ran under the step that just launched), decides on the loop's thread which
-  of its requests to write, and hands them to a :class:`WriteQueue`. A background thread encodes the
-  batch's files on ``encoders`` threads, each into a temp file in ``out_dir`` that is fsynced, then
-  commits the batch in order: the files renamed into place, one fsync of the folder, then the batch's
-  manifest lines ``{"id", "path", "format", "subtype", "n_samples", "duration_s", "sr", "status": "ok"}``
-  appended to ``manifest.jsonl`` and fsynced once. The loop waits for the disk only when
-  ``max_pending`` batches are queued.
-- **Exactly once, kill -9 safe.** A manifest line is written only after its file is durable, so a
-  crash leaves at worst temp files (removed at the next start) and files without a line (written
-  again). A rerun writes no finished id again (``output_folder.Finished``); at its start the
-  manifest is compacted to the finished lines (error lines dropped, so those requests are tried
-  again). With ``CodesDataModule(skip_done=out_dir)`` finished requests are not even decoded and the
-  writer reuses that module's reading of the folder (``predict_plan``); it never changes the data.
-- **Failures.** A request whose file cannot be written gets ``{"id", "status": "error", "reason"}``
-  and the others go on; so do bad requests (the reason from the data). Any other failure of the
-  background thread (the manifest itself cannot be written) is raised in the loop at the next batch
-  or at the end, never lost. On an exception or Ctrl-C in predict, the batches already computed are
-  written before the error propagates.
-- **One job per folder.** Rank 0 holds the folder's lock (``data/folder_lock.py``) from set-up to
-  teardown; a second job on the same folder is refused with a UsageError before it changes anything.
-- **DDP.** Every rank writes only its own requests into ``manifest.rank<r>.jsonl``; rank 0 merges
-  them into ``manifest.jsonl`` at the end (and compacts them at the next start, after a killed run).
-  The counts (``stats``) are summed over ranks, so every rank's ``summary()`` and ``all_written``
-  describe the whole job.
-- At the end every request of the job is either written (now or by an earlier run) or recorded as
-  failed; one that is neither is counted in ``stats["missing"]`` (a bug, never silent, unless the
-  trainer limits predict batches: ``stats["limited"]``, and the summary says they were not run).
+- **Names and formats** are ``data/output_folder.py``'s: file names come from ids injectively and never
+  leave ``out_dir``. Two requests sharing an id, or a file name on a case-insensitive file system, are
+  refused before anything is decoded (ids a ``CodesDataModule`` listed) or at the first repeat.
+- **Off the critical path.** At each batch end the writer takes the previous batch's runner output
+  (its host copy ran under the step that just launched), decides on the loop's thread what to write
+  (``FileClaims``) and queues it (``WriteQueue``). A background thread encodes the files on ``encoders``
+  threads into fsynced temp files, renames them into place, fsyncs the folder, then appends the batch's
+  lines to ``manifest.jsonl`` and fsyncs it. The loop waits only when ``max_pending`` batches are queued.
+- **Exactly once, kill -9 safe.** A manifest line is written only after its file is durable (a crash
+  leaves at worst temp files, removed at the next start). A rerun writes no finished id again and compacts the manifest to its finished lines (failed requests are
+  tried again). With ``CodesDataModule(skip_done=out_dir)`` finished requests are not even decoded.
+- **Failures.** A request whose file cannot be written, or whose input was bad, gets an error line and
+  the others go on. A failure of the background thread itself is raised in the loop at the next batch or
+  at the end. On an exception or Ctrl-C the batches already computed are written before it propagates.
+- **One job per folder**: rank 0 holds the folder's lock (``data/folder_lock.py``) from set-up to
+  teardown. **DDP**: each rank writes ``manifest.rank<r>.jsonl``, rank 0 merges them at the end, and
+  the counts (``stats``) are summed over ranks.
+- At the end every request is written (now or earlier) or recorded as failed; one that is neither is
+  counted in ``stats["missing"]`` (never silent; ``stats["limited"]`` when the trainer limited batches).
+
+What it does not do: decode, validate codes, or write outputs other than runner outputs' waveforms.
 """
 
 from __future__ import annotations
@@ -50,7 +38,7 @@ import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
 
 from omni_lightning.callbacks.audio_files import discard, encode_durably
-from omni_lightning.callbacks.file_claims import FileClaims, error_line
+from omni_lightning.callbacks.file_claims import FileClaims, error_line, written_line
 from omni_lightning.callbacks.write_queue import WriteQueue
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
@@ -79,8 +67,14 @@ class WaveformWriter(BasePredictionWriter):
     ``encoders``: threads that encode and fsync files in parallel (None: up to 4, one per core).
     """
 
-    def __init__(self, out_dir: str | Path, subtype: str = "PCM_16", audio_format: str = "wav",
-                 max_pending: int = 4, encoders: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        out_dir: str | Path,
+        subtype: str = "PCM_16",
+        audio_format: str = "wav",
+        max_pending: int = 4,
+        encoders: int | None = None,
+    ) -> None:
         super().__init__(write_interval="batch")
         check_format(audio_format, subtype)
         check_count("max_pending", max_pending)
@@ -154,8 +148,8 @@ class WaveformWriter(BasePredictionWriter):
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
         limit = trainer.limit_predict_batches  # 0 runs no predict hook after this one: the counts stand as set here
-        self.stats["limited"] = bool(trainer.fast_dev_run) or isinstance(limit, int) or (limit if limit is not None
-                                                                                         else 1.0) < 1.0  # fmt: skip
+        limited = isinstance(limit, int) or (limit if limit is not None else 1.0) < 1.0
+        self.stats["limited"] = bool(trainer.fast_dev_run) or limited
         self.stats["missing"] = len(self._expected - self._finished.ids)  # none run yet
         self._close(drain=False)
         self._pool = ThreadPoolExecutor(self.encoders, thread_name_prefix="omni-lightning-encoder")
@@ -217,8 +211,7 @@ class WaveformWriter(BasePredictionWriter):
                 lines.append(error_line(req_id, problem))
                 continue
             committed.append(req_id)
-            lines.append({"id": req_id, "path": name, "format": self.audio_format, "subtype": self.subtype,
-                          "n_samples": n_samples, "duration_s": n_samples / sr, "sr": sr, "status": "ok"})  # fmt: skip
+            lines.append(written_line(req_id, name, self.audio_format, self.subtype, n_samples, sr))
             self.stats["audio_s"] += n_samples / sr
         if committed:
             fsync_folder(self.out_dir)  # the renames are durable before any line names their files
@@ -264,8 +257,8 @@ class WaveformWriter(BasePredictionWriter):
             if queue is not None:
                 start = time.perf_counter()
                 queue.close(drain=drain)
-                self.timing = {"queue_wait_s": queue.waited_s, "write_busy_s": queue.busy_s,
-                               "drain_s": time.perf_counter() - start}  # fmt: skip
+                drain_s = time.perf_counter() - start
+                self.timing = {"queue_wait_s": queue.waited_s, "write_busy_s": queue.busy_s, "drain_s": drain_s}
         finally:
             pool, self._pool = self._pool, None  # the background thread has stopped using it
             if pool is not None:
@@ -292,9 +285,8 @@ class WaveformWriter(BasePredictionWriter):
         )
         ok, error, audio_s, missing, skipped = total.tolist()  # rank 0 merged before it joined this reduce
         skipped += self.stats["skipped"] - self._skipped_here  # the plan's: the same on every rank
-        self.stats.update(ok=round(ok), error=round(error), audio_s=audio_s, missing=round(missing),
-                          skipped=round(skipped))  # fmt: skip
+        counts = {"ok": ok, "error": error, "missing": missing, "skipped": skipped}
+        self.stats.update({k: round(v) for k, v in counts.items()}, audio_s=audio_s)
 
     def summary(self) -> str:
         return summary_line(self.stats, self.out_dir, self.unread)
-
