@@ -1,5 +1,5 @@
 """The real command on a GPU under a small memory cap: code files in, audio files out, every request
-equal to its own decode (CUDA only; the CPU runs of the command are in test_cli.py and test_jobs.py)."""
+equal to its own decode (CUDA only; the CPU runs of the command are in test_cli.py and test_cli_jobs.py)."""
 
 import json
 import random
