@@ -8,7 +8,8 @@ multimodal outputs by :func:`build_pooler_output`.
 Lifecycle: :func:`runner_output` builds one from a batch; :meth:`OmniModelRunnerOutput.start_host_copy`
 may start an asynchronous copy of its device tensors into a pooled host buffer; ``finalize()`` (or the
 first read of ``pooler_output``) waits for that copy, splits the payloads out of the buffer and gives
-the buffer back. Who starts and when: ``AsyncD2HCallback`` (CUDA only) and ``OmniPredictionLoop``.
+the buffer back. ``AsyncD2HCallback`` starts the copy (CUDA only); ``OmniPredictionLoop`` finalizes
+the output one step later.
 """
 
 from __future__ import annotations
