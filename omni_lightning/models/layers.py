@@ -1,25 +1,21 @@
 """The layers of Code2Wav, named as in transformers' ``Qwen3OmniMoeCode2Wav`` (so state_dict keys match).
 
-Activations are time-major, ``[B, T, C]`` with channels contiguous, which is cuDNN's NHWC for a
-``[B, C, 1, T]`` convolution: convolutions run on channels-last views with no layout conversion.
-Every layer takes the forward's :class:`~omni_lightning.models.state.Step`, which holds the
-kernels and, for a stateful forward, each layer's history from the previous chunk. Causal
-everywhere but the decoder's transposed convolutions, which look one input sample ahead.
+Activations are time-major, ``[B, T, C]``: cuDNN's NHWC for a ``[B, C, 1, T]`` convolution, so
+convolutions run on channels-last views with no layout conversion. Every layer takes the forward's
+:class:`~omni_lightning.models.state.Step` (the kernels, and for a stateful forward each layer's
+history). Causal everywhere but the decoder's transposed convolutions, which look one sample ahead.
 
-Two rewrites of transformers' layers, both exact (the same function in another order of roundings):
-- **No convolution bias pass in the decoder.** Each convolution's bias is carried as a pending
-  per-channel vector into the next SnakeBeta, which adds it on the way in (every decoder convolution
-  output meets a SnakeBeta first, or the residual stream, whose true value is ``x + pending``).
-- **Transposed convolutions with their look-ahead as history.** transformers trims ``rate``
-  samples from both ends of each decoder transposed convolution. Here its input is prefixed with the
-  previous input sample (the history), so a chunk of ``T`` frames gives ``T * rate`` final outputs,
-  starting ``rate`` samples earlier. At a request's start the prefix is zero and those first samples
-  stand for time before the request: ``junk`` samples after each block (``junk = (junk + 1) * rate``,
-  ``tail`` at the output). They are zeroed where they enter a causal convolution (exactly the zero
-  padding a whole decode has there) and cut from the output (``Code2Wav.forward``).
-Dilated convolutions run as dilation-1 convolutions over a ``[B, C, T/d, d]`` view of the same
-memory (cuDNN's Hopper kernels take dilation 1 only), which needs whole rows of ``d`` samples: the
-SnakeBeta before them pads its output with zero rows (``multiple``).
+Three rewrites of transformers' layers, each the same function up to rounding order:
+- **No bias pass in the decoder**: a convolution's bias is carried as a pending per-channel vector
+  into the next SnakeBeta, which adds it on the way in (the residual stream's true value is
+  ``x + pending``).
+- **Look-ahead as history**: a decoder transposed convolution's input is prefixed with the previous
+  input sample instead of trimming ``rate`` samples from both ends, so ``T`` frames give
+  ``T * rate`` outputs. At a request's start those first ``junk`` samples (``junk = (junk + 1) *
+  rate``, ``tail`` at the output) stand for time before it: zeroed where they enter a causal
+  convolution, cut from the output.
+- **Dilation 1**: dilated convolutions run over a ``[B, C, T/d, d]`` view of the same memory; the
+  SnakeBeta before them pads to whole rows of ``d`` (``multiple``).
 """
 
 from __future__ import annotations

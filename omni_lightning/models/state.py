@@ -39,10 +39,9 @@ class DecodeState:
     model is causal). ``select`` binds rows and valid counts; the tensors are shared, so a CUDA
     graph captured on a selection reads and writes the pool in place.
 
-    Memory per slot (``bytes_per_slot``) does not depend on how long a request is. All named tensors
-    are views of one buffer (``flat``, a row per slot), so freeing slots is one kernel, not one per
-    tensor (37 for qwen3-omni). Not done: the reads and writes of a forward stay one per tensor; one
-    gather of whole rows would be fewer kernels but hold a copy of every row's state at once.
+    Memory per slot (``bytes_per_slot``) does not depend on a request's length. All named tensors
+    are views of one buffer (``flat``, a row per slot), so freeing slots is one kernel. Not done: a
+    forward still reads and writes one tensor at a time.
     """
 
     def __init__(

@@ -1,16 +1,12 @@
 """Adversarial training parts: multi-period and multi-resolution STFT discriminators (plain
 ``nn.Module``s) and the LSGAN and feature-matching losses a LightningModule composes with them.
 
-Every precision: the discriminators' weights take the module's dtype (Lightning's bf16-true
-converts them; the mixed precisions keep them fp32 and autocast the convolutions). The STFT
-discriminator takes its FFT in fp32 (no bf16 FFT on the CPU; a half-precision one would round the
-spectrum) and hands its convolutions the dtype of their own weights, as autocast would.
-The 2-D convolutions run channels-last (NHWC): weights converted once at construction (Lightning's
-dtype casts keep the layout), spectrograms built in that layout. cuDNN's bf16 and fp16
-convolutions are NHWC kernels: channels-first tensors would be transposed around every one.
-Real and generated audio go through the discriminators in one batch where both need the same
-gradients (the discriminators' step); no layer mixes items, so that is exact. The losses loop over
-discriminators and layers (their shapes differ), never over items.
+The discriminators' weights take the module's dtype (bf16-true converts them; the mixed precisions
+keep fp32 and autocast). The STFT discriminator takes its FFT in fp32 and hands its convolutions
+their weights' dtype. 2-D convolutions run channels-last (NHWC), cuDNN's layout for bf16 and fp16:
+weights converted once, spectrograms built in that layout. Real and generated audio share one pass
+where both need the same gradients (no layer mixes items, so that is exact); the losses loop over
+discriminators and layers, never over items.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """Reconstruction losses for fine-tuning Code2Wav (multi-resolution mel L1 and STFT), as ``nn.Module``s.
 
-Batched on the device: one STFT per resolution for the predictions and targets of the whole batch
-(``training/spectrogram.py``), shared by the mel and STFT terms in :class:`ReconstructionLoss`. Every
-loss takes ``lengths`` (real samples per item): each item is scored on the frames its own cut has,
-with its own end reflected as a cut item's would be, so right-padding never enters a loss (that
-file says exactly how, and what differs from cutting each item). Each item weighs the same whatever
-its length: a loss is the mean over items (and resolutions) of each item's mean over its frames.
-
-Losses compute in fp32 with autocast off whatever the model's precision: their windows and
-filterbanks are built in fp32 even when first built inside a ``precision="bf16-true"`` step
-(Lightning makes bf16 the default dtype there), and inputs are cast to fp32.
+One STFT per resolution for the whole batch (``training/spectrogram.py``), shared by the mel and STFT
+terms of :class:`ReconstructionLoss`. Every loss takes ``lengths`` (real samples per item), so
+right-padding never enters it, and each item weighs the same whatever its length (mean over items
+of each item's mean over its frames). Losses compute in fp32 with autocast off, whatever the
+model's precision; their windows and filterbanks are built in fp32 even inside a bf16-true step.
 """
 
 from __future__ import annotations

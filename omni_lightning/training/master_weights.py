@@ -1,19 +1,13 @@
-"""fp32 master weights for parameters held in bf16 or fp16 (Lightning's ``bf16-true``): AdamW steps
-an fp32 copy of them, and the parameters take its values, rounded to nearest.
+"""fp32 master weights for parameters held in bf16 or fp16 (``bf16-true``): AdamW steps an fp32 copy,
+and the parameters take its values, rounded to nearest.
 
-Why: with bf16 weights, AdamW's update (about the learning rate per element) is rounded away
-wherever it is below half a bf16 step of the weight (2^-9 to 2^-8 of it). The fp32 copy keeps every
-update; a bf16 weight moves once its copy passes a rounding boundary. ``fine_tuning_optimizers``
-(``schedule.py``) uses :class:`MasterWeightAdamW` whenever a trainable parameter is below fp32.
-Not chosen: stochastic rounding (each weight right only on average, moments still bf16).
-Cost: 16 bytes a parameter instead of 8 (the copy and AdamW's moments in fp32), and per step a cast
-of the gradients to fp32 and a copy of the weights back, one foreach launch per dtype each.
-
-The parameters are a rounded view of the copy: a change made to them during fit outside the
-optimizer is overwritten at its next step. The optimizer's ``state_dict`` holds the copy and its
-AdamW state, so a resumed fit goes on from the unrounded weights. Not done: other optimizers
-(fine-tuning uses AdamW only), and keeping the copy of fp32 parameters apart (a module whose
-parameters mix fp32 and bf16 gets a copy of each).
+With bf16 weights, an AdamW update below half a bf16 step of its weight is rounded away; the fp32
+copy keeps every update. ``fine_tuning_optimizers`` uses :class:`MasterWeightAdamW` whenever a
+trainable parameter is below fp32. Cost: 16 bytes a parameter instead of 8, and per step a cast of
+the gradients to fp32 and a copy back, one foreach launch per dtype each. A change made to the
+parameters outside the optimizer is overwritten at its next step; the optimizer's ``state_dict``
+holds the copy, so a resumed fit goes on unrounded. Not done: other optimizers; fp32 parameters in a
+mixed module get a copy too. Not chosen: stochastic rounding (right only on average).
 """
 
 from __future__ import annotations

@@ -1,20 +1,12 @@
 """Multi-resolution magnitude spectrograms of a right-padded batch, each item as if cut to its own length.
 
-One STFT per resolution covers the predictions of the whole batch, and one its targets (no graph:
-they get no gradient), with the frames each item would have if cut to its length alone:
-
-- ``torch.stft(center=True)`` pads a signal by reflection at both ends of the tensor; in a padded
-  batch a short item would run into its padding instead. :func:`reflect_at_lengths` builds, with one
-  gather on the device, the signal each item has once cut to its length and padded that way:
-  positions past an item's end reflect back into it, so no padded sample (the target's zeros, the
-  model's output past the reference's end) enters any frame.
-- Each item keeps the frames its cut has (``1 + length // hop``): :class:`Spectrum` carries that
-  mask, and the losses average over those frames only.
-
-Against a per-item cut only float rounding differs (``tests/test_losses.py`` states the tolerance),
-except for an item shorter than half the longest window: it is reflected once and then held at its
-edge samples, where ``torch.stft`` on the cut item raises.
-Everything here runs in fp32 with autocast off: log-magnitudes of quiet bins need the precision.
+One STFT per resolution covers the whole batch's predictions, and one its targets (no graph).
+:func:`reflect_at_lengths` reflects each item at its own end, as ``torch.stft(center=True)`` would
+pad the cut item, so no padded sample enters a frame; :class:`Spectrum` masks each item's frames to
+the ``1 + length // hop`` its cut has. Against a per-item cut only float rounding differs
+(``tests/test_losses.py``), except an item shorter than half the longest window: it is reflected
+once and held at its edges, where ``torch.stft`` on the cut item raises. Everything runs in fp32
+with autocast off (log-magnitudes of quiet bins need the precision).
 """
 
 from __future__ import annotations
