@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, quiet_known_noise, top_level_help
+from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, top_level_help
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
@@ -64,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     timings_path, argv = _option(argv, "--timings")
     if debug:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
-    quiet_known_noise()
     compact_warnings()
     lock_module = sys.modules.get("omni_lightning.data.folder_lock")  # a host program's locks are its own
     locked_before = lock_module.held() if lock_module is not None else frozenset()
@@ -224,12 +223,24 @@ def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) 
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
     try:
         cli = run_cli(None, timings, finished)
+    except BaseException:
+        _finish_wandb(1)
+        raise
     finally:
         sys.argv = saved
+    _finish_wandb(0)
     writer = getattr(cli, "writer", None)
     if cli.subcommand == "predict" and writer is not None and writer.any_failed:
         return EXIT_FAILED_REQUESTS
     return EXIT_OK
+
+
+def _finish_wandb(exit_code: int) -> None:
+    """Ends a W&B run the job started: left to exit, wandb prints its closing lines with ANSI colour
+    codes even where stderr is not a terminal (a log file)."""
+    wandb = sys.modules.get("wandb")
+    if wandb is not None and getattr(wandb, "run", None) is not None:
+        wandb.finish(exit_code=exit_code)
 
 
 def run_cli(argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None) -> Any:

@@ -1,28 +1,11 @@
-"""What the command line prints besides its own output: known third-party noise silenced, warnings
-as one line. Shared by ``cli`` and ``demo``; standard library only (it runs before torch loads)."""
+"""What the command line prints besides its jobs' output: warnings as one line, the top-level help and
+the subcommands' one-line descriptions, help group headers. Shared by ``cli``, ``lightning_cli`` and
+``demo``; standard library only (it runs before torch loads). Third-party noise is silenced where it
+starts: ``omni_lightning.Trainer`` (``trainer.py``) and ``lightning_cli``."""
 
 from __future__ import annotations
 
-import logging
 import warnings
-
-
-def quiet_known_noise() -> None:
-    """Silences, precisely, what a user of this CLI can do nothing about.
-
-    - torch deprecated ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls;
-    - Lightning's advertisements for the litlogger and litmodels packages, printed by every trainer.
-    Each filter matches one message; everything else (our own warnings included) still shows.
-    """
-    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
-    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
-        logging.getLogger(name).addFilter(_drop_litlogger_tip)
-
-
-def _drop_litlogger_tip(record: logging.LogRecord) -> bool:
-    message = str(record.msg)
-    return not message.startswith("💡 Tip") or ("litlogger" not in message and "litmodels" not in message)
 
 
 def compact_warnings() -> None:

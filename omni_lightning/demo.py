@@ -32,9 +32,6 @@ OUTPUTS = ("data", "wavs_before", "wavs_after", "runs")
 def quiet() -> None:
     """The demo prints its own four lines: Lightning's per-trainer banners (accelerator, seed) and
     wandb's run summary would bury them. Warnings still show."""
-    from omni_lightning.console import quiet_known_noise
-
-    quiet_known_noise()
     for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
                  "lightning.fabric.utilities.rank_zero"):  # fmt: skip
         logging.getLogger(name).setLevel(logging.WARNING)

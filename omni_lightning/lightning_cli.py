@@ -29,7 +29,7 @@ from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.preflight import check_weights, set_by_user
-from omni_lightning.trainer import Trainer
+from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning
 
 SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
 
@@ -186,7 +186,14 @@ class OmniCLI(LightningCLI):
         raise UsageError(f"--ckpt_path last finds no last checkpoint in {folders[0]}: this run checkpoints into a "
                          f"new folder; give the checkpoint to resume from by its path{hint}")  # fmt: skip
 
+    def before_validate(self) -> None:
+        quiet_checkpoint_callbacks_warning()
+
+    def before_test(self) -> None:
+        quiet_checkpoint_callbacks_warning()
+
     def before_predict(self) -> None:
+        quiet_checkpoint_callbacks_warning()
         config = self.config[self.subcommand]
         self.writer = None
         if config.get("out_dir"):

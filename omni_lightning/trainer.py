@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import warnings
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -18,7 +21,8 @@ class Trainer(pl.Trainer):
     a ``predict_step`` that does not return ``MultimodalOutputs`` runs exactly as on a stock trainer.
     Besides the loop it installs, unless given, an ``AudioProgressBar`` (predict counts audio seconds;
     none with ``enable_progress_bar=False``) and a ``PredictStartLine`` (one line before predict's first
-    batch saying what runs). It does not change Lightning's logger or checkpointing defaults.
+    batch saying what runs). It does not change Lightning's logger or checkpointing defaults. It silences,
+    each by its one message, what a user cannot act on (:func:`quiet_known_noise`).
 
     Args:
         gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1];
@@ -30,7 +34,10 @@ class Trainer(pl.Trainer):
         self, *args: Any, gpu_memory_utilization: float | None = None, async_d2h: bool = True, **kwargs: Any
     ) -> None:
         kwargs["callbacks"] = _with_defaults(kwargs, async_d2h)
+        quiet_known_noise()
         super().__init__(*args, **kwargs)
+        for logger in self.loggers:
+            _quiet_wandb_init(logger)
         # the loop takes the trainer's inference_mode from the stock loop it replaces
         self.predict_loop = OmniPredictionLoop(self, gpu_memory_utilization=gpu_memory_utilization)
 
@@ -52,3 +59,39 @@ def _with_defaults(kwargs: dict[str, Any], async_d2h: bool) -> list[Any]:
     if not any(isinstance(cb, PredictStartLine) for cb in callbacks):
         callbacks.append(PredictStartLine())
     return callbacks
+
+
+def quiet_known_noise() -> None:
+    """Silences, each by its one message, what a user can do nothing about: torch's deprecation of
+    ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls, and Lightning's
+    advertisements for the litlogger and litmodels packages, printed by every trainer."""
+    leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+    warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if _drop_lightning_tips not in logger.filters:
+            logger.addFilter(_drop_lightning_tips)
+
+
+def quiet_checkpoint_callbacks_warning() -> None:
+    """For validate, test and predict only: a ``ckpt_path`` checkpoint's callback states (ModelCheckpoint's,
+    EMA's) restore nothing that matters there, yet Lightning warns that those callbacks should be given."""
+    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+
+
+def _drop_lightning_tips(record: logging.LogRecord) -> bool:
+    message = str(record.msg)
+    return not message.startswith("💡 Tip") or ("litlogger" not in message and "litmodels" not in message)
+
+
+def _quiet_wandb_init(logger: Any) -> None:
+    """Lightning's ``WandbLogger`` passes ``anonymous=None`` to ``wandb.init``, which wandb warns has no
+    effect, and a ``save_dir`` that does not exist yet, which wandb warns is no git root: the unset
+    option is dropped and the folder made (the run writes there anyway). Nothing else changes."""
+    init = getattr(logger, "_wandb_init", None)
+    if type(logger).__name__ != "WandbLogger" or not isinstance(init, dict):
+        return
+    if "anonymous" in init and init["anonymous"] is None:
+        del init["anonymous"]
+    if isinstance(init.get("dir"), (str, Path)) and getattr(logger, "_experiment", None) is None:
+        Path(init["dir"]).mkdir(parents=True, exist_ok=True)
