@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -16,16 +17,14 @@ from omni_lightning.evaluation.metrics import AudioMetrics
 from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig
 from omni_lightning.models.codes import validate_batch
-from omni_lightning.runner.engine_hooks import EngineOnPredict
-from omni_lightning.runner.host_weights import HostWeightsOnPredict
-from omni_lightning.runner.output import MultimodalOutputs
-from omni_lightning.runner.stream_hooks import StreamsOnModule
+from omni_lightning.runner.output import OmniModelRunnerOutput, runner_output
+from omni_lightning.runner.session import InferenceSession
 from omni_lightning.training.adversarial import AdversarialStep, find_unused_parameters_under_ddp
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
 from omni_lightning.training.graphs import TrainingGraph
-from omni_lightning.training.kernels import TrainingKernels
+from omni_lightning.training.kernels import TrainingKernels, default_training_graph
 from omni_lightning.training.losses import ReconstructionLoss
 from omni_lightning.training.schedule import check_fine_tuning_settings, fine_tuning_optimizers, fused_adamw
 from omni_lightning.training.skipped import SkippedRequests
@@ -36,34 +35,47 @@ warnings.filterwarnings(
     "ignore", message=r"You have overridden `on_before_batch_transfer` in `LightningModule` but have passed in a"
 )
 
+RANDOM_WEIGHTS = ("predicting with random weights: this module was built from a preset or config without weights. "
+                  "Pass checkpoint=<HF folder> for real audio, or random_weights=True to run on random weights on "
+                  "purpose")  # fmt: skip
 
-class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, TrainingKernels, pl.LightningModule):
+
+class Code2WavModule(pl.LightningModule):
     """Code2Wav in Lightning: predict (vLLM-Omni runner semantics), fine-tune, evaluate.
 
-    The model comes from, in this order: ``model`` (an in-memory ``Code2Wav``), ``checkpoint`` (an
-    HF-layout folder, see ``Code2Wav.from_pretrained``) or ``config`` (a preset name, a
-    ``Code2WavConfig`` or its dict; random weights).
-    ``random_weights``: read only by the command line's weights guard (no checkpoint: predict refused).
+    Predict and streaming run through an :class:`~omni_lightning.runner.session.InferenceSession`
+    (the engine, kept across predicts, and the one owner of the device weights); fine-tuning through
+    ``training/`` (losses, GAN step, optimizers, EMA, :class:`~omni_lightning.training.kernels.TrainingKernels`);
+    evaluation logs ``evaluation/metrics.py`` (W&B media: ``EvaluationMedia`` from ``configure_callbacks``).
+    The model comes from ``model``, else ``checkpoint``, else ``config`` (random weights: predict warns
+    unless ``random_weights=True``).
 
-    Predict and streaming run through a :class:`~omni_lightning.engine.DecodeEngine`: every request is
-    exact at any length (long ones are decoded chunk by chunk, carrying state) and a forward decodes
-    at most ``frames_per_forward`` frames (default: derived from the trainer's
-    ``gpu_memory_utilization``, or the engine's default budget with no cap). ``fast_path``: on CUDA,
-    Triton kernels and CUDA graphs per shape bucket (False: eager torch, the same exact chunking).
-    ``graph_frames``: the longest forward (rows x frames) run as a CUDA graph (longer ones run eagerly).
-    After predict, the weights return to the host tensors they left (``runner/host_weights.py``).
-
-    Fine-tuning: the Lightning hooks here, composing ``training/``: the reconstruction loss
-    (``losses.py``), with ``adversarial`` the discriminators and the GAN step under manual
-    optimization (``adversarial.py``), freezing, optimizers and schedule, EMA. ``ema_decay`` adds
-    ``training.ema.EMAWeights`` (Lightning's ``WeightAveraging``) to fit: after fit the model holds
-    the EMA weights, ``use_ema(False)`` the raw ones. Any Lightning precision works: 32-true,
-    bf16-mixed, bf16-true, 16-mixed (with the GAN too; bf16 weights step through fp32 master weights).
-    ``fast_training``: on CUDA, Triton SnakeBeta forward and backward (``training/kernels.py``) and the
-    generator's forward and backward replayed as CUDA graphs where the fit allows (``training/graphs.py``).
-    Evaluation: metrics are logged here (``evaluation/metrics.py``); the W&B run config and media by
-    ``evaluation.media.EvaluationMedia``, which fit, validate and test get from ``configure_callbacks``.
-    The losses and metrics stay fp32 and out of the state dict (``training/unregistered.py``).
+    Args:
+        model: an in-memory ``Code2Wav`` (its weights are the caller's); overrides checkpoint and config.
+        config: a preset name, a ``Code2WavConfig`` or its dict; the architecture when no model or checkpoint.
+        checkpoint: an HF-layout folder (a Qwen3-Omni checkpoint or a saved Code2Wav) to load weights from.
+        random_weights: run on random weights on purpose (the command line refuses predict without weights).
+        frames_per_forward: frames (rows x chunk) one forward decodes; None: from the memory budget.
+        fast_path: on CUDA, Triton kernels and CUDA graphs (False: eager torch, the same exact chunking).
+        graph_frames: the longest forward (rows x frames) replayed as a CUDA graph; 0: no graphs.
+        fast_training: on CUDA, Triton SnakeBeta forward and backward and the generator as CUDA graphs in fit.
+        learning_rate: the generator's AdamW learning rate.
+        betas: AdamW's betas.
+        weight_decay: AdamW's weight decay.
+        warmup_steps: linear warm-up steps before the cosine decay.
+        min_lr_ratio: the cosine decay's floor, as a fraction of the learning rate.
+        total_steps: steps of the schedule; None: the trainer's estimated stepping batches.
+        grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
+        mel_weight: weight of the multi-resolution mel L1 loss.
+        stft_weight: weight of the multi-resolution STFT loss.
+        freeze: parameter-name prefixes kept frozen.
+        train_only: parameter-name prefixes trained, every other parameter frozen.
+        ema_decay: EMA of the weights in fit (after fit the model holds them; ``use_ema(False)``: the raw ones).
+        adversarial: add the MPD and STFT discriminators (GAN step under manual optimization).
+        adversarial_weight: weight of the generator's adversarial loss.
+        feature_matching_weight: weight of the feature-matching loss.
+        discriminator_lr: the discriminators' learning rate.
+        log_samples: audio samples validation and test log (W&B).
     """
 
     def __init__(
@@ -97,36 +109,132 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, Tra
         log_samples: int = 4,
     ) -> None:
         super().__init__()
-        model = Code2Wav.resolve(model, checkpoint, config)
+        resolved = Code2Wav.resolve(model, checkpoint, config)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         check_count("graph_frames", graph_frames, minimum=0)  # 0: no CUDA graphs
         check_count("log_samples", log_samples, minimum=0)
-        self.model = model
+        self.model = resolved
         self.save_hyperparameters(ignore=["model"])
         check_fine_tuning_settings(self.hparams)
         # hparams hold the architecture itself, so a Lightning checkpoint restores with no HF folder
-        self.hparams["config"] = asdict(model.config)
+        self.hparams["config"] = asdict(resolved.config)
         self.frames_per_forward, self.fast_path, self.fast_training = frames_per_forward, fast_path, fast_training
-        self.training_kernels = Kernels()  # fit's, validate's and test's, chosen in `setup` (training/kernels.py)
-        self.training_graph: TrainingGraph | None = None  # fit's CUDA graphs of the generator, set in `setup`
-        self.engine: DecodeEngine | None = None  # built at the first predict on a device, kept across calls
-        self.engine_stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
-        self._stream_decoder: StreamingDecoder | None = None  # module.stream's (runner/stream_hooks.py)
+        self.session = InferenceSession()  # the decode engine and the device weights (runner/session.py)
+        self.training_run = TrainingKernels()  # fit's, validate's and test's kernels and graph (training/kernels.py)
         self.skipped_requests = SkippedRequests()  # bad requests fit and evaluation left out, each warned once
+        # random weights nobody asked for: predict warns once (a fit, a load or random_weights=True says otherwise)
+        self.unasked_random_weights = model is None and checkpoint is None and not random_weights
+        self.register_load_state_dict_post_hook(_weights_loaded)
         freeze_parameters(self.model, freeze or [], train_only)
-        self.reconstruction_loss = Unregistered(ReconstructionLoss(model.config.sample_rate, mel_weight, stft_weight))
+        rate = resolved.config.sample_rate
+        self.reconstruction_loss = Unregistered(ReconstructionLoss(rate, mel_weight, stft_weight))
         self.discriminators = Discriminators() if adversarial else None
         self.adversarial_step = AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight,
                                                 grad_clip) if adversarial else None  # fmt: skip
         self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
-        self.eval_metrics = Unregistered(AudioMetrics(model.config.sample_rate))
+        self.eval_metrics = Unregistered(AudioMetrics(rate))
 
     def setup(self, stage: str) -> None:
-        super().setup(stage)
+        self.session.setup(self, stage)  # refuses a call on another thread during fit; holds or lends weights
         self.skipped_requests.clear()  # each run warns about its own
-        if stage == "fit" and self.adversarial_step is not None and self._trainer is not None:
-            find_unused_parameters_under_ddp(self._trainer)
+        trainer = self._trainer  # None when a user calls setup by hand: the weights' device then
+        device = trainer.strategy.root_device if trainer is not None else next(self.parameters()).device
+        self.training_run.kernels = self.configure_training_kernels(device) if self.fast_training else Kernels()
+        if stage == "fit":  # a new graph each fit: one fit's shapes, weights and trainable set
+            self.training_run.graph = self.configure_training_graph(trainer) if self.fast_training else None
+            self.unasked_random_weights = False
+            if self.adversarial_step is not None and trainer is not None:
+                find_unused_parameters_under_ddp(trainer)
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit":  # its graph's pool holds a step's activations, which predict must not pay for
+            self.training_run.graph = None
+
+    # --- the inference session's entry points (runner/session.py) ---------------------------------
+
+    @property
+    def engine(self) -> DecodeEngine | None:
+        """The decode engine kept from the last predict (None before one, or once released)."""
+        return self.session.engine
+
+    @engine.setter
+    def engine(self, engine: DecodeEngine | None) -> None:
+        self.session.engine = engine
+
+    @property
+    def engine_stats(self) -> dict[str, float]:
+        """The engine's ``stats()`` at the end of the last predict."""
+        return self.session.stats
+
+    def decode_engine(self) -> DecodeEngine:
+        """The engine predict runs on: the kept one while it serves the model where it is, else a new one."""
+        return self.session.decode_engine(self)
+
+    def release_engine(self) -> None:
+        """Frees the engine (weights, graphs, state) and gives the cached memory back."""
+        self.session.release_engine()
+
+    def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
+                          gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
+        """A :class:`StreamingDecoder` over the model (``gpu_memory_utilization``: its budget's share of the
+        GPU), retired when the module starts fit; refused on another thread while fit runs."""
+        return self.session.streaming_decoder(self, max_streams, cuda_graphs, gpu_memory_utilization)
+
+    def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
+        """Decodes one request as its code chunks ``[Q, n]`` arrive: float32 ``[1, m]`` per chunk, which
+        concatenate to ``decode`` of all its frames; up to 8 may interleave. Current weights (no EMA swap)."""
+        return self.session.stream(self, code_chunks, cuda_graphs)
+
+    # --- training kernels and graph (training/kernels.py) --------------------------------------------
+
+    @property
+    def training_kernels(self) -> Kernels:
+        """The kernels fit, validate and test run the model with (chosen in ``setup``)."""
+        return self.training_run.kernels
+
+    @property
+    def training_graph(self) -> TrainingGraph | None:
+        """Fit's CUDA graph of the generator (set in ``setup`` of fit, None after it)."""
+        return self.training_run.graph
+
+    def generate(self, codes: torch.Tensor) -> torch.Tensor:
+        """The model's waveform for a training or evaluation batch (``training_kernels``, ``training_graph``)."""
+        return self.training_run.generate(self.model, codes)
+
+    def configure_training_graph(self, trainer: pl.Trainer | None) -> TrainingGraph | None:
+        """How fit replays the generator (default: a ``TrainingGraph`` where CUDA, a plain precision, one
+        process and no accumulation allow it, else None: eager); called in ``setup`` of each fit, not
+        with ``fast_training = False``.
+
+        Args:
+            trainer: the fit's trainer (None when ``setup`` is called by hand).
+        """
+        return default_training_graph(trainer, self.automatic_optimization)
+
+    def configure_training_kernels(self, device: torch.device) -> Kernels:
+        """The kernels fit, validate and test run the model with (default ``Kernels.for_training``),
+        called once per run in ``setup``; not called with ``fast_training = False``.
+
+        Args:
+            device: where the trainer runs the module.
+
+        Example::
+
+            class Interpreted(Code2WavModule):  # Triton's kernels on the CPU, in its interpreter
+                def configure_training_kernels(self, device):  # (TRITON_INTERPRET=1 before the import)
+                    return Kernels(partial(snake_beta_triton_autograd, precise=True), name="interpreted")
+        """
+        return Kernels.for_training(device)
+
+    def on_predict_start(self) -> None:
+        if self.unasked_random_weights:  # here, not in setup: a --ckpt_path is loaded between the two
+            self.unasked_random_weights = False
+            warnings.warn(RANDOM_WEIGHTS, UserWarning, stacklevel=2)
+        self.session.decode_engine(self)
+
+    def on_predict_end(self) -> None:
+        self.session.on_predict_end(self)
 
     @property
     def config(self) -> Code2WavConfig:
@@ -179,9 +287,11 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, Tra
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> dict[str, Any]:
-        """``{"model_outputs": [wav_i Float[1, output_length(n_i)] on the device], "sr": sample_rate}``."""
-        return MultimodalOutputs(model_outputs=self.decode_batch(batch), sr=self.config.sample_rate)
+    def predict_step(self, batch: dict[str, Any], batch_idx: int = 0, dataloader_idx: int = 0) -> OmniModelRunnerOutput:
+        """The batch's runner output: its ``req_ids`` and ``errors``, per request
+        ``{"model_outputs": wav Float[1, output_length(n)], "sr": sample_rate}`` (on the host once finalized)."""
+        outputs = {"model_outputs": self.decode_batch(batch), "sr": self.config.sample_rate}
+        return runner_output(batch, outputs, batch_idx, dataloader_idx)
 
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""
@@ -278,3 +388,8 @@ class Code2WavModule(HostWeightsOnPredict, EngineOnPredict, StreamsOnModule, Tra
     def _eval_end(self, stage: str) -> None:
         if not self.trainer.sanity_checking:  # values already reduced over ranks
             self.log_dict({f"{stage}/{k}": float(v) for k, v in self.eval_metrics.on(self.device).compute().items()})
+
+
+def _weights_loaded(module: Code2WavModule, incompatible_keys: Any) -> None:
+    """A state dict loaded into the module (a Lightning checkpoint too): its weights are no longer random."""
+    module.unasked_random_weights = False

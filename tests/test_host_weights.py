@@ -1,14 +1,13 @@
-"""After predict, the weights go back into the host tensors they left (runner/host_weights.py)."""
+"""After predict, the weights go back into the host tensors they left (runner/session.py, runner/host_weights.py)."""
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from conftest import random_model
 from helpers import requests, trainer_kwargs, waveforms
-from torch.utils.data import DataLoader
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
-from omni_lightning.runner.host_weights import HostWeights, HostWeightsOnPredict
+from omni_lightning.runner.session import HostWeights, pack_parameters
 
 cuda = pytest.mark.gpu
 
@@ -34,7 +33,7 @@ def test_restore_copies_current_values_into_the_held_tensors():
 def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once(tmp_path):
     """On CUDA the held tensors are packed into one pinned buffer (the moves then run at the copy
     engines' speed); here a plain host buffer stands in for the pinned allocation."""
-    from omni_lightning.runner.host_weights import ALIGN, pack
+    from omni_lightning.runner.host_weights import ALIGN
 
     module = Code2WavModule(model=random_model("tiny", seed=1))
     values = [p.detach().clone() for p in module.parameters()]
@@ -55,7 +54,7 @@ def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once(tmp
     assert held.restore() == len(values)
     assert all(p.data.untyped_storage().data_ptr() == flat for p in module.parameters())  # back into the buffer
     assert all(torch.equal(p.data, v * 2 + 1) for p, v in zip(module.parameters(), values))
-    assert pack(list(module.parameters()), allocate) == 0 and len(buffers) == 1  # packed already
+    assert pack_parameters(list(module.parameters()), allocate) == 0 and len(buffers) == 1  # packed already
     # weights that are views of one buffer still save and load as themselves (safetensors, torch.save)
     folder = module.export_pretrained(str(tmp_path / "packed"))
     loaded = Code2Wav.from_pretrained(str(folder))
@@ -72,7 +71,7 @@ def test_pinning_packs_the_weights_into_one_buffer_values_kept_and_only_once(tmp
     assert HostWeights.hold(other, pin=no_pinned_memory) is not None and storages(other) == before  # pageable
     lin = torch.nn.Linear(4, 4)
     tied = [lin.weight, lin.bias, torch.nn.Parameter(lin.weight.data[0])]  # a view: weights sharing memory
-    assert pack(tied, allocate) == 0 and tied[2].data_ptr() == lin.weight.data_ptr()  # left as they are
+    assert pack_parameters(tied, allocate) == 0 and tied[2].data_ptr() == lin.weight.data_ptr()  # left as they are
 
 
 def test_a_cast_or_a_module_off_the_cpu_is_left_to_the_stock_move():
@@ -113,43 +112,24 @@ def test_only_predict_holds_weights():
     module = Code2WavModule(model=random_model("tiny", seed=1))
     for stage in ("fit", "validate", "test"):
         module.setup(stage)
-        assert module._host_weights is None
+        assert module.session._held is None
     module.setup("predict")
-    assert isinstance(module._host_weights, HostWeights)
-    module.cpu()
-    assert module._host_weights is None
+    assert isinstance(module.session._held, HostWeights)
+    module.on_predict_end()
+    assert module.session._held is None
 
 
-class Plain(HostWeightsOnPredict, pl.LightningModule):
-    """A stock LightningModule taking the mixin."""
-
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(4, 3)
-        self.setups = []
-
-    def setup(self, stage):
-        super().setup(stage)
-        self.setups.append(stage)
-
-    def predict_step(self, batch, batch_idx):
-        return self.layer(batch)
-
-
-def test_real_trainers_predict_as_before_with_the_mixin():
+def test_real_trainers_predict_and_leave_the_weights_in_their_host_tensors():
     module = Code2WavModule(model=random_model("tiny", seed=2))
     reqs = requests()
     before = storages(module)
     trainer = Trainer(**trainer_kwargs())
     first = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
     second = waveforms(trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
-    assert storages(module) == before and module._host_weights is None
+    assert storages(module) == before and module.session._held is None
     # the same weights; not bitwise the same floats: the engine's planner prefers the shapes it has run,
     # so the second call may split the batch differently (every split is exact to fp32 rounding)
     assert all(torch.allclose(first[r], second[r], rtol=0, atol=1e-5) for r in reqs)
-    plain = Plain()
-    out = pl.Trainer(**trainer_kwargs()).predict(plain, DataLoader(torch.ones(2, 4), batch_size=2))
-    assert plain.setups == ["predict"] and out[0].shape == (2, 3)
 
 
 @cuda
@@ -214,7 +194,7 @@ def test_a_kept_engine_lends_its_weights_to_the_next_predict_until_a_weight_chan
 
     module = Code2WavModule(model=random_model("tiny", seed=3))
     model = module.model
-    module.engine = DecodeEngine(model, frames_per_forward=64, capture=RecordingCapture())
+    module.engine = DecodeEngine(model, frames_per_forward=64, capture=RecordingCapture())  # set by hand
     reqs = requests([9, 14])
     dm = lambda: CodesDataModule(predict=reqs, batch_size=2)  # noqa: E731
     with torch.inference_mode():
@@ -257,8 +237,10 @@ def test_cuda_predicts_lend_the_kept_engine_its_weights_and_return_them_uncopied
     want = {n: p.detach().clone() for n, p in module.named_parameters()}
     seen = SeesTheMove()
     kwargs = {**trainer_kwargs(precision="bf16-true"), "accelerator": "gpu", "callbacks": [seen]}
-    outs = [waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
-            for _ in range(3)]  # fmt: skip
+    outs = [
+        waveforms(Trainer(**kwargs).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3)))
+        for _ in range(3)
+    ]
     assert seen.lent == [False, True, True]  # the first predict builds the engine; the next two borrow it
     assert all(torch.equal(p, want[n]) and p.device.type == "cpu" for n, p in module.named_parameters())
     assert all(torch.allclose(outs[0][r], o[r], rtol=0, atol=2e-2) for o in outs[1:] for r in reqs)
@@ -268,6 +250,7 @@ def test_cuda_predicts_lend_the_kept_engine_its_weights_and_return_them_uncopied
     assert seen.lent[-1] is False and any((changed[r] - outs[0][r]).abs().max() > 1e-2 for r in reqs)
     fresh = Code2WavModule(model=random_model("tiny", seed=2).to(torch.bfloat16))
     fresh.load_state_dict(module.state_dict())
-    ref = waveforms(Trainer(**{**kwargs, "callbacks": []}).predict(fresh, datamodule=CodesDataModule(predict=reqs,
-                                                                                                   batch_size=3)))
+    ref = waveforms(
+        Trainer(**{**kwargs, "callbacks": []}).predict(fresh, datamodule=CodesDataModule(predict=reqs, batch_size=3))
+    )
     assert all(torch.allclose(changed[r], ref[r], rtol=0, atol=2e-2) for r in reqs)

@@ -44,6 +44,8 @@ MAX_LINES = 300
 LONG_FILES: dict[str, str] = {
     "omni_lightning/kernels/snake_beta.py": "one op per file (issue 20): SnakeBeta's forward and backward Triton "
     "kernels, their launchers, the autograd function and the torch reference together",
+    "omni_lightning/module.py": "the LightningModule: Lightning's hooks of every stage, each a few lines calling a "
+    "collaborator, its documented entry points (engine, streams, training kernels) and the Args the CLI shows",
 }
 # Heavy optional dependencies: imported where they are used, never by `import omni_lightning`.
 HEAVY = ("wandb", "soundfile", "jsonargparse", "transformers", "matplotlib")

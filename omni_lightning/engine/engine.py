@@ -126,8 +126,8 @@ class DecodeEngine(EngineStats):
 
     @serialized
     def refresh(self) -> bool:
-        """Points the model's weights back at the tensors the graphs read (their current values
-        copied in). If the model changed dtype, device or shape, the engine cannot serve it: returns
+        """Copies the model's current weights into the tensors the engine reads where they are other
+        tensors. If the model changed dtype, device or shape, the engine cannot serve it: returns
         False (build a new one)."""
         ref = next(self.model.parameters())
         if (ref.device, ref.dtype) != (self.device, self.dtype):
@@ -280,4 +280,6 @@ class DecodeEngine(EngineStats):
             self.graphs.get(codes.repeat(1, 1, math.ceil(largest / chunk))[..., :largest], self.scratch)
 
     def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        if self.weights is not None:  # the tensors the graphs read, wherever the parameters are
+            return self.weights.call(codes, self.state.select(slots, valid), self.kernels)
         return self.model(codes, self.state.select(slots, valid), self.kernels)

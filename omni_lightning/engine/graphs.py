@@ -14,24 +14,20 @@ so later captures get a fresh pool, and the failed graph object is kept, never d
 ``capture`` is injectable (``GraphCapture``): the tests pass a stand-in that records the callable,
 or fails, to run this logic on a CPU.
 
-Graphs read the weights at the addresses they were captured with. Lightning moves a module to the
-GPU at every ``predict`` start (new tensors) and back at its end, so :meth:`BoundWeights.refresh`
-copies the model's current weights into the tensors the graphs read and points the parameters back
-at them: graphs survive from one predict call to the next and always see the current weights (after
-fine-tuning too). The held convolution weights are channels-last: the decoder's activations are
-time-major, so cuDNN would otherwise convert each weight at every call (:func:`conv_layout`; 20
-weight copies per forward for qwen3-omni, ~0.17 ms of an H200's time per forward, seen in the
-kernels of a 1-frame streaming step). The parameters read them in that layout while the engine
-holds them; the move back to the host (``runner/host_weights.py``) writes them contiguous. Only the
-decode engine asks for that layout, at its build, before any capture; fit's training graph binds its
-weights after capturing and keeps their layout. Not done: graphs are not shared across processes or
-devices.
+Graphs read the weights at the addresses they were captured with: :class:`BoundWeights` holds
+those tensors (the convolution weights channels-last, :func:`conv_layout`) and a capture runs the
+forward on them (``call``: every forward of the engine), wherever the parameters are. It never
+repoints a parameter: the inference session (``runner/session.py``) lends these tensors to the
+module's parameters during predict.
+Not done: graphs are not shared across processes or devices.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -156,8 +152,9 @@ class GraphCache:
         except CaptureError as err:
             self.eager.add(key)
             self.stats.failures += 1
-            log.warning("no CUDA graph for %d rows x %d frames (%s); it runs eagerly", *key,
-                        str(err).splitlines()[0][:200])  # fmt: skip
+            log.warning(
+                "no CUDA graph for %d rows x %d frames (%s); it runs eagerly", *key, str(err).splitlines()[0][:200]
+            )
             return None
         graph = self.graphs[key] = StepGraph(static, rows, valid, out, replay)
         self.stats.captures += 1
@@ -189,32 +186,33 @@ def conv_layout(w: torch.Tensor) -> torch.Tensor:
 
 
 class BoundWeights:
-    """The device tensors captured graphs read, kept across Lightning's moves (module docstring)."""
+    """The device tensors captured graphs read: the model's parameters and buffers, the convolution
+    weights copied channels-last where asked. Does not repoint the model's parameters."""
 
     def __init__(self, model: nn.Module, conv_weights_channels_last: bool = False) -> None:
-        """``conv_weights_channels_last``: move the convolution weights to :func:`conv_layout` now
-        (before any capture: a graph captured earlier would read the old tensors)."""
         self.model = model
-        convs = {id(m.weight) for m in model.modules() if conv_weights_channels_last
-                 and isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and m.kernel_size[0] > 1}  # fmt: skip
-        self.held = []
+        convs = conv_weights(model) if conv_weights_channels_last else set()
+        names = [*(n for n, _ in model.named_parameters()), *(n for n, _ in model.named_buffers())]
         with torch.no_grad():
-            for t in self._tensors():
-                held = conv_layout(t.data) if id(t) in convs else t.data
-                if held is not t.data:
-                    t.data = held
-                self.held.append(held)
+            self.held = [conv_layout(t.detach()) if id(t) in convs else t.detach() for t in self.tensors()]
+        self._by_name = dict(zip(names, self.held))
 
-    def _tensors(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
+        """The model's parameters and buffers, in the order of ``held``."""
         return [*self.model.parameters(), *self.model.buffers()]
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.held)
 
+    def call(self, *args: Any) -> Any:
+        """``model(*args)`` reading the held tensors, wherever the model's parameters are."""
+        with _swap_lock(self.model):  # two engines over one model must not interleave their swaps
+            return torch.func.functional_call(self.model, self._by_name, args)
+
     def refresh(self) -> bool:
-        """Puts the model's current weights where the graphs read them. Returns False when the model
-        changed dtype, device or shapes since (graphs then must go: they read the old layout)."""
-        tensors = self._tensors()
+        """Copies the model's current weights into the held tensors where they are other tensors.
+        Returns False when the model changed dtype, device or shapes (its graphs then must go)."""
+        tensors = self.tensors()
         if len(tensors) != len(self.held) or any(
             (t.dtype, t.device, t.shape) != (h.dtype, h.device, h.shape) for t, h in zip(tensors, self.held)
         ):
@@ -223,5 +221,20 @@ class BoundWeights:
             for t, held in zip(tensors, self.held):
                 if t.data_ptr() != held.data_ptr():
                     held.copy_(t)
-                    t.data = held
         return True
+
+
+def conv_weights(model: nn.Module) -> set[int]:
+    """Ids of the weights :func:`conv_layout` applies to: convolutions with a kernel longer than 1."""
+    return {
+        id(m.weight) for m in model.modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d)) and m.kernel_size[0] > 1
+    }
+
+
+_SWAP_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _swap_lock(model: nn.Module) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _SWAP_LOCKS.setdefault(model, threading.Lock())

@@ -1,32 +1,21 @@
 """The generator's forward and backward in fine-tuning, replayed as CUDA graphs.
 
-On a GPU a fine-tuning step of this decoder is bound by the host: at batch 32 x 2 s in bf16-true
-(H200) the generator's step ran 48.6 ms of kernels in a 78 ms step, the host launching some 2,000
-kernels through autograd (``docs/performance.md``). :class:`TrainingGraph` captures the model's
-forward and its backward for one batch shape with ``torch.cuda.make_graphed_callables`` (warm-up
-iterations on a side stream, then one graph each way in one memory pool) and replays them for every
-later batch of that shape: a step then launches two graphs, plus the losses and the optimizer.
+:class:`TrainingGraph` captures ``model(codes, kernels=...)`` and its backward for one batch shape
+(``torch.cuda.make_graphed_callables``) and replays them for later batches of that shape: a step
+launches two graphs instead of each kernel through autograd (``docs/performance.md``).
 
-Policy: one graph, for a batch shape (and trainable set) seen on two steps in a row, so an epoch's
-last, smaller batch is not captured; a new shape seen twice in a row replaces it, up to
-``max_captures`` captures a fit (batches whose shapes keep changing, from length-bucketed batches
-without crops say, would otherwise pay a capture again and again). Other shapes, and every forward
-without grad (validation), run eagerly. The graphs read the weights
-at the addresses they were captured with; when the module's weights move (predict's round trip to
-the host, a ``.to()``) :class:`~omni_lightning.engine.graphs.BoundWeights` copies them back where
-the graphs read (the decode engine's rule); a change of dtype, shape or trainable set drops the graph
-and a later batch captures anew. A capture that fails (out of memory, an operation that cannot be
-captured) logs one warning and leaves the rest of the run eager; no second capture is tried, since a
-failed capture can leave its pool unusable.
+- One graph, for a batch shape (and trainable set) seen on two steps in a row, so an epoch's smaller
+  last batch is not captured; a new shape seen twice replaces it, up to ``max_captures`` a fit.
+  Other shapes and forwards without grad (validation) run eagerly.
+- The graphs read the tensors the weights had at capture
+  (:class:`~omni_lightning.engine.graphs.BoundWeights`); weights moved since are copied there and
+  pointed back (``runner/session.point_at``); a change of dtype or shape drops the graph.
+- A failed capture logs one warning and leaves the fit eager (a failed capture can spoil its pool).
+- Allowed (:func:`training_graphs_allowed`): CUDA, a plain precision (autocast's weight cache cannot
+  be captured), one process (graphed backwards under DDP's gradient hooks are untested), no
+  gradient accumulation (the graph's gradients are static buffers a second backward would overwrite).
 
-When it is used is decided once per fit (:func:`training_graphs_allowed`): CUDA, Lightning's plain
-precision plugins (autocast's weight cache cannot be captured: bf16-mixed and 16-mixed run eagerly),
-one process (DDP's gradient hooks around a graphed backward were not run on several GPUs: this
-project had no multi-GPU machine), and no gradient accumulation (the graph's gradients are static
-buffers that the parameters' ``.grad`` take over; a second backward before the optimizer step would
-overwrite them). ``capture`` is injectable: the tests pass a stand-in that runs eagerly, or fails,
-to run this logic on a CPU.
-Not done: the losses, the discriminators and the optimizers stay eager (fewer launches each).
+Not done: the losses, discriminators and optimizers stay eager. ``capture`` is injectable (tests).
 """
 
 from __future__ import annotations
@@ -43,6 +32,7 @@ from torch import nn
 
 from omni_lightning.engine.graphs import BoundWeights
 from omni_lightning.kernels import Kernels
+from omni_lightning.runner.session import point_at
 from omni_lightning.training.schedule import plain_precision
 
 log = logging.getLogger(__name__)
@@ -67,9 +57,10 @@ def cuda_capture(forward: nn.Module, sample_args: tuple[torch.Tensor, ...]) -> C
     """``torch.cuda.make_graphed_callables``; then the warm-up's cached blocks go back to the device."""
     # thread_local: a data loader's pin-memory thread makes CUDA calls meanwhile (the decode engine's rule)
     if "capture_error_mode" in inspect.signature(torch.cuda.make_graphed_callables).parameters:
-        graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True,
-                                                    capture_error_mode="thread_local")  # fmt: skip
-    else:  # an older torch (2.11, the H200 image's) captures with the graph context's default mode
+        graphed = torch.cuda.make_graphed_callables(
+            forward, sample_args, allow_unused_input=True, capture_error_mode="thread_local"
+        )
+    else:  # an older torch captures with the graph context's default mode
         with thread_local_graphs():
             graphed = torch.cuda.make_graphed_callables(forward, sample_args, allow_unused_input=True)
     torch.cuda.empty_cache()  # the warm-up ran on a side stream: its freed blocks serve that stream only
@@ -84,8 +75,9 @@ def thread_local_graphs() -> Iterator[None]:
     stock = torch.cuda.graph
 
     class ThreadLocalGraph(stock):
-        def __init__(self, cuda_graph: Any, pool: Any = None, stream: Any = None,
-                     capture_error_mode: str = "thread_local") -> None:  # fmt: skip
+        def __init__(
+            self, cuda_graph: Any, pool: Any = None, stream: Any = None, capture_error_mode: str = "thread_local"
+        ) -> None:
             super().__init__(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
 
     torch.cuda.graph = ThreadLocalGraph
@@ -116,11 +108,18 @@ class TrainingGraph:
     def __call__(self, model: nn.Module, codes: torch.Tensor, kernels: Kernels) -> torch.Tensor:
         if self.failed is not None or not torch.is_grad_enabled():  # (train/eval mode: the same forward)
             return self._eager(model, codes, kernels)
-        key = (tuple(codes.shape), codes.dtype, codes.device, id(model), id(kernels),
-               tuple(p.requires_grad for p in model.parameters()))  # fmt: skip
+        key = (
+            tuple(codes.shape),
+            codes.dtype,
+            codes.device,
+            id(model),
+            id(kernels),
+            tuple(p.requires_grad for p in model.parameters()),
+        )
         last, self._last = self._last, key
         if self._graphed is not None and key == self._key:
-            if self._weights.refresh():
+            if self._weights.refresh():  # moved weights copied where the graph reads them, and pointed there
+                point_at(self._weights.tensors(), self._weights.held)
                 self.stats["replays"] += 1
                 return self._graphed(codes)
             self.drop()  # dtype or shapes changed: this graph reads a layout that is gone
@@ -129,8 +128,11 @@ class TrainingGraph:
         if self.stats["captures"] >= self.max_captures:
             if not self.capped:
                 self.capped = True
-                log.info("fine-tuning: %d CUDA graph captures in this fit and the batch shapes keep changing; "
-                         "new shapes run eagerly", self.max_captures)  # fmt: skip
+                log.info(
+                    "fine-tuning: %d CUDA graph captures in this fit and the batch shapes keep changing; "
+                    "new shapes run eagerly",
+                    self.max_captures,
+                )
             return self._eager(model, codes, kernels)
         self.drop()
         return self._capture(model, codes, kernels, key)
@@ -145,15 +147,21 @@ class TrainingGraph:
             graphed = self.capture(_Forward(model, kernels), (codes,))
         except Exception as err:  # out of memory, an uncapturable operation, a library's refusal
             self.failed = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            log.warning("fine-tuning: no CUDA graph for batch shape %s (%s); the run continues eagerly",
-                        list(codes.shape), self.failed)  # fmt: skip
+            log.warning(
+                "fine-tuning: no CUDA graph for batch shape %s (%s); the run continues eagerly",
+                list(codes.shape),
+                self.failed,
+            )
             return self._eager(model, codes, kernels)
         self._graphed, self._key, self._weights = graphed, key, BoundWeights(model)
         seconds = time.perf_counter() - start
         self.stats["captures"] += 1
         self.stats["capture_s"] += seconds
-        log.info("fine-tuning: generator forward and backward captured as CUDA graphs for batch shape %s in %.2f s",
-                 list(codes.shape), seconds)  # fmt: skip
+        log.info(
+            "fine-tuning: generator forward and backward captured as CUDA graphs for batch shape %s in %.2f s",
+            list(codes.shape),
+            seconds,
+        )
         self.stats["replays"] += 1
         return graphed(codes)
 
