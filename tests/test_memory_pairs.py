@@ -172,3 +172,13 @@ def test_a_pinned_batch_keeps_its_mark():
     assert batch["codes"].is_pinned() and batch["checked"].codes is batch["codes"]
     batch["codes"].numpy()[0, 0, 0] = 5000
     assert validate_batch(batch, TINY).tolist() == [5]
+
+
+def test_a_mark_moves_to_copies_of_unwritten_tensors_only():
+    """What a pinned batch's mark does (``CodesBatch.pin_memory``), with plain copies on the CPU."""
+    batch = collate_codes([CodesDataset([random_codes(1, 5)[0]], "tiny")[0]])
+    mark = batch["checked"]
+    codes, lengths = batch["codes"].clone(), batch["lengths"].clone()
+    assert mark.moved(codes, lengths).holds(codes, lengths, TINY)
+    batch["codes"][0, 0, 0] = 1
+    assert mark.moved(codes, lengths) is None
