@@ -19,7 +19,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 @pytest.fixture(scope="module", params=DEVICES)
 def tiny(request):
-    """On CUDA the engine replays CUDA graphs, whose input buffers two threads' calls would share."""
+    """On CUDA the engine replays CUDA graphs, whose input buffers two threads' calls would share. Tests
+    comparing with fp32 eager decodes take ``no_tf32``: graphed and eager forwards then round alike."""
     return random_model("tiny", seed=2).to(request.param)
 
 
@@ -52,7 +53,7 @@ def run_threads(target, n):
     return results, errors
 
 
-def test_a_thread_per_stream_stepping_a_shared_decoder_gets_its_own_samples(tiny):
+def test_a_thread_per_stream_stepping_a_shared_decoder_gets_its_own_samples(tiny, no_tf32):
     """step({stream: chunk}) from many threads: one thread's step decoded and returned another's pushed
     chunk (that thread's audio lost: 7 of 9 runs of a 16-thread repro), before the decoder ran one call at a time."""
     requests = [random_codes(1, 24, seed=100 + i)[0] for i in range(8)]
@@ -74,7 +75,7 @@ def test_a_thread_per_stream_stepping_a_shared_decoder_gets_its_own_samples(tiny
     assert decoder.streams == [] and len(set(decoder.engine._free)) == 8  # every slot back, once
 
 
-def test_threads_decoding_on_one_engine_past_its_slots_each_get_exact_audio(tiny):
+def test_threads_decoding_on_one_engine_past_its_slots_each_get_exact_audio(tiny, no_tf32):
     """Three threads x 3 requests on a 4-slot engine: a thread found every slot taken by the others'
     requests and was told the slots were in use "by open streams"."""
     engine = DecodeEngine(tiny, max_rows=4)
@@ -117,7 +118,8 @@ def test_a_stream_stepped_on_another_thread_during_fit_is_told_it_was_retired(tr
     with switching_often():
         thread.start()
         Trainer(**trainer_kwargs(max_steps=1, num_sanity_val_steps=0, limit_val_batches=0)).fit(
-            module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
+            module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0)
+        )
         stop.set()
         thread.join(60)
     assert len(seen) == 1 and isinstance(seen[0], ValueError), seen
@@ -159,7 +161,8 @@ def test_a_decode_on_another_thread_during_fit_is_refused_not_mixed(train):
     codes = random_codes(1, 8, seed=1)
     probe = DecodeFromAnotherThread(codes)
     Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
-        module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
+        module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0)
+    )
     assert len(probe.said) == 8 and all("being fine-tuned (trainer.fit, on another thread)" in s for s in probe.said)
     assert module.trainer.global_step == 2  # the fit ran its steps: the refused predict changed nothing under it
     with torch.no_grad():  # once fit returns, decodes run on the tuned weights
@@ -174,7 +177,8 @@ def test_after_a_fit_that_failed_other_threads_decode_again(train):
     probe = DecodeFromAnotherThread(codes, fail_at=0)
     with pytest.raises(RuntimeError, match="the fit fails here"):
         Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[probe])).fit(
-            module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0))
+            module, datamodule=CodesDataModule(train=str(train), batch_size=2, num_workers=0)
+        )
     assert len(probe.said) == 4  # refused while it ran
     results, errors = run_threads(lambda i: module.decode_batch({"codes": codes, "n_frames": [8]})[0], 1)
     assert not errors, errors
