@@ -149,16 +149,27 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``omni-lightning demo [options]``: runs :func:`run_demo`. UsageError for an option it does not
+    take, naming the closest one (argparse's own message names none)."""
     parser = argparse.ArgumentParser(prog="omni-lightning demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument(
-        "--work-dir",
-        default=DEFAULT_WORK_DIR,
-        help="the folder the demo writes to, made if missing (default: ./%(default)s)",
-    )
+    parser.add_argument("--work-dir", default=DEFAULT_WORK_DIR,
+                        help="the folder the demo writes to, made if missing (default: ./%(default)s)")  # fmt: skip
     parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1)")
     parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1)")
     parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1)")
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        import difflib
+
+        from omni_lightning.errors import UsageError
+
+        option = unknown[0].split("=", 1)[0]
+        known = [name for action in parser._actions for name in action.option_strings if name.startswith("--")]
+        close = difflib.get_close_matches(option, known, n=1, cutoff=0.6)
+        hint = f": did you mean {close[0]}?" if close else ""
+        raise UsageError(
+            f"{option} is not an option of omni-lightning demo{hint} (omni-lightning demo --help lists them)"
+        )
     result = run_demo(args.work_dir, args.requests, args.steps, args.threads)
     print(f"demo done in {result['seconds']:.1f} s; WAV files in {Path(result['wavs']).resolve()}")

@@ -64,6 +64,13 @@ def test_an_unknown_option_is_named_with_the_closest_one_before_any_other_check(
                              "(omni-lightning predict --help lists them)\n")  # fmt: skip
 
 
+def test_the_demos_unknown_option_is_named_with_the_closest_one(tmp_path, capsys):
+    assert main(["demo", "--work_dir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == ("error: --work_dir is not an option of omni-lightning demo: did you mean "
+                                       "--work-dir? (omni-lightning demo --help lists them)\n")  # fmt: skip
+    assert list(tmp_path.iterdir()) == []  # refused before any work
+
+
 def test_a_config_files_unknown_key_is_named_too(tmp_path, capsys):
     config = tmp_path / "job.yaml"
     config.write_text("model:\n  random_weight: true\n")

@@ -122,3 +122,20 @@ def test_a_large_model_on_the_cpu_is_said_before_starting(tmp_path, capsys):
     assert line.startswith("predict: tiny preset")
     line, warning = start_lines(trainer, module, module.config, 1_500_000_000)
     assert warning.startswith("warning: the tiny model (1500 M parameters) on the CPU is slow"), warning
+
+
+PYTHON_PREDICT = """
+import torch
+from omni_lightning import Code2WavModule, CodesDataModule, Trainer
+data = CodesDataModule(predict={"a": torch.randint(0, 100, (16, 5))}, batch_size=1)
+Trainer(accelerator="cpu", logger=False).predict(Code2WavModule(config="tiny"), datamodule=data)
+"""
+
+
+def test_a_python_predict_prints_its_start_line_and_no_lightning_advertisements():
+    proc = subprocess.run([sys.executable, "-c", PYTHON_PREDICT], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "predict: tiny preset, 2.4 M parameters" in proc.stdout and "1 requests to decode" in proc.stdout
+    for noise in ("litlogger", "litmodels", "LeafSpec"):
+        assert noise not in proc.stdout + proc.stderr, noise
