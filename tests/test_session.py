@@ -61,6 +61,30 @@ def test_after_predict_the_state_dict_is_plain_contiguous_host_tensors(tmp_path)
         assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+def test_an_engine_built_in_a_predict_takes_weights_written_after_it_and_leaves_them_trainable():
+    """An engine built during a predict (in inference mode, as on CUDA) holds inference tensors: a weight
+    written between predicts is copied into them in the next one's setup, and what goes back to the
+    host (a cast packed by ``pin_cast`` too) stays a normal tensor that fit can train."""
+    from omni_lightning.runner.session import HostWeights
+
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    with torch.inference_mode():
+        module.engine = DecodeEngine(module.model, frames_per_forward=64, capture=RecordingCapture())
+    reqs = requests([9, 14])
+    Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=2))
+    with torch.no_grad():
+        module.model.pre_transformer.norm.weight.mul_(2)
+        want = {r: module.model.decode(c[None])[0] for r, c in reqs.items()}
+    got = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=2)))
+    assert all((got[r] - want[r]).abs().max() <= 1e-5 for r in reqs)
+    assert not any(p.is_inference() for p in module.parameters())
+    module.session._held = HostWeights.hold(module, pin_cast=lambda n: torch.empty(n, dtype=torch.uint8))
+    with torch.inference_mode():
+        module.to(torch.bfloat16)  # a cast in a predict: packed on its way back
+        module.session.release_held()
+    assert all(p.dtype == torch.bfloat16 and not p.is_inference() for p in module.parameters())
+
+
 def predict(module):
     codes = list(requests([5, 6]).values())
     return Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=codes, batch_size=2))

@@ -217,7 +217,7 @@ class BoundWeights:
             (t.dtype, t.device, t.shape) != (h.dtype, h.device, h.shape) for t, h in zip(tensors, self.held)
         ):
             return False
-        with torch.no_grad():
+        with torch.inference_mode():  # held tensors made during a predict are inference tensors
             for t, held in zip(tensors, self.held):
                 if t.data_ptr() != held.data_ptr():
                     held.copy_(t)

@@ -223,7 +223,7 @@ class InferenceSession:
         if any(p.shape != c.shape for p, c in zip(params, copies)):
             return
         fresh = unchanged(marks, params)
-        with torch.no_grad():
+        with torch.inference_mode():  # copies an engine built during a predict holds are inference tensors
             for p, c in zip(params, copies):
                 if not fresh and p.data_ptr() != c.data_ptr():
                     c.copy_(p, non_blocking=p.is_pinned())  # a parameter may have changed since
@@ -248,7 +248,8 @@ class InferenceSession:
         """The parameters back into the host tensors held (a no-op when none are)."""
         held, self._held = self._held, None
         if held is not None:
-            held.restore()
+            with torch.inference_mode(False):  # (on_predict_end runs in it) what is packed must stay trainable
+                held.restore()
 
     def _fit_elsewhere(self, module: Any) -> pl.Trainer | None:
         """The trainer of a fit running on ``module`` in another thread, else None."""
