@@ -24,8 +24,8 @@ SOURCE_FIX = f"give a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSO
 @dataclass
 class Entry:
     id: str
-    codes: Any  # a Path, or a tensor for a source held in memory
-    audio: Path | None = None
+    codes: Any  # a Path, or codes held in memory
+    audio: Any = None  # a Path, audio held in memory, or None
     n_frames: int = 0
     error: str | None = None
     where: str = ""  # "line 3" of a manifest, a file of a folder: where a duplicate id comes from
