@@ -1,26 +1,18 @@
 """The fast training path against the plain one: 10 optimizer steps of a real fit from the same seed,
 in fp32, give the same losses and gradients, and validation after them the same losses.
 
-The fast path is the module's ``training_kernels``: on CUDA ``Kernels.for_training`` (the Triton
-SnakeBeta forward and backward). A CPU has no CUDA, so here the same Triton kernels run in Triton's
-interpreter (``TRITON_INTERPRET=1``, set in a subprocess before Triton is imported), chosen through
-the module's ``configure_training_kernels`` hook with libdevice's sine (``precise=True``: the
-interpreter cannot run the fast sine's inline PTX). The plain path is ``fast_training=False``: the
-torch reference kernels and their autograd. The script counts the Triton calls of each path, so a
-module that ignored its kernels (or the switch) fails here rather than comparing the reference with
-itself. The CUDA twin of this test is in ``test_gpu_model.py``.
+The fast path is ``Kernels.for_training``'s Triton SnakeBeta forward and backward; here they run in
+Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), with libdevice's sine
+(``precise=True``: the interpreter cannot run inline PTX), chosen through the module's
+``configure_training_kernels`` hook. The plain path is ``fast_training=False``. The script counts the
+Triton calls of each path, so a module that ignored its kernels fails rather than comparing the
+reference with itself. The CUDA twin of this test is in ``test_gpu_model.py``.
 
-The objective is the mel loss alone (``stft_weight=0``): the STFT loss's log magnitudes (clamped
-at 1e-7) make its gradient chaotic in fp32. Perturbing the waveform by 1e-6 moves the reference's
-own STFT-loss gradient by 4 % (relative L2) on this data, the mel loss's by 2e-5, so with the STFT
-term any two fp32 implementations part after a step or two whatever their kernels.
-
-Tolerances: the kernels differ from the reference by fp32 rounding (sums in another order, the sine
-evaluated elsewhere), and AdamW carries that difference into the later steps' weights. Measured on
-the CPU (step 1 / worst of 10): relative loss difference 9e-8 / 7e-7, relative L2 difference of all
-gradients 1.4e-6 / 3.6e-5, of the worst parameter's gradient 5e-5 / 4e-3. Asserted: loss <= 1e-5;
-all gradients <= 1e-5 at step 1 and <= 2e-4 at every step; any parameter's <= 1e-3 at step 1 and
-<= 2e-2 at every step. A wrong gradient of any one input of the op misses these by orders of magnitude.
+The objective is the mel loss alone (``stft_weight=0``): the STFT loss's clamped log magnitudes make
+its fp32 gradient chaotic, so any two implementations part after a step or two. Tolerances allow
+fp32 rounding carried by AdamW through ten steps: loss <= 1e-5; all gradients <= 1e-5 at step 1 and
+<= 2e-4 at every step; any parameter's <= 1e-3 at step 1 and <= 2e-2 at every step. A wrong
+gradient of any one input of the op misses these by orders of magnitude.
 """
 
 import json
