@@ -10,8 +10,9 @@ predict loop's thread, exactly once, resumable.
   threads into fsynced temp files, renames them into place, fsyncs the folder, then appends the batch's
   lines to ``manifest.jsonl`` and fsyncs it. The loop waits only when ``max_pending`` batches are queued.
 - **Exactly once, kill -9 safe.** A manifest line is written only after its file is durable (a crash
-  leaves at worst temp files, removed at the next start). A rerun writes no finished id again and compacts the manifest to its finished lines (failed requests are
-  tried again). With ``CodesDataModule(skip_done=out_dir)`` finished requests are not even decoded.
+  leaves at worst temp files, removed at the next start). A rerun writes no finished id again and
+  compacts the manifest to its finished lines (failed requests are tried again). With
+  ``CodesDataModule(skip_done=out_dir)`` finished requests are not even decoded.
 - **Failures.** A request whose file cannot be written, or whose input was bad, gets an error line and
   the others go on. A failure of the background thread itself is raised in the loop at the next batch or
   at the end. On an exception or Ctrl-C the batches already computed are written before it propagates.
