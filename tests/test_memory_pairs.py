@@ -99,7 +99,7 @@ def test_codes_without_audio_are_refused_for_fit_validate_and_test():
 def test_fit_validate_and_test_run_on_pairs_in_memory():
     pairs = teacher_pairs([10, 7, 12, 6])
     data = CodesDataModule(train=pairs, val=pairs[:2], test={"t": pairs[2]}, config="tiny", batch_size=2, crop_frames=6)
-    module = Code2WavModule(model=random_model("tiny", seed=7), learning_rate=3e-3)
+    module = Code2WavModule(model=random_model("tiny", seed=7).train(), learning_rate=3e-3)
     before = [p.detach().clone() for p in module.model.parameters()]
     trainer = Trainer(**trainer_kwargs(max_steps=2, num_sanity_val_steps=0, limit_val_batches=1))
     trainer.fit(module, datamodule=data)
