@@ -168,7 +168,8 @@ def test_a_batch_from_a_loader_worker_keeps_its_mark():
 def test_a_pinned_batch_keeps_its_mark():
     ds = CodesDataset([random_codes(1, 5)[0]], "tiny")
     loader = torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=collate_codes, pin_memory=True)
-    batch = batch_of(loader)
+    with torch.inference_mode():  # as in trainer.predict, which pins there without loader workers
+        batch = batch_of(loader)
     assert batch["codes"].is_pinned() and batch["checked"].codes is batch["codes"]
     batch["codes"].numpy()[0, 0, 0] = 5000
     assert validate_batch(batch, TINY).tolist() == [5]

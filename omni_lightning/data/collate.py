@@ -16,16 +16,11 @@ class CodesBatch(dict):
     is not checked again either."""
 
     def pin_memory(self) -> CodesBatch:
-        pinned = CodesBatch({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.items()})
-        mark = self.get("checked")
-        if isinstance(mark, CheckedCodes):
-            moved = (
-                mark.moved(pinned["codes"], pinned["lengths"]) if mark.holds(self["codes"], self["lengths"]) else None
-            )
-            if moved is None:
-                del pinned["checked"]
-            else:
-                pinned["checked"] = moved
+        with torch.inference_mode(False):  # a loader without workers pins inside predict's inference mode
+            pinned = CodesBatch({k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in self.items()})
+        mark = pinned.pop("checked", None)
+        if isinstance(mark, CheckedCodes) and mark.holds(self["codes"], self["lengths"]):
+            pinned["checked"] = mark.moved(pinned["codes"], pinned["lengths"])
         return pinned
 
 
