@@ -29,8 +29,14 @@ import omni_lightning
 from omni_lightning import OmniModelRunnerOutput, OmniPredictionLoop
 
 TRAINERS = {"lightning": pl.Trainer, "omni": omni_lightning.Trainer}
-QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-             enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+QUIET = dict(
+    accelerator="cpu",
+    devices=1,
+    logger=False,
+    enable_checkpointing=False,
+    enable_progress_bar=False,
+    enable_model_summary=False,
+)
 ROWS = torch.arange(28.0).view(7, 4)
 ORDER = [5, 3, 0, 6, 1, 2, 4]  # a fixed sampler order: batch indices are the dataset's, not positions
 
@@ -161,8 +167,8 @@ class Writer(BasePredictionWriter):
         self.batch_calls, self.epoch_calls = [], []
 
     def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
-        self.batch_calls.append(dict(prediction=prediction, indices=list(batch_indices), batch=batch,
-                                     batch_idx=batch_idx, dataloader_idx=dataloader_idx))  # fmt: skip
+        call = dict(prediction=prediction, indices=list(batch_indices), batch=batch, batch_idx=batch_idx)
+        self.batch_calls.append({**call, "dataloader_idx": dataloader_idx})
 
     def write_on_epoch_end(self, trainer, pl_module, predictions, batch_indices):
         self.epoch_calls.append((list(predictions), batch_indices))
@@ -197,12 +203,30 @@ def test_prediction_writer_intervals_and_batch_indices(make_trainer, interval, r
 
 # --- hooks ---------------------------------------------------------------------------------------------
 
-CALLBACK_HOOKS = ["setup", "on_predict_start", "on_predict_epoch_start", "on_predict_batch_start",
-                  "on_predict_batch_end", "on_predict_epoch_end", "on_predict_end", "teardown"]  # fmt: skip
-MODULE_HOOKS = ["setup", "on_predict_model_eval", "on_predict_start", "on_predict_epoch_start",
-                "on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer",
-                "on_predict_batch_start", "on_predict_batch_end", "on_predict_epoch_end", "on_predict_end",
-                "teardown"]  # fmt: skip
+CALLBACK_HOOKS = [
+    "setup",
+    "on_predict_start",
+    "on_predict_epoch_start",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_epoch_end",
+    "on_predict_end",
+    "teardown",
+]
+MODULE_HOOKS = [
+    "setup",
+    "on_predict_model_eval",
+    "on_predict_start",
+    "on_predict_epoch_start",
+    "on_before_batch_transfer",
+    "transfer_batch_to_device",
+    "on_after_batch_transfer",
+    "on_predict_batch_start",
+    "on_predict_batch_end",
+    "on_predict_epoch_end",
+    "on_predict_end",
+    "teardown",
+]
 
 
 class HookLog(Callback):
@@ -245,21 +269,36 @@ class HookNet(Net):
 
 def expected_hooks(batches_per_loader):
     """Lightning's documented predict hook order; batch hooks get a dataloader_idx with several loaders."""
-    log = [("callback", "setup"), ("module", "setup"), ("module", "on_predict_model_eval"),
-           ("callback", "on_predict_start"), ("module", "on_predict_start"),
-           ("callback", "on_predict_epoch_start"), ("module", "on_predict_epoch_start")]  # fmt: skip
+    log = [
+        ("callback", "setup"),
+        ("module", "setup"),
+        ("module", "on_predict_model_eval"),
+        ("callback", "on_predict_start"),
+        ("module", "on_predict_start"),
+        ("callback", "on_predict_epoch_start"),
+        ("module", "on_predict_epoch_start"),
+    ]
     for dataloader_idx, batches in enumerate(batches_per_loader):
         dl = dataloader_idx if len(batches_per_loader) > 1 else "no dataloader_idx"
         for i in range(batches):
-            log += [("module", "on_before_batch_transfer"), ("module", "transfer_batch_to_device"),
-                    ("module", "on_after_batch_transfer"),
-                    ("callback", "on_predict_batch_start", i, dl), ("module", "on_predict_batch_start", i, dl),
-                    ("module", "predict_step", i),
-                    ("callback", "on_predict_batch_end", i, dl, "Tensor"),
-                    ("module", "on_predict_batch_end", i, dl, "Tensor")]  # fmt: skip
-    log += [("callback", "on_predict_epoch_end"), ("module", "on_predict_epoch_end"),
-            ("callback", "on_predict_end"), ("module", "on_predict_end"),
-            ("callback", "teardown"), ("module", "teardown")]  # fmt: skip
+            log += [
+                ("module", "on_before_batch_transfer"),
+                ("module", "transfer_batch_to_device"),
+                ("module", "on_after_batch_transfer"),
+                ("callback", "on_predict_batch_start", i, dl),
+                ("module", "on_predict_batch_start", i, dl),
+                ("module", "predict_step", i),
+                ("callback", "on_predict_batch_end", i, dl, "Tensor"),
+                ("module", "on_predict_batch_end", i, dl, "Tensor"),
+            ]
+    log += [
+        ("callback", "on_predict_epoch_end"),
+        ("module", "on_predict_epoch_end"),
+        ("callback", "on_predict_end"),
+        ("module", "on_predict_end"),
+        ("callback", "teardown"),
+        ("module", "teardown"),
+    ]
     return log
 
 
@@ -295,8 +334,8 @@ def test_multiple_dataloaders(make_trainer):
     preds = make_trainer(callbacks=[writer]).predict(net, [loader(), loader(ROWS[:4], 2, sampler=None)])
     assert [len(p) for p in preds] == [3, 2]  # one list per dataloader
     assert [(p[0], p[1]) for p in preds[0] + preds[1]] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
-    assert [(c["dataloader_idx"], c["batch_idx"]) for c in writer.batch_calls] == [(0, 0), (0, 1), (0, 2),
-                                                                                   (1, 0), (1, 1)]  # fmt: skip
+    steps = [(c["dataloader_idx"], c["batch_idx"]) for c in writer.batch_calls]
+    assert steps == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     ((predictions, batch_indices),) = writer.epoch_calls
     assert batch_indices == [[[5, 3, 0], [6, 1, 2], [4]], [[0, 1], [2, 3]]]
     assert [len(p) for p in predictions] == [3, 2]
@@ -358,9 +397,15 @@ def test_profiler_action_names(make_trainer, profiler_cls, tmp_path):
     make_trainer(profiler=profiler).predict(Net(), loader())
     names = set(profiler.started)
     strategy = "[Strategy]SingleDeviceStrategy."
-    want = {"[_PredictionLoop].predict_next", f"{strategy}predict_step", f"{strategy}batch_to_device",
-            f"{strategy}on_predict_start", f"{strategy}on_predict_end",
-            "[LightningModule]Net.on_predict_batch_end", "[LightningModule]Net.on_predict_start"}  # fmt: skip
+    want = {
+        "[_PredictionLoop].predict_next",
+        f"{strategy}predict_step",
+        f"{strategy}batch_to_device",
+        f"{strategy}on_predict_start",
+        f"{strategy}on_predict_end",
+        "[LightningModule]Net.on_predict_batch_end",
+        "[LightningModule]Net.on_predict_start",
+    }
     assert want <= names
     assert {n for n in names if "Loop" in n} == {"[_PredictionLoop].predict_next"}
     assert profiler.started.count(f"{strategy}predict_step") == 3

@@ -224,8 +224,8 @@ def test_pooler_output_splitting_rules():
     assert out[0]["meta"] == {"lang": ["en", "de"]} and out[0]["meta"] is not out[1]["meta"]
     for p in out:
         for t in (p["per_row"], p["shared"]):
-            assert t.untyped_storage().data_ptr() not in (batch.untyped_storage().data_ptr(),
-                                                          shared.untyped_storage().data_ptr())  # fmt: skip
+            inputs = (batch.untyped_storage().data_ptr(), shared.untyped_storage().data_ptr())
+            assert t.untyped_storage().data_ptr() not in inputs
     assert out[0]["shared"].untyped_storage().data_ptr() != out[1]["shared"].untyped_storage().data_ptr()
     with pytest.raises(TypeError, match="must be a dict"):
         build_pooler_output([batch], 3)
@@ -289,8 +289,10 @@ class Embedder(pl.LightningModule):
 
 def test_a_users_module_gets_runner_outputs_with_the_ids_and_errors_of_its_step_batch():
     rows = torch.arange(20.0).view(5, 4)
-    batches = [{"x": rows[:3], "req_ids": ["a", "b", "c"], "errors": {"bad": "no codes"}},
-               {"x": rows[3:], "req_ids": ["d", "e"]}]  # fmt: skip
+    batches = [
+        {"x": rows[:3], "req_ids": ["a", "b", "c"], "errors": {"bad": "no codes"}},
+        {"x": rows[3:], "req_ids": ["d", "e"]},
+    ]
     net, writer = Embedder(), Collector("batch")
     preds = Trainer(**trainer_kwargs(callbacks=[writer])).predict(net, DataLoader(batches, batch_size=None))
     assert [p.req_ids for p in preds] == [["a", "b", "c"], ["d", "e"]]
@@ -342,8 +344,8 @@ def test_plain_tensor_batches_get_generated_ids(model):
     assert first[0].pooler_output[1]["model_outputs"].shape == (1, model.output_length(6))
     # called by hand, outside any trainer, the step returns the same runner output
     out = module.predict_step({"codes": codes[:2], "req_ids": ["x", "y"]}).finalize()
-    assert out.req_ids == ["x", "y"] and torch.equal(out.pooler_output[0]["model_outputs"],
-                                                     first[0].pooler_output[0]["model_outputs"])  # fmt: skip
+    by_hand = out.pooler_output[0]["model_outputs"]
+    assert out.req_ids == ["x", "y"] and torch.equal(by_hand, first[0].pooler_output[0]["model_outputs"])
 
 
 @pytest.mark.parametrize(
