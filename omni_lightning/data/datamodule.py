@@ -227,12 +227,10 @@ class CodesDataModule(pl.LightningDataModule):
 class StartsAtFirstBatch(DataLoader):
     """The training loader: iterating it starts its workers and its batch sampler at the first batch.
 
-    Lightning makes a fit's first iterator while it sets up the data, before it sets the epoch of the
-    samplers. A plain loader with workers starts them there, each with a copy of the dataset, and
-    prefetches batches of indices. In a fit resumed from a checkpoint, that copy and those batches
-    took the epoch the loader was built with, not the one the fit resumes at: other crops and another
-    batch order than the uninterrupted run. Without workers nothing ran early, which is why only
-    resumes with workers differed. Deferred here, the epoch is set before anything reads it.
+    Lightning makes a fit's first iterator before it sets the samplers' epoch; a plain loader would
+    start its workers there, with the epoch it was built with, so a fit resumed from a checkpoint
+    would take other crops and another batch order than an uninterrupted one. Deferred here, the
+    epoch is set before anything reads it.
     """
 
     def __iter__(self) -> Iterator[Any]:
