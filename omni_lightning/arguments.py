@@ -64,8 +64,9 @@ def read_config(text: str) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def apply_arguments(args: list[str], values: dict[str, Any], files: dict[str, Any],
-                    valueless: list[str] | None = None) -> list[str]:  # fmt: skip
+def apply_arguments(
+    args: list[str], values: dict[str, Any], files: dict[str, Any], valueless: list[str] | None = None
+) -> list[str]:
     """Applies ``args`` to ``values`` in order, as jsonargparse does: a ``--config`` file's values where
     it stands, ``--a.b value`` / ``--a.b=value`` (parsed as YAML) where they stand, so the later one
     wins. Returns the option keys given (dotted; ``+`` kept on an append), config files aside."""
@@ -159,9 +160,12 @@ def read_arguments(argv: list[str], subcommands: tuple[str, ...]) -> Arguments:
 # the command line's own options (cli.py, lightning_cli.py) and LightningCLI's
 TOP_LEVEL = ("config", "print_config", "seed_everything", "out_dir", "format", "subtype", "timings", "debug", "help")
 # each subcommand's Trainer method arguments the parser adds (LightningCLI skips model, data and loaders)
-METHOD_ARGS = {"fit": ("ckpt_path", "weights_only"), "validate": ("ckpt_path", "verbose", "weights_only"),
-               "test": ("ckpt_path", "verbose", "weights_only"),
-               "predict": ("return_predictions", "ckpt_path", "weights_only")}  # fmt: skip
+METHOD_ARGS = {
+    "fit": ("ckpt_path", "weights_only"),
+    "validate": ("ckpt_path", "verbose", "weights_only"),
+    "test": ("ckpt_path", "verbose", "weights_only"),
+    "predict": ("return_predictions", "ckpt_path", "weights_only"),
+}
 # what jsonargparse takes under any class group besides its init arguments
 GROUP_KEYS = ("help", "class_path", "init_args", "dict_kwargs")
 GROUP_SOURCES = {  # group -> (package-relative source file, class) whose __init__ arguments it takes

@@ -162,8 +162,10 @@ def saved_so_far(command: Any) -> str:
         return f"; what was decoded is saved in {out_dir}: the same command resumes the rest"
     before = sum(i in command.finished for i in ids) if command.finished is not None else 0
     done = sum(i in finished for i in ids)
-    return (f": {done - before} requests saved by this run in {out_dir} ({done} of {len(ids)} done); "
-            "the same command resumes the rest")  # fmt: skip
+    return (
+        f": {done - before} requests saved by this run in {out_dir} ({done} of {len(ids)} done); "
+        "the same command resumes the rest"
+    )
 
 
 def _catch_interrupt() -> tuple[list[bool], Any]:
@@ -268,17 +270,27 @@ def _write_timings(path: str, timings: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(timings, f, indent=1, default=str)
     start = timings["process_start"]
-    steps = [("arguments checked", "checked"), ("Lightning loaded", "imported"), ("built", "built"),
-             ("first batch", "first_batch"), ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
+    steps = [
+        ("arguments checked", "checked"),
+        ("Lightning loaded", "imported"),
+        ("built", "built"),
+        ("first batch", "first_batch"),
+        ("last batch", "last_batch_end"),
+        ("end", "end"),
+    ]
     line = ", ".join(f"{label} {timings[key] - start:.2f} s" for label, key in steps if timings.get(key))
     extra = []
     if "data_wait_s" in timings:
         extra.append(f"loader waits {timings['data_wait_s']:.2f} s")
     if timings.get("writer"):
-        extra.append(f"writer queue waits {timings['writer']['queue_wait_s']:.2f} s, "
-                     f"drained {timings['writer']['drain_s']:.2f} s after the last batch")  # fmt: skip
-    print(f"timings (since process start): {line}" + (f"; {'; '.join(extra)}" if extra else "") + f" -> {path}",
-          file=sys.stderr)  # fmt: skip
+        extra.append(
+            f"writer queue waits {timings['writer']['queue_wait_s']:.2f} s, "
+            f"drained {timings['writer']['drain_s']:.2f} s after the last batch"
+        )
+    print(
+        f"timings (since process start): {line}" + (f"; {'; '.join(extra)}" if extra else "") + f" -> {path}",
+        file=sys.stderr,
+    )
 
 
 if __name__ == "__main__":

@@ -32,8 +32,12 @@ OUTPUTS = ("data", "wavs_before", "wavs_after", "runs")
 def quiet() -> None:
     """The demo prints its own four lines: Lightning's per-trainer banners (accelerator, seed) and
     wandb's run summary would bury them. Warnings still show."""
-    for name in ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero",
-                 "lightning.fabric.utilities.rank_zero"):  # fmt: skip
+    for name in (
+        "lightning.pytorch",
+        "lightning.fabric",
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.rank_zero",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
 
@@ -103,8 +107,15 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
 
     logger = CSVLogger(str(work / "runs"), name="demo")
     data = CodesDataModule(train=str(train), val=str(val), batch_size=4, crop_frames=12)
-    trainer = Trainer(max_steps=fit_steps, logger=logger, enable_checkpointing=False, log_every_n_steps=2,
-                      num_sanity_val_steps=0, limit_val_batches=0, **common)  # fmt: skip
+    trainer = Trainer(
+        max_steps=fit_steps,
+        logger=logger,
+        enable_checkpointing=False,
+        log_every_n_steps=2,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **common,
+    )
     mel_before = Trainer(logger=False, **common).validate(module, datamodule=data, verbose=False)[0]
     trainer.fit(module, datamodule=data)
     after = WaveformWriter(work / "wavs_after")
@@ -133,8 +144,7 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
         f"SNR {metrics['val/snr']:.1f} dB; logs in {(work / 'runs').resolve()}"
         + (f" (W&B offline run under {wandb_dir.resolve()}; `wandb sync` to upload)" if wandb_dir else "")
     )
-    return {"seconds": time.perf_counter() - start, "wavs": work / "wavs_after", "before": mel_before,
-            "after": metrics}  # fmt: skip
+    return {"seconds": time.perf_counter() - start, "wavs": work / "wavs_after", "before": mel_before, "after": metrics}
 
 
 def _positive(text: str) -> int:
@@ -151,10 +161,14 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     """``omni-lightning demo [options]``: runs :func:`run_demo`. UsageError for an option it does not
     take, naming the closest one (argparse's own message names none)."""
-    parser = argparse.ArgumentParser(prog="omni-lightning demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--work-dir", default=DEFAULT_WORK_DIR,
-                        help="the folder the demo writes to, made if missing (default: ./%(default)s)")  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="omni-lightning demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--work-dir",
+        default=DEFAULT_WORK_DIR,
+        help="the folder the demo writes to, made if missing (default: ./%(default)s)",
+    )
     parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1)")
     parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1)")
     parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1)")

@@ -3,11 +3,12 @@ the command line before this module, torch and Lightning are imported).
 
 What it adds to LightningCLI: ``--out_dir`` / ``--format`` / ``--subtype`` for predict (a
 ``WaveformWriter``; the data module is told the same folder, ``--data.skip_done``, so finished requests
-are never read), the weights guard on the parsed config, DDP defaults (``use_distributed_sampler``
-off: the data module splits requests across ranks itself; the module itself asks DDP to find the
-GAN's unused parameters, ``training/adversarial.py``),
+are never read), the weights guard on the parsed config, defaults that need no config file (predict logs
+nowhere; seed 0, set once; DDP's ``use_distributed_sampler`` off: the data module splits requests across
+ranks itself), help with whole-sentence group headers and ``--timings`` / ``--debug`` listed,
 configuration mistakes the classes raise while being built reported as usage errors, an end-of-run
-summary, and phase timings when asked.
+summary, and phase timings when asked. What it leaves out: LightningCLI's ``--optimizer`` and
+``--lr_scheduler`` (the module configures its own optimizers; those would replace them).
 """
 
 from __future__ import annotations
@@ -83,8 +84,8 @@ class OmniCLI(LightningCLI):
             help="predict: the folder the audio files and manifest.jsonl go to (created if missing)",
         )
         parser.add_argument("--format", type=Literal[tuple(FORMATS)], default="wav", help="predict: wav or flac")
-        parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16",
-                            help="predict: sample format (FLAC: PCM_16 or PCM_24)")  # fmt: skip
+        subtype = "predict: sample format (FLAC: PCM_16 or PCM_24)"
+        parser.add_argument("--subtype", type=Literal[SUBTYPES], default="PCM_16", help=subtype)
         # read by omni_lightning.cli before this parser runs: listed here so that --help shows them
         parser.add_argument(
             "--timings",
@@ -183,8 +184,10 @@ class OmniCLI(LightningCLI):
             return
         found = sorted(root.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-3:] if root.is_dir() else []
         hint = f" ({', '.join(str(p) for p in reversed(found))}, newest first)" if found else ""
-        raise UsageError(f"--ckpt_path last finds no last checkpoint in {folders[0]}: this run checkpoints into a "
-                         f"new folder; give the checkpoint to resume from by its path{hint}")  # fmt: skip
+        raise UsageError(
+            f"--ckpt_path last finds no last checkpoint in {folders[0]}: this run checkpoints into a "
+            f"new folder; give the checkpoint to resume from by its path{hint}"
+        )
 
     def before_validate(self) -> None:
         quiet_checkpoint_callbacks_warning()
@@ -246,8 +249,8 @@ def _drop_callbacks_turned_off(trainer: Any) -> None:
 
     from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
 
-    off = tuple(cls for cls, flag in ((ProgressBar, "enable_progress_bar"), (LearningRateMonitor, "logger"))
-                if trainer.get(flag) is False)  # fmt: skip
+    flags = ((ProgressBar, "enable_progress_bar"), (LearningRateMonitor, "logger"))
+    off = tuple(cls for cls, flag in flags if trainer.get(flag) is False)
     if not off:
         return
 

@@ -25,16 +25,19 @@ def check_ckpt_path(sub: str, value: str) -> None:
     fix = "give a Lightning .ckpt file (fit saves them)"
     if value in CKPT_KEYWORDS:
         if sub != "fit":
-            raise UsageError(f"--ckpt_path {value} names a checkpoint of a fit in this process, and {sub} runs "
-                             f"no fit: {fix}")  # fmt: skip
+            raise UsageError(
+                f"--ckpt_path {value} names a checkpoint of a fit in this process, and {sub} runs no fit: {fix}"
+            )
         return
     path = Path(value)
     if not path.exists():
         raise UsageError(f"--ckpt_path {value} does not exist: {fix}")
     if path.is_dir() or path.suffix == ".safetensors":
         what = "a folder" if path.is_dir() else "a safetensors file"
-        raise UsageError(f"--ckpt_path {value} is {what}: {fix}; a Code2Wav or Qwen3-Omni checkpoint folder "
-                         "goes to --model.checkpoint")  # fmt: skip
+        raise UsageError(
+            f"--ckpt_path {value} is {what}: {fix}; a Code2Wav or Qwen3-Omni checkpoint folder "
+            "goes to --model.checkpoint"
+        )
     if not os.access(path, os.R_OK):
         raise UsageError(f"--ckpt_path {value} cannot be read (no permission): {fix}")
     saved_as = torch_save_format(path)
@@ -74,8 +77,10 @@ def check_not_output_manifest(sources: Any, out_dir: str) -> None:
     written = (Path(out_dir) / MANIFEST).resolve()
     for source in sources if isinstance(sources, list) else [sources]:
         if isinstance(source, str) and Path(source).resolve() == written:
-            raise UsageError(f"--data.predict {source} is the manifest this job writes in --out_dir {out_dir}: "
-                             "give another --out_dir, or move the input manifest")  # fmt: skip
+            raise UsageError(
+                f"--data.predict {source} is the manifest this job writes in --out_dir {out_dir}: "
+                "give another --out_dir, or move the input manifest"
+            )
 
 
 def check_checkpoint(value: str) -> None:
@@ -98,8 +103,10 @@ def check_out_dir(value: str) -> None:
     if path.exists() and not path.is_dir():
         raise UsageError(f"--out_dir {value} is a file: give a folder (it is created when missing)")
     if (path / "manifest.jsonl").is_dir():
-        raise UsageError(f"--out_dir {value} holds a folder named manifest.jsonl, where the job's manifest goes: "
-                         "move it, or give another --out_dir")  # fmt: skip
+        raise UsageError(
+            f"--out_dir {value} holds a folder named manifest.jsonl, where the job's manifest goes: "
+            "move it, or give another --out_dir"
+        )
     parent = path
     while not parent.exists():
         parent = parent.parent

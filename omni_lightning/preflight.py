@@ -42,13 +42,15 @@ SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 # options these checks read and check themselves (the no-op rerun may decide on them)
-READ_HERE = {"out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids",
-             "model.checkpoint", "model.config", "model.random_weights",
-             # the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing
-             # about what is done; a bad value is then not seen, as in any job with nothing left to do)
-             *(f"trainer.{k}" for k in ("accelerator", "strategy", "devices", "num_nodes", "precision",
-                                        "gpu_memory_utilization", "enable_progress_bar")),
-             "data.batch_size", "data.num_workers", "model.frames_per_forward", "model.fast_path"}  # fmt: skip
+# the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing about
+# what is done; a bad value is then not seen, as in any job with nothing left to do)
+RERUN_TRAINER = ("accelerator", "strategy", "devices", "num_nodes", "precision", "gpu_memory_utilization")
+READ_HERE = {
+    *("out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids"),
+    *("model.checkpoint", "model.config", "model.random_weights", "model.frames_per_forward", "model.fast_path"),
+    *("data.batch_size", "data.num_workers", "trainer.enable_progress_bar"),
+    *(f"trainer.{k}" for k in RERUN_TRAINER),
+}
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
@@ -178,9 +180,11 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
         shared = [f"{i!r} ({', '.join(s)})" for i, s in where.items() if len(s) > 1]
         if shared:
             more = f" ... ({len(shared) - 10} more)" if len(shared) > 10 else ""
-            raise UsageError(f"{len(shared)} request id(s) occur in more than one --data.predict source, and each id "
-                             f"names one output file; nothing was decoded (duplicate_ids rename numbers repeats within "
-                             f"a source only). Make them unique: {'; '.join(shared[:10])}{more}")  # fmt: skip
+            raise UsageError(
+                f"{len(shared)} request id(s) occur in more than one --data.predict source, and each id "
+                f"names one output file; nothing was decoded (duplicate_ids rename numbers repeats within "
+                f"a source only). Make them unique: {'; '.join(shared[:10])}{more}"
+            )
         check_names(ids)
         command.predict_ids = ids
 

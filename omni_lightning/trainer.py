@@ -25,9 +25,11 @@ class Trainer(pl.Trainer):
     each by its one message, what a user cannot act on (:func:`quiet_known_noise`).
 
     Args:
-        gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1];
-            None: no cap.
-        async_d2h: Overlap each predict step's device-to-host copy with the next step (CUDA only).
+        gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1]
+            (vLLM's knob; set with torch.cuda.set_per_process_memory_fraction when predict starts, the
+            earlier share put back when it ends); None: no cap.
+        async_d2h: Overlap each predict step's device-to-host copy with the next step (an
+            AsyncD2HCallback, added unless given; it acts on CUDA only).
     """
 
     def __init__(

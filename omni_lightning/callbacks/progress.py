@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
-# Code2Wav models past this size decode far slower than real time on a CPU
+# a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
 LARGE_ON_CPU = 50_000_000
 
 
@@ -127,13 +127,15 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     plan = getattr(getattr(trainer, "datamodule", None), "predict_plan", None)
     done = f", {plan.skipped} already done" if plan is not None and hasattr(plan, "skipped") else ""
     ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
-    lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {device.type} {trainer.precision}; "
-             f"{memory}, {budget}; {requests} requests to decode ({audio_s:.1f} s of audio){ranks}{done}"]  # fmt: skip
+    job = f"{requests} requests to decode ({audio_s:.1f} s of audio){ranks}{done}"
+    where = f"{device.type} {trainer.precision}"
+    lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {where}; {memory}, {budget}; {job}"]
     if device.type == "cpu" and params > LARGE_ON_CPU:
         size = f"{params / 1e6:.0f} M parameters"
-        lines.append(f"warning: the {config.name} model ({size}) on the CPU is slow: the bar's time left, measured "
-                     "from the first batches, says how slow; a GPU (--trainer.accelerator gpu) is faster, "
-                     "--model.config tiny a quick try")  # fmt: skip
+        lines.append(
+            f"warning: the {config.name} model ({size}) on the CPU is slow: the bar's time left, measured from the "
+            "first batches, says how slow; a GPU (--trainer.accelerator gpu) is faster, --model.config tiny a quick try"
+        )
     return lines
 
 

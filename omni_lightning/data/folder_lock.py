@@ -46,8 +46,10 @@ def lock_output_folder(out_dir: str | Path, owner: object = None) -> bool:
         if held[1] is None or owner is None or held[1] is owner:
             held[1] = held[1] if owner is None else owner
             return True
-        raise UsageError(f"output folder {out_dir} is in use by another writer of this process: two writers on one "
-                         "folder would write each request twice. Give each its own folder")  # fmt: skip
+        raise UsageError(
+            f"output folder {out_dir} is in use by another writer of this process: two writers on one "
+            "folder would write each request twice. Give each its own folder"
+        )
     path = folder / LOCK_NAME
     while True:
         fd = _open(path)
@@ -120,4 +122,3 @@ def unlock_all(keep: set[Path] | frozenset = frozenset()) -> None:
 def held() -> frozenset[Path]:
     """The folders whose locks this process holds."""
     return frozenset(_held)
-

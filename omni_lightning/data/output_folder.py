@@ -57,8 +57,9 @@ def check_format(audio_format: str, subtype: str) -> None:
     if audio_format not in FORMATS:
         raise UsageError(f"--format {audio_format!r} is not an output format: use one of {', '.join(FORMATS)}")
     if subtype not in FORMATS[audio_format]:
-        raise UsageError(f"--subtype {subtype!r} cannot be written as {audio_format}: use one of "
-                         f"{', '.join(FORMATS[audio_format])}")  # fmt: skip
+        raise UsageError(
+            f"--subtype {subtype!r} cannot be written as {audio_format}: use one of {', '.join(FORMATS[audio_format])}"
+        )
 
 
 def check_names(req_ids: Iterable[str], fold: bool = False) -> None:
@@ -260,9 +261,11 @@ def other_format_line(finished: Finished, req_ids: Iterable[str], audio_format: 
     counts = finished.in_other_format(req_ids, audio_format)
     if not counts:
         return None
-    return (f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
-            f"{' and '.join(sorted(counts))}, not {audio_format}: they count as done and are not decoded again; "
-            f"give another --out_dir to have every request as {audio_format}")  # fmt: skip
+    return (
+        f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
+        f"{' and '.join(sorted(counts))}, not {audio_format}: they count as done and are not decoded again; "
+        f"give another --out_dir to have every request as {audio_format}"
+    )
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
