@@ -15,7 +15,9 @@ the module. It is the only code that points a parameter at another tensor (``par
 - ``setup`` of fit, validate or test releases the engine; fit retires the streaming decoders.
 
 Not done: after an exception Lightning's ``cpu()`` moves the parameters into new host tensors; the
-next ``setup`` drops what was held (correct, if slower once).
+next ``setup`` drops what was held (correct, if slower once). A ``trainer.predict`` on another thread
+while fit runs is refused in ``setup``, which gives the fit back its trainer: Lightning attached the
+predict's just before, so for that moment the module names the predict's trainer.
 """
 
 from __future__ import annotations
