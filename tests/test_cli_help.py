@@ -9,11 +9,13 @@ import sys
 import pytest
 from helpers import ROOT
 
+from omni_lightning.arguments import unknown_option
 from omni_lightning.cli import main
 from omni_lightning.console import SUBCOMMAND_HELP
 
 IN_A_FRESH_PROCESS = """
 import contextlib, io, json, sys
+from omni_lightning.arguments import unknown_option
 from omni_lightning.cli import main
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -79,11 +81,18 @@ def test_a_config_files_unknown_key_is_named_too(tmp_path, capsys):
            "model.random_weights?" in capsys.readouterr().err  # fmt: skip
 
 
-def predict_help(capsys) -> str:
+def predict_help(capsys, sub: str = "predict") -> str:
     with pytest.raises(SystemExit) as exited:
-        main(["predict", "--help"])
+        main([sub, "--help"])
     assert exited.value.code == 0
     return capsys.readouterr().out
+
+
+@pytest.mark.parametrize("sub", list(SUBCOMMAND_HELP)[:4])
+def test_every_option_the_parser_takes_is_known_to_the_check_before_torch_loads(capsys, sub):
+    """The check reads the classes' source, not the parser: it must never refuse an option the parser takes."""
+    options = set(re.findall(r"^  (--[\w.]+)", predict_help(capsys, sub), re.M)) - {"--help"}
+    assert len(options) > 90 and [o for o in sorted(options) if unknown_option(sub, o[2:])] == []
 
 
 def options_without_description(text: str, prefixes: tuple[str, ...]) -> list[str]:
