@@ -47,8 +47,12 @@ def test_wav_files_and_manifest(tmp_path):
 
 # the engine's forward (state, in-place residuals, chunks padded to a bucket) rounds in another order
 # than the whole decode: 1e-5 is fp32's share of that, far below PCM_24's step
-FORMAT_CASES = [("wav", "FLOAT", 1e-5), ("wav", "PCM_24", 1.5 / 2**23 + 1e-5), ("flac", "PCM_16", 1.5 / 2**15),
-                ("flac", "PCM_24", 1.5 / 2**23 + 1e-5)]  # fmt: skip
+FORMAT_CASES = [
+    ("wav", "FLOAT", 1e-5),
+    ("wav", "PCM_24", 1.5 / 2**23 + 1e-5),
+    ("flac", "PCM_16", 1.5 / 2**15),
+    ("flac", "PCM_24", 1.5 / 2**23 + 1e-5),
+]
 
 
 def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(tmp_path):
@@ -61,7 +65,8 @@ def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(t
         out = tmp_path / f"{audio_format}-{subtype}"
         writer = WaveformWriter(out, subtype=subtype, audio_format=audio_format)
         Trainer(**trainer_kwargs(callbacks=[writer])).predict(
-            Code2WavModule(model=model), datamodule=CodesDataModule(predict=str(manifest), batch_size=1),
+            Code2WavModule(model=model),
+            datamodule=CodesDataModule(predict=str(manifest), batch_size=1),
             return_predictions=False,
         )
         rows = manifest_rows(out)
@@ -74,8 +79,11 @@ def test_every_output_format_is_named_in_the_manifest_and_bad_ones_are_refused(t
             data, _ = sf.read(out / row["path"], dtype="float32")
             want = wants[int(row["id"][1:])]
             assert data.shape == want.shape and np.abs(data - want).max() <= tolerance, (audio_format, subtype)
-    for bad, named in ((dict(subtype="MP3"), "MP3"), (dict(audio_format="ogg"), "ogg"),
-                       (dict(audio_format="flac", subtype="FLOAT"), "FLOAT")):  # fmt: skip
+    for bad, named in (
+        (dict(subtype="MP3"), "MP3"),
+        (dict(audio_format="ogg"), "ogg"),
+        (dict(audio_format="flac", subtype="FLOAT"), "FLOAT"),
+    ):
         with pytest.raises(ValueError, match=named):
             WaveformWriter(tmp_path, **bad)
 
@@ -101,8 +109,9 @@ def test_a_file_that_cannot_be_written_fails_only_its_request_and_a_rerun_writes
     def predict():
         writer = WaveformWriter(out)
         data = CodesDataModule(predict=str(manifest), batch_size=3, skip_done=out)
-        Trainer(**trainer_kwargs(callbacks=[writer])).predict(Code2WavModule(model=model), datamodule=data,
-                                                              return_predictions=False)  # fmt: skip
+        Trainer(**trainer_kwargs(callbacks=[writer])).predict(
+            Code2WavModule(model=model), datamodule=data, return_predictions=False
+        )
         return writer
 
     writer = predict()
@@ -133,8 +142,11 @@ def test_an_error_of_the_background_writer_stops_predict_with_that_error(tmp_pat
     writer = WaveformWriter(tmp_path / "out", max_pending=1)
     trainer = Trainer(**trainer_kwargs(callbacks=[writer, BreakManifest(tmp_path / "out")]))
     with pytest.raises(BackgroundWriteError) as err:
-        trainer.predict(Code2WavModule(model=random_model("tiny")), return_predictions=False,
-                        datamodule=CodesDataModule(predict=str(manifest), batch_size=1))  # fmt: skip
+        trainer.predict(
+            Code2WavModule(model=random_model("tiny")),
+            return_predictions=False,
+            datamodule=CodesDataModule(predict=str(manifest), batch_size=1),
+        )
     assert isinstance(err.value.__cause__, IsADirectoryError)
     assert not [t for t in threading.enumerate() if t.name.startswith("omni-lightning")]  # the threads stopped
 
@@ -233,11 +245,23 @@ def test_cli_predict_with_bad_entries_and_summary(tmp_path):
     assert rows == {"r000": "ok", "r001": "error", "r002": "error", "r003": "ok"}
     # --timings: the phases as the run saw them (wall clock), in order, and the writer's share
     t = json.loads((tmp_path / "t.json").read_text())
-    order = ["process_start", "main", "checked", "imported", "parsed", "built", "predict_start", "first_batch",
-             "last_batch_end", "predict_end", "end"]  # fmt: skip
+    order = [
+        "process_start",
+        "main",
+        "checked",
+        "imported",
+        "parsed",
+        "built",
+        "predict_start",
+        "first_batch",
+        "last_batch_end",
+        "predict_end",
+        "end",
+    ]
     assert [t[k] for k in order] == sorted(t[k] for k in order), t
-    assert t["batches"] >= 1 and t["stats"]["ok"] == 2 and set(t["writer"]) == {"queue_wait_s", "write_busy_s",
-                                                                                 "drain_s"}  # fmt: skip
+    assert (
+        t["batches"] >= 1 and t["stats"]["ok"] == 2 and set(t["writer"]) == {"queue_wait_s", "write_busy_s", "drain_s"}
+    )
     assert "timings (since process start): arguments checked" in log and "Lightning loaded" in log
 
 
@@ -265,8 +289,10 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     assert sorted(r["id"] for r in manifest_rows(out)) == [f"r{i:03d}" for i in range(13)]
 
 
-@pytest.mark.parametrize("sig, status, said", [(signal.SIGINT, 130, "error: interrupted"),
-                                               (signal.SIGTERM, 143, "error: terminated (SIGTERM)")])
+@pytest.mark.parametrize(
+    "sig, status, said",
+    [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "error: terminated (SIGTERM)")],
+)
 def test_ctrl_c_or_sigterm_writes_what_was_decoded_then_exits(tmp_path, sig, status, said):
     """SIGTERM (a scheduler's stop): stock Lightning's predict loop records it and decodes every request.
     The signal goes to the whole process group, loader workers too, as a terminal's Ctrl-C or Slurm's

@@ -54,8 +54,11 @@ def test_ctrl_c_while_a_batch_is_handed_over_writes_every_decoded_batch_once(tmp
     writer = WaveformWriter(out)
     trainer = Trainer(**trainer_kwargs(callbacks=[writer, InterruptedPut(writer, at=2, after=after)]))
     with pytest.raises(SystemExit):  # Lightning's graceful shutdown of a KeyboardInterrupt
-        trainer.predict(Code2WavModule(model=random_model("tiny")), return_predictions=False,
-                        datamodule=CodesDataModule(predict=str(manifest), batch_size=2))  # fmt: skip
+        trainer.predict(
+            Code2WavModule(model=random_model("tiny")),
+            return_predictions=False,
+            datamodule=CodesDataModule(predict=str(manifest), batch_size=2),
+        )
     ids = [r["id"] for r in manifest_rows(out)]
     # the 2nd batch was handed over at the 3rd batch's end: three batches decoded, each written once
     assert sorted(ids) == [f"r{i:03d}" for i in range(6)], ids
@@ -64,10 +67,18 @@ def test_ctrl_c_while_a_batch_is_handed_over_writes_every_decoded_batch_once(tmp
 
 def hold_lock(folder: Path) -> subprocess.Popen:
     """Another process that holds ``folder``'s lock until its stdin closes."""
-    code = ("import sys; from omni_lightning.data.folder_lock import lock_output_folder; "
-            f"lock_output_folder({str(folder)!r}); print('held', flush=True); sys.stdin.read()")  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    code = (
+        "import sys; from omni_lightning.data.folder_lock import lock_output_folder; "
+        f"lock_output_folder({str(folder)!r}); print('held', flush=True); sys.stdin.read()"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.readline().strip() == "held"
     return proc
 
@@ -90,7 +101,8 @@ def test_a_second_job_on_an_output_folder_in_use_is_refused_and_changes_nothing(
         writer = WaveformWriter(out)  # the Python API is refused alike, at the writer's set-up
         with pytest.raises(UsageError, match=f"in use by another predict job \\(process {other.pid}\\)"):
             Trainer(**trainer_kwargs(callbacks=[writer])).predict(
-                Code2WavModule(model=random_model("tiny")), datamodule=CodesDataModule(predict=str(manifest)))
+                Code2WavModule(model=random_model("tiny")), datamodule=CodesDataModule(predict=str(manifest))
+            )
         assert (out / ".r000.wav.tmp").exists() and not (out / "manifest.jsonl").exists()  # untouched
     finally:
         other.communicate(timeout=60)
@@ -112,18 +124,24 @@ print(encode_durably(Path(sys.argv[1]), np.zeros(24_000, np.float32), 24_000, "w
 
 
 def test_a_disk_that_refuses_bytes_is_named_in_the_requests_failure(tmp_path):
-    """libsndfile writing to the file swallowed the error: the reason was "AssertionError: " and each
-    file printed a traceback."""
+    """A file over the process's size limit: the request's reason names the disk's error, and no traceback
+    is printed (libsndfile writing to the file itself would hide the error)."""
     target = tmp_path / "a.wav"
-    proc = subprocess.run([sys.executable, "-c", ENCODE_UNDER_A_LIMIT, str(target)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", ENCODE_UNDER_A_LIMIT, str(target)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "(0, 'OSError: [Errno 27] File too large')" in proc.stdout and proc.stderr == ""
     assert not target.exists()
 
 
 def test_a_file_system_gone_read_only_fails_the_request_not_the_job(tmp_path, monkeypatch):
-    """Removing the half-written file raised too (EROFS) and ended the job."""
+    """Removing the half-written file fails too (EROFS): the request fails and the job goes on."""
 
     def refuse(self, missing_ok=False):
         raise OSError(errno.EROFS, "Read-only file system", str(self))
@@ -137,9 +155,12 @@ def test_hand_edited_manifest_lines_are_ignored_not_fatal(tmp_path):
     """A byte that is not UTF-8, or an id that is a list, crashed every later run before."""
     (tmp_path / "a.wav").write_bytes(b"RIFF")
     (tmp_path / "b.wav").write_bytes(b"RIFF")
-    lines = [json.dumps({"id": "a", "path": "a.wav", "status": "ok"}).encode(), b"\xff\xfe not text",
-             json.dumps({"id": ["b"], "path": "b.wav", "status": "ok"}).encode(),
-             json.dumps({"id": "b", "status": "error"}).encode()]  # fmt: skip
+    lines = [
+        json.dumps({"id": "a", "path": "a.wav", "status": "ok"}).encode(),
+        b"\xff\xfe not text",
+        json.dumps({"id": ["b"], "path": "b.wav", "status": "ok"}).encode(),
+        json.dumps({"id": "b", "status": "error"}).encode(),
+    ]
     (tmp_path / "manifest.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     finished = Finished.read(tmp_path)
     assert finished.ids == {"a"}
@@ -154,13 +175,15 @@ def test_a_batch_that_cannot_be_written_does_not_take_the_queued_ones_with_it(tm
 
     encode = writer_module.encode_durably
     monkeypatch.setattr(writer_module, "encode_durably", lambda *a, **k: (time.sleep(0.2), encode(*a, **k))[1])
-    batches = [{"codes": random_codes(1, 6, seed=i), "n_frames": [6], "req_ids": [f"r{i}" if i != 4 else 4]}
-               for i in range(7)]  # fmt: skip
+    batches = [
+        {"codes": random_codes(1, 6, seed=i), "n_frames": [6], "req_ids": [f"r{i}" if i != 4 else 4]} for i in range(7)
+    ]
     out = tmp_path / "out"
     writer = WaveformWriter(out)
     with pytest.raises(Exception):  # noqa: B017 - whatever the writer raises for an id that is no string
         Trainer(**trainer_kwargs(callbacks=[writer])).predict(
-            Code2WavModule(model=random_model("tiny")), DataLoader(batches, batch_size=None), return_predictions=False)
+            Code2WavModule(model=random_model("tiny")), DataLoader(batches, batch_size=None), return_predictions=False
+        )
     assert sorted(r["id"] for r in manifest_rows(out)) == ["r0", "r1", "r2", "r3", "r5"]  # all decoded but the bad
     assert not (out / LOCK_NAME).exists() and out.resolve() not in folder_lock._held  # released: no teardown ran
 
@@ -171,8 +194,7 @@ def test_two_writers_of_one_process_on_one_folder_are_refused(tmp_path):
     out = tmp_path / "out"
     trainer = Trainer(**trainer_kwargs(callbacks=[WaveformWriter(out), WaveformWriter(out)]))
     with pytest.raises(UsageError, match="in use by another writer of this process"):
-        trainer.predict(Code2WavModule(model=random_model("tiny")),
-                        datamodule=CodesDataModule(predict=str(manifest)))  # fmt: skip
+        trainer.predict(Code2WavModule(model=random_model("tiny")), datamodule=CodesDataModule(predict=str(manifest)))
     assert out.resolve() not in folder_lock._held
 
 
@@ -208,8 +230,14 @@ def test_a_rank_the_holder_started_goes_on_and_a_file_system_without_locks_locks
         assert answers.get(timeout=120) is False  # goes on without it: its job's launcher holds it
         rank.join(60)
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        other = subprocess.run([sys.executable, "-c", LOCK_FROM_A_CHILD, str(tmp_path)], cwd=ROOT, text=True,
-                               capture_output=True, timeout=60, env=env)  # fmt: skip
+        other = subprocess.run(
+            [sys.executable, "-c", LOCK_FROM_A_CHILD, str(tmp_path)],
+            cwd=ROOT,
+            text=True,
+            capture_output=True,
+            timeout=60,
+            env=env,
+        )
         assert "in use by another predict job" in other.stderr  # a program of its own: refused
         assert cli.main(["--version"]) == 0 and tmp_path.resolve() in folder_lock._held  # its host's lock kept
     finally:
