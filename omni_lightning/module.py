@@ -18,7 +18,7 @@ from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig
 from omni_lightning.models.codes import validate_batch
 from omni_lightning.runner.output import OmniModelRunnerOutput, runner_output
-from omni_lightning.runner.session import InferenceSession
+from omni_lightning.runner.session import InferenceSession, ReleaseOnException
 from omni_lightning.training.adversarial import AdversarialStep, find_unused_parameters_under_ddp
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
@@ -245,11 +245,14 @@ class Code2WavModule(pl.LightningModule):
             checkpoint["hyper_parameters"]["checkpoint"] = None
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test."""
+        """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test; in
+        predict, the weights back into their host tensors after an error."""
         stage = self.trainer.state.fn
         callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
         if stage in ("fit", "validate", "test"):
             callbacks.append(EvaluationMedia(self.hparams.log_samples))
+        if stage == "predict":
+            callbacks.append(ReleaseOnException())  # a failed predict's weights back into their host tensors
         return callbacks
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:

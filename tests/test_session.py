@@ -85,6 +85,27 @@ def test_an_engine_built_in_a_predict_takes_weights_written_after_it_and_leaves_
     assert all(p.dtype == torch.bfloat16 and not p.is_inference() for p in module.parameters())
 
 
+class FailsInABatch(pl.Callback):
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        raise RuntimeError("the predict fails here")
+
+
+def test_a_failed_predict_leaves_the_weights_in_their_host_tensors():
+    """The engine's copies were lent to the parameters when the predict failed: they go back into the
+    host tensors they left, and the next predict decodes exactly."""
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    module.engine = DecodeEngine(module.model, frames_per_forward=64, capture=RecordingCapture())  # set by hand
+    reqs = requests([9, 14])
+    dm = lambda: CodesDataModule(predict=reqs, batch_size=2)  # noqa: E731
+    first = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=dm()))
+    before = [p.data_ptr() for p in module.parameters()]
+    with pytest.raises(RuntimeError, match="the predict fails here"):
+        Trainer(**trainer_kwargs(callbacks=[FailsInABatch()])).predict(module, datamodule=dm())
+    assert [p.data_ptr() for p in module.parameters()] == before and module.session._held is None
+    again = waveforms(Trainer(**trainer_kwargs()).predict(module, datamodule=dm()))
+    assert all(torch.allclose(first[r], again[r], rtol=0, atol=1e-5) for r in reqs)
+
+
 def predict(module):
     codes = list(requests([5, 6]).values())
     return Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=codes, batch_size=2))

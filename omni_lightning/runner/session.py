@@ -14,8 +14,8 @@ the module. It is the only code that points a parameter at another tensor (``par
   lent, or cast), so Lightning's ``cpu()`` moves only buffers.
 - ``setup`` of fit, validate or test releases the engine; fit retires the streaming decoders.
 
-Not done: after an exception Lightning's ``cpu()`` moves the parameters into new host tensors; the
-next ``setup`` drops what was held (correct, if slower once). A ``trainer.predict`` on another thread
+After an exception :class:`ReleaseOnException` (the module's predict callback) puts the parameters
+back into their host tensors, copying them. Not done: a ``trainer.predict`` on another thread
 while fit runs is refused in ``setup``, which gives the fit back its trainer: Lightning attached the
 predict's just before, so for that moment the module names the predict's trainer.
 """
@@ -121,10 +121,16 @@ class HostWeights:
         return moved
 
 
+class ReleaseOnException(pl.Callback):
+    """A failed predict's parameters go back into their held host tensors (before Lightning's ``cpu()``)."""
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
+        pl_module.session.release_held()
+
+
 class InferenceSession:
-    """A module's engine, held host weights, weight stamp and streaming decoders (module docstring).
-    Methods take the module: the session keeps no reference to it. A copy or pickle keeps only
-    ``stats``."""
+    """A module's engine, held host weights, stamp and streaming decoders (module docstring). Methods
+    take the module (no reference kept to it); a copy or pickle keeps only ``stats``."""
 
     def __init__(self) -> None:
         self.engine: DecodeEngine | None = None
@@ -170,8 +176,7 @@ class InferenceSession:
                 torch.cuda.empty_cache()
 
     def _stale(self, module: Any, engine: DecodeEngine, cap: float | None) -> bool:
-        """Sized for another cap, or built here with settings changed since (an engine set by hand is
-        not second-guessed on its settings)."""
+        """Sized for another cap, or built here with other settings (one set by hand keeps its own)."""
         changed = self._built is not None and self._built[0] is engine and self._built[1] != _settings(module)
         return changed or engine.gpu_memory_utilization != cap
 
@@ -185,8 +190,7 @@ class InferenceSession:
                     p.data = conv_layout(p.data)
 
     def setup(self, module: Any, stage: str) -> None:
-        """Refuses a call on another thread during fit (the fit gets back the trainer Lightning replaced);
-        releases what a failed predict held; then per stage (module docstring)."""
+        """Refuses a call on another thread during fit (giving the fit back its trainer); then per stage."""
         fit = self._fit_elsewhere(module)
         if fit is not None:
             module.trainer = fit
@@ -263,8 +267,7 @@ class InferenceSession:
         return trainer if fitting and trainer.lightning_module is module else None
 
     def refuse_during_fit(self, module: Any) -> None:
-        """ValueError while ``trainer.fit`` runs on ``module`` in another thread (its weights change at
-        every step); decodes run again once fit returns or raises."""
+        """ValueError while ``trainer.fit`` runs on ``module`` in another thread (its weights change)."""
         if self._fit_elsewhere(module) is not None:
             raise ValueError(FIT_ELSEWHERE)
 
