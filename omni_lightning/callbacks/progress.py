@@ -14,6 +14,7 @@ and its size, the weights, the device and precision, the memory cap and frame bu
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any
 
@@ -95,7 +96,8 @@ class AudioProgressBar(TQDMProgressBar):
 class PredictStartLine(Callback):
     """Prints the line the module docstring describes once per ``predict`` (rank 0), after the model
     is on its device and its decode engine is built, before the first batch; plus one ``warning:``
-    line for a large model on the CPU. Prints nothing for a module without a Code2Wav ``config``."""
+    line for a large model on the CPU. Prints nothing for a module without a Code2Wav ``config``, and
+    nothing where Lightning's own info lines are silenced (its ``rank_zero`` logger's level)."""
 
     def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         config = getattr(pl_module, "config", None)
@@ -104,8 +106,10 @@ class PredictStartLine(Callback):
         from tqdm import tqdm  # prints above a progress bar, not through it
 
         params = sum(p.numel() for p in getattr(pl_module, "model", pl_module).parameters())
+        lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")  # silenced with Lightning's lines
         for line in start_lines(trainer, pl_module, config, params):
-            tqdm.write(line)
+            if lightning_log.isEnabledFor(logging.WARNING if line.startswith("warning:") else logging.INFO):
+                tqdm.write(line)
 
 
 def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -> list[str]:
