@@ -170,16 +170,8 @@ class OmniModelRunnerOutput:
     that were not run to the reason (bad input). Built by :func:`runner_output`.
     """
 
-    __slots__ = (
-        "req_ids",
-        "req_id_to_index",
-        "sampled_token_ids",
-        "logprobs",
-        "errors",
-        "_pooler_output",
-        "_multimodal_outputs",
-        "_copy",
-    )
+    _STATE = ("_pooler_output", "_multimodal_outputs", "_copy")  # built payloads, raw outputs, a copy in flight
+    __slots__ = ("req_ids", "req_id_to_index", "sampled_token_ids", "logprobs", "errors", *_STATE)
 
     def __init__(
         self,
