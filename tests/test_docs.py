@@ -48,6 +48,10 @@ def run_page(page: Path, folder: Path) -> dict:
 
 
 def _child(names: list[str]) -> None:
+    import warnings
+
+    # an example must say which weights it predicts with (checkpoint= or random_weights=True)
+    warnings.filterwarnings("error", message="predicting with random weights", category=UserWarning)
     results = {}
     for name in names:
         with tempfile.TemporaryDirectory(prefix="docs-") as folder:
