@@ -247,7 +247,7 @@ def test_module_stream_yields_decode_in_pieces(tiny):
     next(stream)
     with pytest.raises(ValueError, match="code -1 at codebook 0, frame 2"):
         next(stream)
-    assert module._stream_decoder.streams == []  # the slot was freed
+    assert module.session.stream_decoder.streams == []  # the slot was freed
 
 
 @cuda
