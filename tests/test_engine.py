@@ -453,29 +453,3 @@ def test_a_kept_engine_is_released_before_the_weights_move_when_their_copy_would
     assert engine.weights.nbytes() == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     engine.close()
     assert engine.weights is None  # closed: nothing held
-
-
-def test_the_engine_holds_convolution_weights_channels_last_and_hands_them_back_contiguous():
-    """The decoder's activations are time-major: held with their channels innermost, the convolution
-    weights reach cuDNN channels-last and are not converted at every call. Decodes stay exact, and
-    packing them for the host (as the move back does on CUDA) makes them contiguous again."""
-    module = Code2WavModule(model=random_model(micro_config(), seed=6))
-    model = module.model
-    convs = [
-        m.weight
-        for m in model.modules()
-        if isinstance(m, (torch.nn.Conv1d, torch.nn.ConvTranspose1d)) and m.kernel_size[0] > 1
-    ]
-    assert convs and all(w.is_contiguous() and w.stride(1) != 1 for w in convs if w.shape[1] > 1)
-    module.engine = DecodeEngine(model, frames_per_forward=24, capture=RecordingCapture())
-    assert all(w.unsqueeze(2).is_contiguous(memory_format=torch.channels_last) for w in convs)
-    reqs = requests([7, 12], seed=72)
-    preds = Trainer(**trainer_kwargs()).predict(module, loader(reqs, 2))
-    got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
-    for (req_id, codes), n in zip(reqs.items(), [7, 12]):
-        assert (got[req_id] - solo(model, codes, n)).abs().max() <= 1e-5
-    from omni_lightning.runner.host_weights import pack
-
-    values = [p.detach().clone() for p in model.parameters()]  # on CUDA the move back packs them (pin_cast)
-    assert pack(list(model.parameters()), lambda n: torch.empty(n, dtype=torch.uint8)) > 0
-    assert all(p.is_contiguous() and torch.equal(p, v) for p, v in zip(model.parameters(), values))

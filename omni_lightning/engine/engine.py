@@ -9,20 +9,18 @@ The engine owns what makes that fast and safe on a device:
   within a frame budget derived from the memory budget (``engine/budget.py``);
 - **CUDA graphs** for short forwards (at most ``graph_frames`` padded frames: streaming steps, a
   batch's last small chunks), one per bucket, captured lazily (``engine/graphs.py``). Long forwards
-  run eagerly: the host launches their few hundred kernels far faster than the device runs them, so a
-  graph would save nothing there, and their memory stays in the caching allocator's regular pool,
-  reused from one shape to the next (a graph per long shape would hold its own; on an H200 that was
-  2.3x the allocated peak, docs/performance.md);
+  run eagerly: their launches are cheap next to their device time, and their memory stays in the
+  caching allocator's regular pool, reused from one shape to the next (a graph per long shape would
+  hold a pool of its own);
 - **memory**: a forward that runs out of memory changes no state (the model commits state last); the
   engine halves its frame budget and plans again, down to one frame, then gives up with the error;
   a capture that fails leaves its bucket eager. The run finishes with every request exact.
 
-Outputs are float32 (``out_dtype``) in storage of their own on the device; the first ``tail`` samples
-of a request (time before its start, see ``models/layers.py``) are never emitted.
+Outputs are float32 (``out_dtype``) in storage of their own on the device; a request's first ``tail``
+samples (time before its start, ``models/layers.py``) are never emitted.
 
-Threads may share an engine: its public calls run one at a time (``engine/serial.py``). Not done,
-and why: requests longer than what fits in one forward are not split across forwards in parallel (a
-request's chunks depend on each other); graphs are per process and device.
+Threads may share an engine: its public calls run one at a time (``engine/serial.py``). Not done: a
+long request's chunks in parallel (each depends on the one before); graphs shared across processes.
 """
 
 from __future__ import annotations
@@ -115,10 +113,14 @@ class DecodeEngine(EngineStats):
 
     def _planner(self, frames: int) -> Planner:
         # with graphs, eager forwards take the whole budget (plan.py: one set of blocks for all)
-        # a new shape is slow only on CUDA (a capture, or cuDNN building plans: ~0.5 s each on an H200)
-        return Planner(frames, max_rows=self.max_rows, graph_frames=min(self.graph_frames, frames),
-                       exact_eager=self.graph_frames > 0, new_shape_cost=0 if self.device.type != "cuda" else
-                       Planner.new_shape_cost)  # fmt: skip
+        # a new shape is slow only on CUDA (a capture, or cuDNN building plans)
+        return Planner(
+            frames,
+            max_rows=self.max_rows,
+            graph_frames=min(self.graph_frames, frames),
+            exact_eager=self.graph_frames > 0,
+            new_shape_cost=0 if self.device.type != "cuda" else Planner.new_shape_cost,
+        )
 
     @property
     def frames_per_forward(self) -> int:
@@ -149,8 +151,10 @@ class DecodeEngine(EngineStats):
     def acquire(self) -> int:
         """A free slot, fresh; ValueError when all ``max_rows`` are in use."""
         if not self._free:
-            raise ValueError(f"all {self.max_rows} decode slots are in use (by open streams): close some first, "
-                             "or give the engine more (max_rows)")
+            raise ValueError(
+                f"all {self.max_rows} decode slots are in use (by open streams): close some first, "
+                "or give the engine more (max_rows)"
+            )
         return self._free.popleft()
 
     @serialized
@@ -190,8 +194,9 @@ class DecodeEngine(EngineStats):
         """Streaming: ``{key: (slot, codes [Q, n], fresh)}`` advanced by all their frames; returns each
         key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``)."""
         on_device = to_device([codes for _, codes, _ in chunks.values()], self.device)
-        work = {key: self._work(slot, codes, fresh)
-                for (key, (slot, _, fresh)), codes in zip(chunks.items(), on_device)}  # fmt: skip
+        work = {
+            key: self._work(slot, codes, fresh) for (key, (slot, _, fresh)), codes in zip(chunks.items(), on_device)
+        }
         self._advance(list(work.values()), until_one_done=False, together=True)
         return {key: w.out for key, w in work.items()}
 
@@ -202,8 +207,9 @@ class DecodeEngine(EngineStats):
             w.out = torch.empty((1, 0), dtype=self.out_dtype, device=self.device)
         return w
 
-    def _advance(self, work: list[Work], until_one_done: bool, pad_in_time: bool = False,
-                 together: bool = False) -> None:  # fmt: skip
+    def _advance(
+        self, work: list[Work], until_one_done: bool, pad_in_time: bool = False, together: bool = False
+    ) -> None:
         """Forwards until every ``work`` is done (or, with ``until_one_done``, one is: a slot frees);
         ``pad_in_time``: see ``Planner.next`` (batch decode; streaming steps are not padded);
         ``together``: see ``work.scatter`` (a streaming step's outputs, copied out in one go)."""
@@ -235,8 +241,12 @@ class DecodeEngine(EngineStats):
             self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames,
-                    "" if self.graph_frames else ", eager (no CUDA graphs)")
+        log.warning(
+            "decode: out of memory at %d frames per forward; now %d%s",
+            frames,
+            self.planner.frames,
+            "" if self.graph_frames else ", eager (no CUDA graphs)",
+        )
 
     def _forward_planned(self, pending: list[Work], pad_in_time: bool, together: bool = False) -> None:
         plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
@@ -249,8 +259,9 @@ class DecodeEngine(EngineStats):
         self.work["frames"] += sum(plan.take)
         self.work["computed"] += rows * chunk
         codes = gather(picked, plan.take, rows, chunk, self.device)
-        meta = host_to_device([w.slot for w in picked] + [self.scratch] * (rows - len(picked))
-                              + list(plan.take) + [0] * (rows - len(picked)), self.device)  # fmt: skip
+        padding = rows - len(picked)  # padding rows: the scratch slot, no real frames
+        slot_ids = [w.slot for w in picked] + [self.scratch] * padding
+        meta = host_to_device(slot_ids + list(plan.take) + [0] * padding, self.device)
         slots, valid = meta[:rows], meta[rows:]
         start = time.perf_counter() if new else 0.0
         out = self._run(codes, slots, valid)
