@@ -29,8 +29,13 @@ print(json.dumps({"rc": rc, "out": out.getvalue(), "err": err.getvalue(), "torch
 
 def fresh(argv: list[str]) -> dict:
     """``main(argv)`` in a new interpreter: its status, output, and whether torch was imported."""
-    proc = subprocess.run([sys.executable, "-c", IN_A_FRESH_PROCESS, json.dumps(argv)], cwd=ROOT, text=True,
-                          capture_output=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", IN_A_FRESH_PROCESS, json.dumps(argv)],
+        cwd=ROOT,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -62,14 +67,18 @@ def test_an_unknown_option_is_named_with_the_closest_one_before_any_other_check(
     unrecognized arguments once Lightning had loaded, with no closest match."""
     report = fresh(["predict", "--data.predict", str(tmp_path / "missing"), typo, "true"])
     assert report["rc"] == 2 and not report["torch_imported"], report
-    assert report["err"] == (f"error: {typo} is not an option of omni-lightning predict: did you mean {known}? "
-                             "(omni-lightning predict --help lists them)\n")  # fmt: skip
+    assert report["err"] == (
+        f"error: {typo} is not an option of omni-lightning predict: did you mean {known}? "
+        "(omni-lightning predict --help lists them)\n"
+    )
 
 
 def test_the_demos_unknown_option_is_named_with_the_closest_one(tmp_path, capsys):
     assert main(["demo", "--work_dir", str(tmp_path)]) == 2
-    assert capsys.readouterr().err == ("error: --work_dir is not an option of omni-lightning demo: did you mean "
-                                       "--work-dir? (omni-lightning demo --help lists them)\n")  # fmt: skip
+    assert capsys.readouterr().err == (
+        "error: --work_dir is not an option of omni-lightning demo: did you mean "
+        "--work-dir? (omni-lightning demo --help lists them)\n"
+    )
     assert list(tmp_path.iterdir()) == []  # refused before any work
 
 
@@ -77,8 +86,10 @@ def test_a_config_files_unknown_key_is_named_too(tmp_path, capsys):
     config = tmp_path / "job.yaml"
     config.write_text("model:\n  random_weight: true\n")
     assert main(["predict", "--config", str(config), "--data.predict", str(tmp_path)]) == 2
-    assert "error: config key model.random_weight is not an option of omni-lightning predict: did you mean " \
-           "model.random_weights?" in capsys.readouterr().err  # fmt: skip
+    assert (
+        "error: config key model.random_weight is not an option of omni-lightning predict: did you mean "
+        "model.random_weights?" in capsys.readouterr().err
+    )
 
 
 def predict_help(capsys, sub: str = "predict") -> str:

@@ -30,8 +30,15 @@ def omni_lightning(*args, cwd, **kw):
     """The command as a user runs it from ``cwd``: stdout a pipe (not a terminal), stderr with it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *args], cwd=cwd, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-m", "omni_lightning.cli", *args],
+        cwd=cwd,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        **kw,
+    )
 
 
 def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio_seconds(tmp_path):
@@ -41,8 +48,15 @@ def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "3 requests written" in log, log
     start = next(line for line in log.splitlines() if line.startswith("predict: tiny preset"))
-    for said in ("2.4 M parameters", "random weights", "cpu 32-true", "no memory cap", "frames per forward",
-                 "3 requests to decode (", "s of audio), 0 already done"):  # fmt: skip
+    for said in (
+        "2.4 M parameters",
+        "random weights",
+        "cpu 32-true",
+        "no memory cap",
+        "frames per forward",
+        "3 requests to decode (",
+        "s of audio), 0 already done",
+    ):
         assert said in start, start
     assert log.index(start) < log.index("requests=3/3")  # said before the batches; the bar counts audio seconds
     assert "s/s" in log and "<00:00" in log  # the bar's rate (audio seconds per second) and its time left
@@ -93,8 +107,10 @@ def test_requests_finished_in_another_format_are_reported_in_one_line(tmp_path, 
     assert main([*job, "--format", "flac"]) == 0
     captured = capsys.readouterr()
     (line,) = captured.err.splitlines()
-    assert line == (f"warning: 2 requests in {out} are already written as wav, not flac: they count as done and are "
-                    "not decoded again; give another --out_dir to have every request as flac")  # fmt: skip
+    assert line == (
+        f"warning: 2 requests in {out} are already written as wav, not flac: they count as done and are "
+        "not decoded again; give another --out_dir to have every request as flac"
+    )
     assert main([*job, "--format", "wav"]) == 0 and capsys.readouterr().err == ""  # the same format: nothing said
 
 
@@ -133,8 +149,14 @@ Trainer(accelerator="cpu", logger=False).predict(Code2WavModule(config="tiny"), 
 
 
 def test_a_python_predict_prints_its_start_line_and_no_lightning_advertisements():
-    proc = subprocess.run([sys.executable, "-c", PYTHON_PREDICT], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", PYTHON_PREDICT],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "predict: tiny preset, 2.4 M parameters" in proc.stdout and "1 requests to decode" in proc.stdout
     for noise in ("litlogger", "litmodels", "LeafSpec"):
