@@ -51,7 +51,7 @@ def test_range_checks_compare_safely_in_every_integer_dtype():
     wide[3, 2] = 4000
     with pytest.raises(ValueError, match=r"code 4000 at codebook 3, frame 2"):
         validate_codes(wide.to(torch.uint16)[None], TINY)
-    with pytest.raises(ValueError, match=r"request 'u': code 70000 is outside"):
+    with pytest.raises(ValueError, match=r"request 'u': code 70000 at codebook 0, frame 0 is outside"):
         CodesDataset({"u": torch.full((16, 3), 70000, dtype=torch.uint64)}, TINY)
 
 
@@ -104,8 +104,8 @@ def test_a_bad_request_in_a_users_own_batch_fails_alone_in_predict_and_the_other
 @pytest.mark.parametrize(
     "codes, match",
     [
-        (random_codes(1, 5).float(), "integer tensor, got dtype torch.float32"),
-        (random_codes(1, 5).bool(), "integer tensor, got dtype torch.bool"),
+        (random_codes(1, 5).float(), "codes have dtype float32; codes must be integers"),
+        (random_codes(1, 5).bool(), "codes have dtype bool; codes must be integers"),
         (random_codes(1, 5)[0], r"shape \[batch, codebooks, frames\]"),
         (random_codes(1, 5)[:, :8], "8 codebooks, this model expects 16"),
         (random_codes(1, 5)[..., :0], "empty"),
