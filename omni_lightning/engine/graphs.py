@@ -193,9 +193,11 @@ class BoundWeights:
         self.model = model
         convs = conv_weights(model) if conv_weights_channels_last else set()
         names = [*(n for n, _ in model.named_parameters()), *(n for n, _ in model.named_buffers())]
+        self._objects = self.tensors()
         with torch.no_grad():
-            self.held = [conv_layout(t.detach()) if id(t) in convs else t.detach() for t in self.tensors()]
+            self.held = [conv_layout(t.detach()) if id(t) in convs else t.detach() for t in self._objects]
         self._by_name = dict(zip(names, self.held))
+        self._held_ptrs = [h.data_ptr() for h in self.held]
 
     def tensors(self) -> list[torch.Tensor]:
         """The model's parameters and buffers, in the order of ``held``."""
@@ -206,6 +208,8 @@ class BoundWeights:
 
     def call(self, *args: Any) -> Any:
         """``model(*args)`` reading the held tensors, wherever the model's parameters are."""
+        if [t.data_ptr() for t in self._objects] == self._held_ptrs:  # lent to the parameters: no swap needed
+            return self.model(*args)
         with _swap_lock(self.model):  # two engines over one model must not interleave their swaps
             return torch.func.functional_call(self.model, self._by_name, args)
 
@@ -217,6 +221,7 @@ class BoundWeights:
             (t.dtype, t.device, t.shape) != (h.dtype, h.device, h.shape) for t, h in zip(tensors, self.held)
         ):
             return False
+        self._objects = tensors
         with torch.inference_mode():  # held tensors made during a predict are inference tensors
             for t, held in zip(tensors, self.held):
                 if t.data_ptr() != held.data_ptr():
