@@ -114,8 +114,9 @@ def snake_beta_triton_autograd(
 ) -> torch.Tensor:
     """:func:`snake_beta_triton` with its Triton backward (:func:`snake_beta_triton_backward`): one
     autograd function, differentiable in ``x``, ``log_alpha``, ``log_beta``, ``bias`` and ``context``."""
-    return _SnakeBetaFunction.apply(x, log_alpha, log_beta, bias, context, context_len, fresh, junk, multiple,
-                                    precise, block_c)  # fmt: skip
+    return _SnakeBetaFunction.apply(
+        x, log_alpha, log_beta, bias, context, context_len, fresh, junk, multiple, precise, block_c
+    )
 
 
 def snake_beta_triton_backward(
@@ -210,8 +211,9 @@ if triton is not None:
     def _sin(v, PRECISE: tl.constexpr):
         if PRECISE:
             return tl.sin(v)
-        return tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [_reduced(v)], dtype=tl.float32,
-                                         is_pure=True, pack=1)  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "sin.approx.f32 $0, $1;", "=r,r", [_reduced(v)], dtype=tl.float32, is_pure=True, pack=1
+        )
 
     @triton.jit
     def _sin_cos(v, PRECISE: tl.constexpr):
@@ -220,10 +222,8 @@ if triton is not None:
             c = tl.cos(v)
         else:
             r = _reduced(v)
-            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
-                                          pack=1)  # fmt: skip
-            c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True,
-                                          pack=1)  # fmt: skip
+            s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
+            c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=r,r", [r], dtype=tl.float32, is_pure=True, pack=1)
         return s, c
 
     # lengths, batch strides and the flags vary from call to call: one compile serves them all
@@ -288,8 +288,9 @@ if triton is not None:
             u = tl.load(x_ptr + b * x_sb + t[:, None] * x_st + c[None, :] * x_sc, mask=mask, other=0.0).to(tl.float32)
             if HAS_BIAS:
                 u += shift
-            g = tl.load(g_ptr + b * g_sb + (t + context_len)[:, None] * g_st + c[None, :] * g_sc, mask=mask,
-                        other=0.0).to(tl.float32)  # fmt: skip
+            g = tl.load(
+                g_ptr + b * g_sb + (t + context_len)[:, None] * g_st + c[None, :] * g_sc, mask=mask, other=0.0
+            ).to(tl.float32)
             if JUNK_MODE == 1:
                 g = tl.where((t < junk)[:, None], 0.0, g)
             if JUNK_MODE == 2:
@@ -298,8 +299,11 @@ if triton is not None:
             g_sin2 = g * inv_beta * (2.0 * s * co)  # g sin(2 alpha u) / beta; zero where g is (masked rows)
             dx = g + g_sin2 * alpha
             if GRAD_X:
-                tl.store(dx_ptr + (b * length + t[:, None]) * channels + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                         mask=mask)  # fmt: skip
+                tl.store(
+                    dx_ptr + (b * length + t[:, None]) * channels + c[None, :],
+                    dx.to(dx_ptr.dtype.element_ty),
+                    mask=mask,
+                )
             sum_dx += dx
             sum_alpha += g_sin2 * u
             sum_beta += g * s * s
