@@ -169,3 +169,24 @@ def test_validation_every_k_steps_during_fit(tmp_path, val_manifest):
     Trainer(**kw).fit(module, datamodule=dm)
     steps = sorted({int(r["step"]) for r in read_csv(tmp_path) if r.get("val/mel_distance")})
     assert len(steps) == 2 and steps[-1] >= 3
+
+
+def test_an_offline_run_of_in_memory_pairs_names_their_count_not_their_tensors(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    module = Code2WavModule(model=random_model("tiny", seed=7), log_samples=1)
+    gen = torch.Generator().manual_seed(3)
+    pairs = {
+        f"u{i}": (torch.randint(0, 2048, (16, 12), generator=gen), 0.1 * torch.randn(module.model.output_length(12)))
+        for i in range(3)
+    }
+    logger = WandbLogger(project="omni-lightning-test", save_dir=str(tmp_path), offline=True)
+    try:
+        Trainer(**eval_kwargs(logger)).validate(module, datamodule=CodesDataModule(val=pairs, batch_size=2))
+        run_dir = next((tmp_path / "wandb").glob("offline-run-*"))
+    finally:
+        wandb.finish()
+    record_file = next(run_dir.glob("run-*.wandb"))
+    wait_for_exit(record_file)
+    assert config(record_file)["data/validate"] == "<in memory: 3 requests>"

@@ -9,6 +9,7 @@ logs, and only to ``WandbLogger``s: without one it does nothing, not even collec
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -32,10 +33,22 @@ def wandb_loggers(trainer: pl.Trainer) -> list:
     return [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
 
 
+def describe_source(source: Any) -> str:
+    """A data source as the run config shows it: a path as given, a dataset by its source, data in
+    memory by its count (never the tensors themselves), a list of sources each described."""
+    if isinstance(source, (str, Path)):
+        return str(source)
+    if isinstance(getattr(source, "source", None), (str, Path)):  # a CodesDataset: its folder, manifest or <memory>
+        return str(source.source)
+    if isinstance(source, (list, tuple)) and source and not all(isinstance(s, (torch.Tensor, tuple)) for s in source):
+        return ", ".join(describe_source(s) for s in source)  # several predict sources
+    return f"<in memory: {len(source)} requests>" if hasattr(source, "__len__") else f"<{type(source).__name__}>"
+
+
 def run_config(trainer: pl.Trainer, module: pl.LightningModule) -> dict[str, Any]:
     """Model preset, checkpoint, content hash, data sources and hyperparameters of a Code2WavModule."""
     hp = dict(module.hparams)
-    sources = {k: str(v) for k, v in getattr(trainer.datamodule, "sources", {}).items() if v is not None}
+    sources = {k: describe_source(v) for k, v in getattr(trainer.datamodule, "sources", {}).items() if v is not None}
     return {
         "model/preset": module.config.name,
         "model/checkpoint": hp.get("checkpoint") or trainer.ckpt_path,
