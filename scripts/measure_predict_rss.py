@@ -58,7 +58,7 @@ def run_one(folder: str, batch_size: int, variant: str) -> dict:
     if variant == "no-release":
         loop.release_free_host_memory = lambda: False
     torch.manual_seed(0)
-    module = Code2WavModule(config="tiny")
+    module = Code2WavModule(config="tiny", random_weights=True)
 
     def predict(keep: bool):
         data = CodesDataModule(predict=folder, batch_size=batch_size, num_workers=0)

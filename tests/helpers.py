@@ -5,6 +5,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -68,15 +70,21 @@ LENGTHS = [9, 1, 23, 4, 17, 2, 30]
 
 
 def trainer_kwargs(**kw):
-    return dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kw,
-    )
+    """A quiet one-device CPU Trainer's arguments; ``kw`` adds to them or overrides them."""
+    quiet = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    return {**quiet, "enable_model_summary": False, **kw}
+
+
+def read_until(proc: subprocess.Popen, marker: str, timeout: float = 300) -> tuple[list[str], threading.Thread]:
+    """Reads ``proc``'s stdout on a thread until ``marker`` appears, the process ends or ``timeout``
+    passes; returns the list the thread keeps filling (joined: everything printed) and the thread."""
+    printed: list[str] = []
+    reader = threading.Thread(target=lambda: printed.extend(iter(lambda: proc.stdout.read(64), "")), daemon=True)
+    reader.start()
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline and marker not in "".join(printed):
+        time.sleep(0.02)
+    return printed, reader
 
 
 def requests(lengths=LENGTHS, seed=0):

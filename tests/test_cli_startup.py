@@ -6,12 +6,10 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 from conftest import random_codes
-from helpers import ROOT, trainer_kwargs
+from helpers import ROOT, read_until, trainer_kwargs
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.callbacks.progress import AudioProgressBar, start_lines
@@ -71,12 +69,7 @@ def test_an_interrupted_predict_says_how_many_requests_it_saved_and_the_same_com
             "--model.random_weights", "true", "--trainer.accelerator", "cpu", "--data.batch_size", "1"]  # fmt: skip
     # Ctrl-C as in a terminal: SIGINT at its default, whatever this test process inherited
     proc = omni_lightning(*args, cwd=tmp_path, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    printed: list[str] = []
-    reader = threading.Thread(target=lambda: printed.extend(iter(lambda: proc.stdout.read(64), "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and "requests=3/24" not in "".join(printed):
-        time.sleep(0.02)
+    printed, reader = read_until(proc, "requests=3/24")
     assert proc.poll() is None, "the job ended before it could be interrupted:\n" + "".join(printed)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)

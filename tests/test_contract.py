@@ -20,6 +20,7 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+from helpers import trainer_kwargs
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from lightning.pytorch.loops.prediction_loop import _PredictionLoop
 from lightning.pytorch.profilers import AdvancedProfiler, SimpleProfiler
@@ -29,14 +30,7 @@ import omni_lightning
 from omni_lightning import OmniModelRunnerOutput, OmniPredictionLoop
 
 TRAINERS = {"lightning": pl.Trainer, "omni": omni_lightning.Trainer}
-QUIET = dict(
-    accelerator="cpu",
-    devices=1,
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-)
+QUIET = trainer_kwargs()
 ROWS = torch.arange(28.0).view(7, 4)
 ORDER = [5, 3, 0, 6, 1, 2, 4]  # a fixed sampler order: batch indices are the dataset's, not positions
 

@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 from conftest import random_codes, random_model, reference_model
+from helpers import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, DecodeEngine, Trainer
 from omni_lightning.callbacks import AsyncD2HCallback
@@ -27,16 +28,7 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, share, no_t
     lengths = [rng.randint(25, 375) for _ in range(40)] + [2000]  # 2-30 s, random; one of 160 s
     reqs = {f"req {i}/x": random_codes(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)}
     module = Code2WavModule(model=random_model("tiny", seed=11))
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        precision=precision,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gpu_memory_utilization=share,
-    )
+    trainer = Trainer(**trainer_kwargs(accelerator="gpu", precision=precision, gpu_memory_utilization=share))
     assert any(isinstance(cb, AsyncD2HCallback) for cb in trainer.callbacks)
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
     got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
@@ -105,16 +97,7 @@ def test_a_budget_too_large_for_the_cap_falls_back_and_finishes_exact():
     module = Code2WavModule(model=base, frames_per_forward=8192)
     torch.cuda.empty_cache()  # this test's own peak, not the earlier tests' cached blocks
     torch.cuda.reset_peak_memory_stats()
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        precision="bf16-true",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        gpu_memory_utilization=0.02,
-    )
+    trainer = Trainer(**trainer_kwargs(accelerator="gpu", precision="bf16-true", gpu_memory_utilization=0.02))
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=4))
     got = {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
     assert module.engine_stats["frames_per_forward"] < 8192  # it shrank

@@ -13,7 +13,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_codes, random_model
-from helpers import cli, manifest_rows, save_model, trainer_kwargs, write_codes
+from helpers import cli, manifest_rows, read_until, save_model, trainer_kwargs, write_codes
 from lightning.pytorch.callbacks import Callback
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter
@@ -309,12 +309,7 @@ def test_ctrl_c_or_sigterm_writes_what_was_decoded_then_exits(tmp_path, sig, sta
     # the signal goes once the progress bar counts 10 of the 60 requests decoded: 50 are left (seconds of
     # decode). Waiting for the first manifest line instead raced twice on a loaded machine: the writer's
     # fsyncs lagged and that line came as the job ended
-    printed: list[str] = []
-    reader = threading.Thread(target=lambda: printed.extend(iter(lambda: proc.stdout.read(64), "")), daemon=True)
-    reader.start()
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and "requests=10/60" not in "".join(printed):
-        time.sleep(0.02)
+    printed, reader = read_until(proc, "requests=10/60")
     assert proc.poll() is None, "the job ended before it could be interrupted:\n" + "".join(printed)
     seen = len(manifest_rows_or_none(out) or [])
     os.killpg(proc.pid, sig)
