@@ -75,19 +75,6 @@ def no_room(device: torch.device, fraction: float | None, err: BaseException) ->
     return torch.OutOfMemoryError(f"{where} ({str(err).splitlines()[0][:300]})")
 
 
-def fits_under_cap(extra: int, cap: float, held: int) -> bool:
-    """Whether ``extra`` more bytes fit in a cap of ``cap`` bytes beside the ``held`` ones (margin kept)."""
-    return held + extra <= cap * MARGIN
-
-
-def room_for(device: torch.device, fraction: float | None, extra: int) -> bool:
-    """Whether ``extra`` more bytes fit on ``device`` under ``fraction`` beside what the process holds
-    now (always, with no cap or off CUDA)."""
-    if device.type != "cuda" or fraction is None:
-        return True
-    return fits_under_cap(extra, *_cap_and_held(device, fraction))
-
-
 POOL_FACTOR = 3  # the graphs' shared pool, in short forwards' peaks (docs/performance.md)
 
 
