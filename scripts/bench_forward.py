@@ -84,7 +84,7 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
     return rows
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-omni")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -95,7 +95,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--out", default="bench_forward.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     device = torch.device(args.device)
     base = random_model(args.preset)
     res = {"forward": forward_rows(base, args, device), **memory(device)}

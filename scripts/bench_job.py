@@ -4,11 +4,15 @@ job, under a GPU memory cap, cold then warm, each request checked against its wh
     python scripts/bench_job.py --share 0.03                       # the mixed job at a 0.03 cap (a GPU)
     python scripts/bench_job.py --share 0.02 --precision 32-true --check 384   # fp32: every request exact
     python scripts/bench_job.py --requests 1 --min-s 600 --max-s 600 --check 1  # one 600 s request
+    python scripts/bench_job.py --job long-tailed --share 0.03     # most requests under 5 s, a few over a minute
     python scripts/bench_job.py --peer                             # + a plain transformers loop
     python scripts/bench_job.py --device cpu --preset tiny --requests 8 --max-s 4   # smoke test
 
 Run each setting in a fresh process (a cap applies to the process). x real time = audio seconds /
-wall seconds of ``trainer.predict`` (``batches_x``: from the first batch to the end, set-up left out).
+wall seconds of ``trainer.predict`` (``batches_x``: from the first batch to the end, set-up left out);
+``outside_batches_s``: a warm predict's set-up plus teardown, the time outside its batches.
+``--job``: ``mixed`` (``--requests`` of ``--min-s``..``--max-s``) or ``long-tailed`` (``--requests``
+drawn from ``workload.LONG_TAILED``); ``padding`` is the share of computed frames that were padding.
 Peak reserved memory is ``torch.cuda.max_memory_reserved`` (it sees CUDA-graph pools). ``--check N``:
 the first N requests decoded alone, whole, in one eager forward with the cap lifted (fp32: max abs
 difference; bf16: relative L2). ``--peer``: transformers' ``Qwen3OmniMoeCode2Wav`` on the same
@@ -24,9 +28,9 @@ import time
 
 import lightning.pytorch as pl
 import torch
-from workload import audio_seconds, memory, mixed_job, peer, random_model, rel_l2, save, timed
+from workload import audio_seconds, long_tailed_job, memory, mixed_job, peer, random_model, rel_l2, save, timed
 
-from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
+from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule, CodesDataModule, Trainer
 
 
 class Clock(pl.Callback):
@@ -129,15 +133,16 @@ def peer_loop(base: Code2Wav, reqs: dict, args: argparse.Namespace, device: torc
     return {"warm_s": timed(run, device)}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-omni")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--share", type=float, default=None, help="gpu_memory_utilization (default: no cap)")
+    parser.add_argument("--job", choices=("mixed", "long-tailed"), default="mixed")
     parser.add_argument("--requests", type=int, default=384)
-    parser.add_argument("--min-s", type=float, default=2.0)
-    parser.add_argument("--max-s", type=float, default=30.0)
+    parser.add_argument("--min-s", type=float, default=None, help="mixed job: shortest request (default 2)")
+    parser.add_argument("--max-s", type=float, default=None, help="mixed job: longest request (default 30)")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="warm runs (median)")
@@ -147,10 +152,24 @@ def main() -> None:
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--profile", action="store_true", help="one more warm run under torch.profiler: GPU busy time")
     parser.add_argument("--out", default="bench_job.json")
-    args = parser.parse_args()
+    return parser
+
+
+def job(config: Code2WavConfig, args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    if args.job == "long-tailed":
+        if args.min_s is not None or args.max_s is not None:
+            parser.error("--min-s/--max-s set the mixed job's range; --job long-tailed has its own tiers")
+        return long_tailed_job(config, args.requests, args.seed)
+    min_s, max_s = 2.0 if args.min_s is None else args.min_s, 30.0 if args.max_s is None else args.max_s
+    return mixed_job(config, args.requests, min_s, max_s, args.seed)
+
+
+def main() -> None:
+    cli = parser()
+    args = cli.parse_args()
     device = torch.device(args.device)
     base = random_model(args.preset)
-    reqs = mixed_job(base.config, args.requests, args.min_s, args.max_s, args.seed)
+    reqs = job(base.config, args, cli)
     audio = audio_seconds(base.config, [c.shape[-1] for c in reqs.values()])
     module = Code2WavModule(
         model=random_model(args.preset), graph_frames=args.graph_frames, frames_per_forward=args.frames
@@ -158,6 +177,7 @@ def main() -> None:
     cold = predict(module, reqs, args)
     stats = dict(module.engine_stats)  # the cold run's (the engine's counts go on across predicts)
     res = {
+        "job": args.job,
         "requests": len(reqs),
         "audio_s": audio,
         "share": args.share,
@@ -173,6 +193,7 @@ def main() -> None:
     res["warm_phases_s"] = {
         k: statistics.median(r[k] for r in runs) for k in ("before_batches_s", "batches_s", "after_batches_s")
     }
+    res["outside_batches_s"] = statistics.median(r["before_batches_s"] + r["after_batches_s"] for r in runs)
     res.update(
         warm_s=warm,
         x_realtime=audio / warm,
@@ -181,6 +202,7 @@ def main() -> None:
         warm=memory(device),
         warm_engine=module.engine_stats,
         frames_per_forward=module.engine_stats["frames_per_forward"],
+        padding=1 - stats["frames"] / stats["computed"] if stats.get("computed") else 0.0,
         captures=stats.get("captures", 0),
         capture_s=stats.get("capture_s", 0.0),
     )
@@ -199,10 +221,11 @@ def main() -> None:
     save(args.out, res, args)
     mem = res["warm"].get("peak_reserved_gib")
     line = (
-        f"{args.preset} {args.precision} share={args.share} graph_frames={args.graph_frames}: "
+        f"{args.preset} {args.job} {args.precision} share={args.share} graph_frames={args.graph_frames}: "
         f"{len(reqs)} requests, {audio:,.0f} s audio; "
         f"warm {res['x_realtime']:,.0f}x ({res['batches_x']:,.0f}x batches), cold {res['cold_s']:.2f} s, "
-        f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}"
+        f"{res['captures']} captures in {res['capture_s']:.2f} s, F={res['frames_per_forward']}, "
+        f"{res['padding']:.0%} padding, outside batches {res['outside_batches_s']:.3f} s"
     )
     if mem is not None:
         line += f", peak reserved {mem:.2f} GiB"

@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> dict:
     return res
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-omni")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -234,7 +234,11 @@ def main() -> None:
     parser.add_argument("--no-cudnn-benchmark", action="store_true")
     parser.add_argument("--profile", action="store_true", help="kernel table of two eager streaming steps")
     parser.add_argument("--out", default="bench_stream.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     res = run(args)
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
     res["meta"] = {

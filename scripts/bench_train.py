@@ -172,7 +172,7 @@ def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]]) 
     Path(path).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -190,7 +190,11 @@ def main() -> None:
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument("--out", default="bench_train.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     torch.backends.cudnn.benchmark = True
 

@@ -21,6 +21,15 @@ import torch
 from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
 
 
+def codes_job(config: Code2WavConfig, lengths: list[int], seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random codes of the given lengths in frames (seeded), as ``{"req-0000": [Q, T], ...}``."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        f"req-{i:04d}": torch.randint(0, config.codebook_size, (config.num_quantizers, n), generator=gen)
+        for i, n in enumerate(lengths)
+    }
+
+
 def mixed_job(
     config: Code2WavConfig, requests: int = 384, min_s: float = 2.0, max_s: float = 30.0, seed: int = 0
 ) -> dict[str, torch.Tensor]:
@@ -28,13 +37,28 @@ def mixed_job(
     the benchmarks' mixed job (384 of 2-30 s, seed 0)."""
     rng = random.Random(seed)
     lo, hi = round(min_s * config.frame_rate), round(max_s * config.frame_rate)
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        f"req-{i:04d}": torch.randint(
-            0, config.codebook_size, (config.num_quantizers, rng.randint(lo, hi)), generator=gen
-        )
-        for i in range(requests)
-    }
+    return codes_job(config, [rng.randint(lo, hi) for _ in range(requests)], seed)
+
+
+# (share of the requests, min s, max s): most requests under 5 s, a few over a minute
+LONG_TAILED = ((0.85, 0.5, 5.0), (0.12, 5.0, 30.0), (0.03, 60.0, 120.0))
+
+
+def long_tailed_job(config: Code2WavConfig, requests: int = 384, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The long-tailed job: ``requests`` requests drawn from the tiers of :data:`LONG_TAILED` (every
+    tier but the first gets at least one request), in seeded random order."""
+    if requests < len(LONG_TAILED):
+        raise ValueError(f"--requests {requests}: the long-tailed job needs at least {len(LONG_TAILED)}")
+    rng = random.Random(seed)
+    counts = [max(1, round(share * requests)) for share, _, _ in LONG_TAILED[1:]]
+    counts.insert(0, requests - sum(counts))
+    lengths = [
+        rng.randint(round(lo * config.frame_rate), round(hi * config.frame_rate))
+        for count, (_, lo, hi) in zip(counts, LONG_TAILED)
+        for _ in range(count)
+    ]
+    rng.shuffle(lengths)
+    return codes_job(config, lengths, seed)
 
 
 def audio_seconds(config: Code2WavConfig, lengths: list[int]) -> float:

@@ -2,20 +2,24 @@
 way a user runs them, and write what they promise: a benchmark that broke would otherwise be found on
 the GPU machine, where its time is scarce. Their speeds mean nothing here and are not checked; what
 is checked is each script's own correctness figure where it has one (fp32 exactness of the job
-against solo decodes, of streaming against the whole decode). ``bench_cli.py`` is covered by the CLI
-tests' commands, ``bench_scale.py`` (several processes) by ``tests/test_ddp.py``."""
+against solo decodes, of streaming against the whole decode). ``bench_job.py`` runs inside the device
+battery's dry run, on a before tree and this one. Every script is imported; the ones in ``NOT_RUN``
+take too long for CI and are not run here."""
 
+import importlib
 import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from helpers import ROOT
 
+sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their neighbours as a script run does
+from battery_plan import STEPS  # noqa: E402
+
 JOBS = {
-    "bench_job": ["--preset", "tiny", "--device", "cpu", "--precision", "32-true", "--requests", "4", "--min-s", "0.3",
-                  "--max-s", "1", "--batch", "2", "--repeats", "1", "--check", "4"],
     "bench_forward": ["--preset", "tiny", "--device", "cpu", "--batches", "1", "--seconds", "1", "--repeats", "1",
                       "--no-fidelity"],
     "bench_train": ["--preset", "tiny", "--device", "cpu", "--batch", "2", "--steps", "1", "--warmup", "1",
@@ -41,9 +45,6 @@ def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
     run_script(name, [*JOBS[name], "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
     assert result["meta"]["args"]["preset"] == "tiny"
-    if name == "bench_job":  # every request checked equals its solo fp32 decode
-        assert result["check"]["checked"] == 4 and result["check"]["max_abs_diff"] <= 1e-4
-        assert result["x_realtime"] > 0 and result["frames_per_forward"] >= 1
     if name == "bench_stream":
         assert result["fp32_stream_max_abs_diff"] <= 1e-4  # streaming against the whole fp32 decode
         assert result["ttfa_ms"]["stream"] > 0
@@ -62,3 +63,100 @@ def test_simulate_plan_prices_every_job():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
     assert [r.split("|")[5].strip() for r in rows] == ["job", "b1x125", "b32x125", "lone7500"]
     assert "| b1x125 | 1, " in proc.stdout  # a lone 10 s request is one forward (plan.py)
+
+
+NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not run it
+    "bench_cli": ("--files 4 --seconds 0.5 1 --model.config tiny", "~30 s: the CLI, its rerun, a fresh process"),
+    "bench_predict": ("--preset tiny --device cpu --dtype fp32 --batch 2 --seconds 1 --audio-per-run 4", "~6 s"),
+    "bench_scale": ("--preset tiny --device cpu --devices 1 --requests 4 --fit-steps 1", "~75 s: DDP processes"),
+    "measure_predict_rss": ("--audio-mb 2 --min-seconds 0.5 --max-seconds 1", "~20 s: a process per variant"),
+    "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
+}
+
+
+def test_every_script_imports_and_is_run_here_or_says_why_not():
+    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"} | {s.script for s in STEPS}
+    assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
+    for name in sorted(scripts):  # a name the package no longer has fails here, not on the GPU machine
+        assert callable(getattr(importlib.import_module(name), "main", None)) or name in ("battery_plan", "workload")
+
+
+def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
+    for step in STEPS:
+        if step.script == "pytest":
+            continue
+        parser = importlib.import_module(step.script).parser()
+        for args in (step.args, step.smoke):
+            parsed = parser.parse_args([*args, "--out", "x.json"])
+            assert parsed.out == "x.json"
+        assert "tiny" in step.smoke and "cpu" in step.smoke, step.name
+
+
+def battery(*args, cwd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "device_battery.py"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+
+
+def test_battery_plan_lists_each_ab_step_before_then_after_round_by_round(tmp_path):
+    proc = battery("--plan", "--parts", "ab", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    runs = [line.split()[1:4] for line in proc.stdout.splitlines()]
+    assert runs[:2] == [["job", "before", "r1"], ["job", "after", "r1"]]
+    assert ["job-600s", "after", "r1"] in runs and ["job-600s", "before", "r2"] not in runs
+    assert ["stream", "after", "r2"] in runs and all(r[0] in {s.name for s in STEPS} for r in runs)
+
+
+def test_battery_without_a_before_tree_says_how_to_make_one(tmp_path):
+    proc = battery("--dry-run", "--steps", "job", "--before", "0000000", "--before-tar", str(tmp_path / "none.tar"),
+                   "--out", str(tmp_path), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 2 and "error: no before tree" in proc.stderr and "--prepare" in proc.stderr
+
+
+def test_battery_dry_run_times_the_job_on_a_prepared_before_tree_and_this_one(tmp_path):
+    tar = tmp_path / "bench" / "before.tar"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    if not head:
+        pytest.skip("not a git checkout: --prepare needs git")
+    prepared = battery("--prepare", "--before", head, "--before-tar", str(tar), cwd=tmp_path)
+    assert prepared.returncode == 0, prepared.stderr
+    assert json.loads(tar.with_name("manifest.json").read_text())["before"] == head
+    with tarfile.open(tar) as t:
+        assert "omni_lightning/__init__.py" in t.getnames()
+    out = tmp_path / "out"
+    args = ("--dry-run", "--steps", "job", "--before", head, "--before-tar", str(tar), "--out", str(out))
+    proc = battery(*args, cwd=ROOT)  # from the repository's root, as on the device
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads((out / "battery_ab-tests-throughput_dry.json").read_text())
+    package = result["meta"]["environment"]["package"]
+    assert package["after"] == str(ROOT / "omni_lightning" / "__init__.py")
+    assert not package["before"].startswith(str(ROOT))  # the extracted tree, not this one
+    assert [(r["version"], r["rc"]) for r in result["runs"]] == [("before", 0), ("after", 0)]
+    for run in result["runs"]:  # every request checked equals its solo fp32 decode
+        job = run["result"]
+        assert job["check"]["checked"] == 4 and job["check"]["max_abs_diff"] <= 1e-4
+        assert job["x_realtime"] > 0 and job["frames_per_forward"] >= 1 and job["outside_batches_s"] > 0
+    assert any(line.startswith("| job | x real time |") for line in result["summary"])
+    assert "| job | x real time |" in proc.stdout
+
+
+def test_long_tailed_job_is_mostly_short_with_a_few_over_a_minute_and_the_mixed_job_unchanged():
+    from omni_lightning import Code2WavConfig
+
+    workload, bench_job = importlib.import_module("workload"), importlib.import_module("bench_job")
+    config = Code2WavConfig.from_name("qwen3-omni")
+    seconds = [c.shape[-1] / config.frame_rate for c in workload.long_tailed_job(config).values()]
+    assert len(seconds) == 384 and sum(s < 5 for s in seconds) >= 0.8 * 384
+    assert 8 <= sum(s > 60 for s in seconds) <= 16 and max(seconds) <= 120
+    assert [c.shape[-1] for c in workload.long_tailed_job(config, 3).values()] == [
+        c.shape[-1] for c in workload.long_tailed_job(config, 3).values()
+    ]  # seeded
+    assert max(c.shape[-1] for c in workload.long_tailed_job(config, 3).values()) >= 60 * config.frame_rate
+    mixed = [c.shape[-1] for c in workload.mixed_job(config).values()]  # the job docs/performance.md measured
+    assert mixed[:5] == [222, 240, 45, 157, 286] and sum(mixed) == 76475
+    parser = bench_job.parser()
+    args = parser.parse_args(["--job", "long-tailed", "--requests", "3"])
+    assert len(bench_job.job(config, args, parser)) == 3
+    with pytest.raises(SystemExit):  # a range belongs to the mixed job
+        bench_job.job(config, parser.parse_args(["--job", "long-tailed", "--max-s", "5"]), parser)
