@@ -95,7 +95,7 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
     teacher = make_teacher("tiny")
     train = make_demo_data(work / "data", n_requests, 1.0, 3.0, teacher=teacher, seed=0, name="train.jsonl")
     val = make_demo_data(work / "data", max(4, n_requests // 3), 1.0, 3.0, teacher=teacher, seed=1, name="val.jsonl")
-    print(f"[1/4] synthetic data (random codes, audio from a fixed teacher Code2Wav): {train.parent}")
+    print(f"[1/4] synthetic data (random codes, audio from a fixed teacher Code2Wav): {train.parent.resolve()}")
 
     module = Code2WavModule(model=randomize_weights(Code2Wav("tiny"), seed=7), learning_rate=3e-3, warmup_steps=4)
     common = dict(accelerator="cpu", devices=1, enable_model_summary=False, enable_progress_bar=False)
@@ -111,7 +111,7 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
         max_steps=fit_steps,
         logger=logger,
         enable_checkpointing=False,
-        log_every_n_steps=2,
+        log_every_n_steps=1,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         **common,
@@ -125,24 +125,24 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
     print(f"[3/4] fine-tuned {fit_steps} steps, then predicted in place: {after.summary()}")
 
     eval_logger = [CSVLogger(str(work / "runs"), name="eval")]
-    wandb_dir = None
+    wandb_run = None
     try:  # W&B offline when wandb is installed: no account, no network
         from lightning.pytorch.loggers import WandbLogger
 
         eval_logger.append(WandbLogger(project="omni-lightning-demo", save_dir=str(work / "runs"), offline=True))
-        wandb_dir = work / "runs" / "wandb"
     except (ImportError, ModuleNotFoundError):
         pass
     metrics = Trainer(logger=eval_logger, **common).validate(module, datamodule=data, verbose=False)[0]
-    if wandb_dir is not None:
+    if len(eval_logger) > 1:
         import wandb
 
+        wandb_run = Path(wandb.run.dir).resolve().parent  # the offline run's folder (its files/ is run.dir)
         wandb.finish()
     print(
         f"[4/4] evaluation: mel distance to the teacher {mel_before['val/mel_distance']:.3f} before fine-tuning, "
         f"{metrics['val/mel_distance']:.3f} after; SI-SDR {metrics['val/si_sdr']:.1f} dB, "
         f"SNR {metrics['val/snr']:.1f} dB; logs in {(work / 'runs').resolve()}"
-        + (f" (W&B offline run under {wandb_dir.resolve()}; `wandb sync` to upload)" if wandb_dir else "")
+        + (f"; W&B offline run: `wandb sync {wandb_run}` uploads it" if wandb_run else "")
     )
     return {"seconds": time.perf_counter() - start, "wavs": work / "wavs_after", "before": mel_before, "after": metrics}
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,7 +31,7 @@ from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.preflight import check_weights, set_by_user
-from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning
+from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning, quiet_device_lines
 
 SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
 
@@ -134,7 +135,8 @@ class OmniCLI(LightningCLI):
         the arguments it was given (a checkpoint that does not fit its preset, a setting out of
         range): it is reported as a usage error. Errors after this point keep their own kind."""
         try:
-            super().instantiate_classes()
+            with quiet_device_lines() if self.subcommand == "predict" else nullcontext():
+                super().instantiate_classes()
         except UsageError:
             raise
         except ValueError as err:
@@ -190,10 +192,10 @@ class OmniCLI(LightningCLI):
         )
 
     def before_validate(self) -> None:
+        """Lightning's metrics table (``--verbose``) becomes one line, printed after the run."""
         quiet_checkpoint_callbacks_warning()
-
-    def before_test(self) -> None:
-        quiet_checkpoint_callbacks_warning()
+        args = self.config_init[self.subcommand]
+        self._verbose, args["verbose"] = args["verbose"], False
 
     def before_predict(self) -> None:
         quiet_checkpoint_callbacks_warning()
@@ -221,21 +223,21 @@ class OmniCLI(LightningCLI):
             if len(failed) > 20:
                 print(f"  ... {len(failed) - 20} more in {self.writer.out_dir / 'manifest.jsonl'}")
 
-    def after_validate(self) -> None:
-        self._print_metrics("validate")
-
-    def after_test(self) -> None:
-        self._print_metrics("test")
-
     def after_fit(self) -> None:
         ckpt = self.trainer.checkpoint_callback
         if self.trainer.is_global_zero and ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
-            print(f"fit: best checkpoint {ckpt.best_model_path or '-'}; last {ckpt.last_model_path or '-'}")
+            score = f" ({ckpt.monitor} {float(ckpt.best_model_score):.4g})" if ckpt.best_model_score is not None else ""
+            saved = {"best": ckpt.best_model_path and ckpt.best_model_path + score, "last": ckpt.last_model_path}
+            print("fit: " + "; ".join(f"{which} checkpoint {path}" for which, path in saved.items() if path))
 
-    def _print_metrics(self, stage: str) -> None:
-        if self.trainer.is_global_zero:
+    def after_validate(self) -> None:
+        if self.trainer.is_global_zero and self._verbose:
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-            print(f"{stage}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())))
+            logs = [d for d in (getattr(x, "log_dir", None) for x in self.trainer.loggers) if d and Path(d).is_dir()]
+            where = f"; logs in {', '.join(logs)}" if logs else ""
+            print(f"{self.subcommand}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) + where)
+
+    before_test, after_test = before_validate, after_validate
 
 
 def _drop_callbacks_turned_off(trainer: Any) -> None:

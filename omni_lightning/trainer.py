@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -77,8 +79,31 @@ def quiet_known_noise() -> None:
 
 def quiet_checkpoint_callbacks_warning() -> None:
     """For validate, test and predict only: a ``ckpt_path`` checkpoint's callback states (ModelCheckpoint's,
-    EMA's) restore nothing that matters there, yet Lightning warns that those callbacks should be given."""
+    EMA's) restore nothing that matters there, yet Lightning warns that those callbacks should be given,
+    and that a ModelCheckpoint writing to another folder than the fit's does not take its best scores."""
     warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`, callbacks used to create")
+    warnings.filterwarnings("ignore", message="The dirpath has changed from .* won't be reloaded")
+
+
+@contextmanager
+def quiet_device_lines() -> Iterator[None]:
+    """While a trainer is built, Lightning's "GPU available: ...", "TPU available: ..." lines and its "GPU
+    available but not used" warning are dropped (for the command line's predict, whose start-up line
+    says the device, the precision and a GPU left unused); put back after."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addFilter(_drop_device_lines)
+    warnings.filterwarnings("ignore", message="GPU available but not used")
+    unused_gpu = warnings.filters[0]
+    try:
+        yield
+    finally:
+        logger.removeFilter(_drop_device_lines)
+        if unused_gpu in warnings.filters:
+            warnings.filters.remove(unused_gpu)
+
+
+def _drop_device_lines(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith(("GPU available: ", "TPU available: "))
 
 
 def _drop_lightning_tips(record: logging.LogRecord) -> bool:

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 from conftest import random_codes
-from helpers import ROOT, read_until, trainer_kwargs
+from helpers import ROOT, TINY, read_until, trainer_kwargs
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.callbacks.progress import AudioProgressBar, start_lines
@@ -46,17 +46,14 @@ def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "3 requests written" in log, log
     start = next(line for line in log.splitlines() if line.startswith("predict: tiny preset"))
-    for said in (
-        "2.4 M parameters",
-        "random weights",
-        "cpu 32-true",
-        "no memory cap",
-        "frames per forward",
-        "3 requests to decode (",
-        "s of audio), 0 already done",
-    ):
+    for said in ("2.4 M parameters", "random weights", "cpu 32-true;", "no memory cap", "frames per forward"):
         assert said in start, start
-    assert log.index(start) < log.index("requests=3/3")  # said before the batches; the bar counts audio seconds
+    audio_s = sum(TINY.output_length(n) for n in (9, 20, 33)) / TINY.sample_rate
+    assert start.endswith(f"3 requests to decode ({audio_s:.1f} s of audio)"), start  # none done before: not said
+    assert log.index(start) < log.index("Predicting")  # said before the bar's first draw, in a log file too
+    assert "requests=3/3" in log and "DataLoader 0" not in log  # the bar counts audio seconds, one loader
+    # Lightning's device lines: the start-up line says the device (and a GPU left unused)
+    assert "GPU available" not in log and "TPU available" not in log, log
     assert "s/s" in log and "<00:00" in log  # the bar's rate (audio seconds per second) and its time left
     assert sorted(os.listdir(tmp_path)) == ["codes", "wavs"]  # no lightning_logs/: predict needs no logger
     assert "tensorboardX" not in log and "No seed found" not in log and log.count("Seed set to") <= 1, log
@@ -121,12 +118,15 @@ def test_the_trainers_default_bar_writes_no_ansi_codes_into_a_log(tmp_path, caps
 
 
 def test_a_large_model_on_the_cpu_is_said_before_starting(tmp_path, capsys):
-    """Predict through the Python API prints the start-up line too; the warning's threshold is a parameter count."""
+    """Predict through the Python API prints the start-up line too, before the default bar's first draw;
+    the warning's threshold is a parameter count."""
     module = Code2WavModule(config="tiny", random_weights=True)
     data = CodesDataModule(predict={"a": random_codes(1, 5)[0]}, batch_size=1)
-    trainer = Trainer(**trainer_kwargs())
+    trainer = Trainer(**trainer_kwargs(enable_progress_bar=True))
     trainer.predict(module, datamodule=data, return_predictions=False)
-    assert "predict: tiny preset, 2.4 M parameters, random weights; cpu 32-true" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    start = "predict: tiny preset, 2.4 M parameters, random weights; cpu 32-true"
+    assert start in out and out.index(start) < out.index("Predicting"), out
     (line,) = start_lines(trainer, module, module.config, 2_400_000)
     assert line.startswith("predict: tiny preset")
     line, warning = start_lines(trainer, module, module.config, 1_500_000_000)
@@ -152,5 +152,48 @@ def test_a_python_predict_prints_its_start_line_and_no_lightning_advertisements(
     )
     assert proc.returncode == 0, proc.stderr
     assert "predict: tiny preset, 2.4 M parameters" in proc.stdout and "1 requests to decode" in proc.stdout
+    assert "GPU available: " in proc.stdout + proc.stderr  # Lightning's own lines are the command line's to drop
     for noise in ("litlogger", "litmodels", "LeafSpec"):
         assert noise not in proc.stdout + proc.stderr, noise
+
+
+def test_fit_then_validate_say_where_their_files_are_and_validate_prints_its_metrics_once(
+    tmp_path, monkeypatch, capsys, recwarn
+):
+    """Fit said "best checkpoint -" where there was none. Validate printed Lightning's metrics table and
+    then the same metrics in one line; evaluated from a checkpoint, Lightning warned about the
+    ModelCheckpoint's folder, which validate does not write to."""
+    from omni_lightning.cli import main
+
+    pairs = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="pairs.jsonl")
+    monkeypatch.chdir(tmp_path)  # configs/finetune.yaml logs and checkpoints into runs/
+    options = {
+        "--config": ROOT / "configs/finetune.yaml",
+        "--data.val": pairs,
+        "--data.num_workers": 0,
+        "--data.batch_size": 2,
+        "--trainer.precision": "32-true",
+        "--trainer.enable_progress_bar": "false",
+    }
+    job = [str(x) for option in options.items() for x in option]
+    fit = [
+        "fit",
+        *job,
+        "--data.train",
+        str(pairs),
+        "--trainer.max_steps",
+        "1",
+        "--trainer.enable_model_summary",
+        "false",
+    ]
+    assert main([*fit, "--data.crop_frames", "12"]) == 0
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fit: ")]
+    last = line.removeprefix("fit: last checkpoint ")  # no validation ran: there is no best one to name
+    assert line != last and (tmp_path / last).is_file(), line
+
+    assert main(["validate", *job, "--ckpt_path", last]) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if "val/mel_distance" in x]  # no table besides the line
+    assert line.startswith("validate: val/audio_s=") and line.endswith("; logs in runs/finetune/version_1"), out
+    assert (tmp_path / "runs/finetune/version_1/metrics.csv").is_file()
+    assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]

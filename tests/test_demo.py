@@ -1,5 +1,7 @@
 """The demo command: it reruns only in a folder it made, and refuses counts below one."""
 
+from pathlib import Path
+
 import pytest
 
 
@@ -26,3 +28,20 @@ def test_demo_refuses_counts_below_one_before_any_work(tmp_path, flag, value):
     with pytest.raises(SystemExit) as stop:  # argparse: exit 2 with the flag and value named
         demo_main(["--work-dir", str(tmp_path / "demo"), flag, value])
     assert stop.value.code == 2 and not (tmp_path / "demo").exists()
+
+
+def test_every_path_the_demo_prints_exists(tmp_path, monkeypatch, capsys, recwarn):
+    """The data folder was printed as given (relative to where the demo ran), the W&B hint named no run to
+    sync, and fewer requests than two batches' worth brought Lightning's warning about the logging interval."""
+    from omni_lightning.demo import main as demo_main
+
+    monkeypatch.chdir(tmp_path)
+    demo_main(["--work-dir", "demo", "--requests", "2", "--steps", "1"])
+    out = capsys.readouterr().out
+    printed = [word.rstrip(";,)`") for word in out.split() if word.lstrip("`").startswith("/")]
+    assert len(printed) >= 5 and all(Path(p.lstrip("`")).exists() for p in printed), out
+    assert f"Code2Wav): {tmp_path / 'demo' / 'data'}\n" in out, out
+    if "W&B" in out:  # wandb installed: the hint names the offline run's folder
+        run = Path(out.split("`wandb sync ")[1].split("`")[0])
+        assert run.name.startswith("offline-run-") and any(run.glob("*.wandb")), out
+    assert not [w for w in recwarn if "logging interval" in str(w.message)]

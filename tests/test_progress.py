@@ -1,4 +1,7 @@
-"""The progress bar counts audio seconds, not batches."""
+"""The progress bar counts audio seconds, not batches, and ends its line before Lightning's last words."""
+
+import logging
+import sys
 
 import pytest
 import torch
@@ -7,6 +10,7 @@ from helpers import TINY, trainer_kwargs
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.callbacks.progress import AudioProgressBar
+from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
 
 def test_progress_bar_counts_audio_seconds_on_length_sorted_batches(model):
@@ -21,3 +25,28 @@ def test_progress_bar_counts_audio_seconds_on_length_sorted_batches(model):
     tqdm = bar.predict_progress_bar
     assert tqdm.total == pytest.approx(total, abs=0.05) and tqdm.n == tqdm.total  # audio seconds, not batches
     assert "requests=6/6" in tqdm.postfix
+    # a second predict with the same bar gets a bar of its own, counting its own requests
+    trainer = Trainer(**kw)
+    trainer.predict(Code2WavModule(model=model), datamodule=CodesDataModule(predict={"a": job["r1"]}, batch_size=1))
+    assert bar.predict_progress_bar is not tqdm and bar.predict_progress_bar.n == bar.predict_progress_bar.total > 0
+
+
+def test_the_bar_ends_its_line_before_lightning_says_fit_stopped(tmp_path, capsys):
+    """Where stdout and stderr share a terminal or a log file, Lightning's "`Trainer.fit` stopped" line
+    came after the bar on its line; the logger's version number (``v_num``) is not in the bar."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
+    lightning_log = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    shared = logging.StreamHandler(sys.stdout)  # the bar's stream (captured)
+    lightning_log.addHandler(shared)
+    try:
+        kw = trainer_kwargs(max_steps=2, limit_val_batches=0, log_every_n_steps=1, enable_progress_bar=True)
+        kw["logger"] = CSVLogger(tmp_path)
+        data = CodesDataModule(train=str(train), batch_size=2, crop_frames=12)
+        Trainer(**kw).fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
+    finally:
+        lightning_log.removeHandler(shared)
+    out = capsys.readouterr().out
+    assert "\n`Trainer.fit` stopped: `max_steps=2` reached." in out and "train/loss" in out, out
+    assert "v_num" not in out, out

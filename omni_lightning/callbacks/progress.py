@@ -8,8 +8,9 @@ requests (bad requests count as done; they produce no audio). Dataloaders whose 
 ``lengths`` fall back to Lightning's batch count.
 
 :class:`PredictStartLine` prints, before a predict's first batch, one line saying what runs: the model
-and its size, the weights, the device and precision, the memory cap and frame budget, and the job
-(requests and audio seconds to decode, requests already done). ``omni_lightning.Trainer`` installs both.
+and its size, the weights, the device and precision (and a GPU left unused), the memory cap and frame
+budget, and the job (requests and audio seconds to decode, requests already done if any). The bar is
+made at the first batch, so the line comes first in a log file too. ``omni_lightning.Trainer`` installs both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
-from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
 LARGE_ON_CPU = 50_000_000
@@ -40,16 +41,35 @@ class AudioProgressBar(TQDMProgressBar):
         line of its own moves the cursor with ANSI codes, which a log file would keep."""
         if sys.stdout.isatty():
             return super().init_validation_tqdm()
-        has_main_bar = self.trainer.state.fn != "validate"
+        return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
+
+    def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         return Tqdm(
-            desc=self.validation_description,
+            desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,
-            leave=not has_main_bar,
+            leave=leave,
             dynamic_ncols=True,
             file=sys.stdout,
             bar_format=self.BAR_FORMAT,
+            **kwargs,
         )
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        """Lightning's, less ``v_num`` (the logger's version number, not a measurement)."""
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        return items
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Closes the bar after fit's last epoch, so that Lightning's "`Trainer.fit` stopped" line,
+        logged before ``on_train_end``, starts a line of its own instead of ending the bar's."""
+        super().on_train_epoch_end(trainer, pl_module)
+        loop = trainer.fit_loop
+        last_step = 0 <= loop.max_steps <= trainer.global_step
+        last_epoch = loop.max_epochs is not None and 0 <= loop.max_epochs <= loop.epoch_progress.current.processed
+        if (last_step or last_epoch) and self._train_progress_bar is not None:
+            self.train_progress_bar.close()
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dataloader_idx: int) -> bool:
         """Total audio seconds and requests of this rank's share of the dataloader, when known."""
@@ -67,16 +87,26 @@ class AudioProgressBar(TQDMProgressBar):
         self._total_reqs, self._done_s, self._done_reqs = len(indices), 0.0, 0
         return True
 
+    def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """No bar yet: it is made at the first batch, with its total, below the start-up line (which
+        ``PredictStartLine`` prints after this hook, once the module's engine is built)."""
+        self._predict_progress_bar = None
+
     def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
-        changed = self._current_eval_dataloader_idx != dataloader_idx  # what Lightning's reset asks, unrecorded
-        super().on_predict_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
-        if not changed:
+        if not self.has_dataloader_changed(dataloader_idx):
             return
         self._audio = self._plan(trainer, pl_module, dataloader_idx)
-        if self._audio and self._predict_progress_bar is not None:
-            bar = self.predict_progress_bar
-            bar.unit, bar.unit_scale = "s", False
-            bar.total = round(self._total_s, 1)
+        total = round(self._total_s, 1) if self._audio else convert_inf(self.total_predict_batches_current_dataloader)
+        unit = "s" if self._audio else "it"
+        several = len(trainer.num_predict_batches) > 1
+        desc = f"{self.predict_description} DataLoader {dataloader_idx}" if several else self.predict_description
+        bar = self._predict_progress_bar
+        if bar is None:
+            self.predict_progress_bar = self._bar(desc, leave=True, total=total, unit=unit, smoothing=0)
+            return
+        bar.unit = unit
+        bar.set_description(desc, refresh=False)
+        bar.reset(total)
 
     def on_predict_batch_end(self, trainer, pl_module, outputs: Any, batch: Any, batch_idx: int, dataloader_idx=0):
         if not self._audio:
@@ -91,6 +121,11 @@ class AudioProgressBar(TQDMProgressBar):
             bar.n = min(round(self._done_s, 1), bar.total)
             bar.set_postfix({"requests": f"{self._done_reqs}/{self._total_reqs}"}, refresh=False)
             bar.refresh()
+
+    def on_predict_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._predict_progress_bar is not None:
+            self._predict_progress_bar.close()
+        self.reset_dataloader_idx_tracker()
 
 
 class PredictStartLine(Callback):
@@ -129,10 +164,10 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     budget = f"{frames} frames per forward" if frames else "frames per forward from the memory budget"
     requests, audio_s = _job(trainer, config)
     plan = getattr(getattr(trainer, "datamodule", None), "predict_plan", None)
-    done = f", {plan.skipped} already done" if plan is not None and hasattr(plan, "skipped") else ""
+    done = f", {plan.skipped} already done" if getattr(plan, "skipped", 0) else ""
     ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
     job = f"{requests} requests to decode ({audio_s:.1f} s of audio){ranks}{done}"
-    where = f"{device.type} {trainer.precision}"
+    where = f"{device.type} {trainer.precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
     lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {where}; {memory}, {budget}; {job}"]
     if device.type == "cpu" and params > LARGE_ON_CPU:
         size = f"{params / 1e6:.0f} M parameters"
@@ -155,3 +190,10 @@ def _job(trainer: pl.Trainer, config: Any) -> tuple[int, float]:
         requests += len(dataset)
         samples += sum(config.output_length(n) for n in lengths if n)
     return requests, samples / config.sample_rate
+
+
+def _gpu_unused(device: Any) -> bool:
+    """Whether this process runs on the CPU while a GPU (CUDA or MPS) is available to it."""
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    return device.type == "cpu" and (CUDAAccelerator.is_available() or MPSAccelerator.is_available())
