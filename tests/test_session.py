@@ -284,21 +284,29 @@ def test_on_the_cpu_a_bf16_true_predict_packs_the_cast_weights_on_the_way_back()
     assert seen.at_start == [False, True] and all(seen.in_batches)
 
 
-def test_outside_a_predict_an_engine_with_graphs_copies_the_callers_weights():
+def test_outside_a_predict_a_decode_copies_the_callers_weights_and_a_stream_reads_them_in_place():
     """Only a predict's parameters, which go back into their host tensors, are laid channels-last for
-    the engine; a decode or a stream of a module where the caller put it (a GPU, say) copies them, so
-    its ``state_dict`` stays contiguous (Lightning's ``cpu()`` after a predict keeps a layout)."""
-    module = micro_module()
+    its engine; a decode of a module where the caller put it (a GPU, say) copies them, refreshed at
+    each call, so its ``state_dict`` stays contiguous (Lightning's ``cpu()`` after a predict keeps a
+    layout). A stream's engine holds the parameters themselves: it sees weights loaded in place."""
+    module, other = micro_module(), Code2WavModule(model=random_model(micro_config(), seed=4))
     cuda_path(module)
     before = [(p.data_ptr(), p.stride()) for p in module.parameters()]
     codes = torch.stack([c[:, :3] for c in REQS.values()])
-    with torch.inference_mode():
-        wavs = module.decode_batch({"codes": codes, "n_frames": [3] * len(codes)})
-        streamed = torch.cat(list(module.stream(codes[0].split(1, dim=1))), dim=-1)
-        want = [module.model(c[None])[0] for c in codes]
+
+    def decoded(stream=True):
+        with torch.inference_mode():
+            wavs = module.decode_batch({"codes": codes, "n_frames": [3] * len(codes)})
+            wavs += [torch.cat(list(module.stream(codes[0].split(1, dim=1))), dim=-1)] if stream else []
+            want = [module.model(c[None])[0] for c in [*codes, codes[0]]]
+        assert all((w - v).abs().max() <= 1e-5 for w, v in zip(wavs, want))
+
+    decoded(stream=False)
     assert [(p.data_ptr(), p.stride()) for p in module.parameters()] == before
+    decoded()
+    module.load_state_dict(other.state_dict())  # in place: the same tensors, new values
+    decoded()
     assert module.engine.graphs.stats.replays > 0 and module.session.stream_decoder.engine.graphs.stats.replays > 0
-    assert all((w - v).abs().max() <= 1e-5 for w, v in zip([*wavs, streamed], [*want, want[0]]))
 
 
 @pytest.mark.xfail(strict=True, reason="training/ema.py's _swap writes through .data, which no version counter sees")

@@ -159,9 +159,10 @@ class InferenceSession:
         stale = engine is None or engine.model is not module.model or self._stale(module, engine, cap)
         if stale or not engine.refresh():
             self.release_engine()
+            held = self._held is not None  # a predict's weights, back into host tensors at its end: any layout
             self.engine = DecodeEngine(
-                module.model, frames_per_forward=module.frames_per_forward, cuda_graphs=module.fast_path,
-                capture=self._capture(module.model, module.fast_path), graph_frames=module.hparams.graph_frames,
+                module.model, frames_per_forward=module.frames_per_forward, graph_frames=module.hparams.graph_frames,
+                cuda_graphs=module.fast_path, capture=self._capture(module.model, module.fast_path and held),
                 gpu_memory_utilization=cap, kernels=None if module.fast_path else Kernels(inplace=True),
             )  # fmt: skip
             self._built = (self.engine, _settings(module))
@@ -180,11 +181,10 @@ class InferenceSession:
         changed = self._built is not None and self._built[0] is engine and self._built[1] != _settings(module)
         return changed or engine.gpu_memory_utilization != cap
 
-    def _capture(self, model: nn.Module, graphs: bool) -> GraphCapture | None:
-        """The capture for a new engine over ``model`` (None: its default). With graphs (on CUDA, or given
-        ``capture``) in a predict, the convolution weights go channels-last first (``conv_layout``): the engine
-        holds them as they are, and they go back contiguous into the host tensors held (else the engine copies them)."""
-        if graphs and self._held is not None and (self.capture or next(model.parameters()).device.type == "cuda"):
+    def _capture(self, model: nn.Module, lay_out: bool) -> GraphCapture | None:
+        """A new engine's capture (None: its default); with ``lay_out`` and graphs (on CUDA, or given ``capture``),
+        the convolution weights go channels-last first (``conv_layout``): the engine holds them as they are."""
+        if lay_out and (self.capture is not None or next(model.parameters()).device.type == "cuda"):
             convs = conv_weights(model)
             for p in model.parameters():
                 if id(p) in convs and p.data.stride(1) != 1:  # (``.data``: no autograd record)
@@ -277,7 +277,7 @@ class InferenceSession:
                           gpu_memory_utilization: float | None) -> StreamingDecoder:  # fmt: skip
         """A decoder over ``module.model``, retired when the module starts fit."""
         self.refuse_during_fit(module)
-        graphs = cuda_graphs and module.fast_path
+        graphs = cuda_graphs and module.fast_path  # laid out in place: a stream never refreshes copies
         decoder = StreamingDecoder(module.model, max_streams, graphs, capture=self._capture(module.model, graphs),
                                    gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
         self._decoders.add(decoder)
