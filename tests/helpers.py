@@ -108,6 +108,46 @@ class RecordingCapture:
         return (lambda: out.copy_(fn())), out
 
 
+class ReplayCapture:
+    """A CUDA-graph capture stand-in on the CPU that replays as a graph does: the capture records the
+    forward's aten ops (as dispatched: after autocast) with the very tensors they read and wrote, and a
+    replay runs those ops again on those tensors, whatever the module's parameters point at by then
+    and whatever autocast is on. A host sync in the forward fails the capture, as on CUDA."""
+
+    def __init__(self):
+        self.recorded = 0
+
+    def __call__(self, fn):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        from omni_lightning.engine.graphs import CaptureError
+
+        ops = []
+
+        class Record(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    raise CaptureError("a host sync (.item()) in a captured forward")
+                out = func(*args, **(kwargs or {}))
+                ops.append((func, args, kwargs or {}, out))
+                return out
+
+        fn()  # the warm-up
+        with Record():
+            out = fn()
+        self.recorded += 1
+
+        def replay():
+            with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+                for func, args, kwargs, recorded in ops:
+                    for old, new in zip(tree_leaves(recorded), tree_leaves(func(*args, **kwargs))):
+                        if isinstance(old, torch.Tensor) and old.data_ptr() != new.data_ptr():  # not a view
+                            old.copy_(new)  # where the graph's kernel wrote it
+
+        return replay, out
+
+
 class Collector(BasePredictionWriter):
     def __init__(self, interval):
         super().__init__(interval)

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 from conftest import micro_config, random_codes, random_model
-from helpers import RecordingCapture, loader, requests, trainer_kwargs
+from helpers import RecordingCapture, ReplayCapture, loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, DecodeEngine, Trainer
 from omni_lightning.engine.budget import (
@@ -444,3 +444,49 @@ def test_an_engine_holds_one_copy_of_the_weights_and_frees_it_when_closed():
     assert engine.weights.nbytes() == sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
     engine.close()
     assert engine.weights is None  # closed: nothing held
+
+
+def graph_engine_and_batch(seed):
+    """An engine over its own model whose forwards of up to 16 frames replay a graph stand-in that
+    reads what a CUDA graph reads (``ReplayCapture``), and a batch all of whose forwards replay one."""
+    model = random_model(micro_config(), seed=seed)
+    engine = DecodeEngine(model, frames_per_forward=16, max_rows=2, graph_frames=16, capture=ReplayCapture())
+    lengths = [13, 6]
+    return model, engine, random_codes(2, 13, model.config, seed=seed), lengths
+
+
+def test_graphs_read_the_engines_channels_last_copies_through_functional_call(model):
+    """A standalone engine with graphs (a stand-in capture on the CPU) holds the convolution weights
+    as channels-last copies and runs the model on them (``functional_call``, captures too), never
+    repointing a parameter: the audio is the eager model's. Its graphs read those copies, as CUDA
+    graphs read the addresses they were captured with: a weight written in place reaches them at
+    ``refresh`` (each predict's start), and then exactly."""
+    model, engine, codes, lengths = graph_engine_and_batch(seed=12)
+    before = [(p.data_ptr(), p.stride()) for p in model.parameters()]
+    held = dict(zip(map(id, model.parameters()), engine.weights.held))
+    convs = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1]
+    convs = [w for w in convs if w.shape[1] > 1]  # (one input channel: any layout is channels-last)
+    assert convs and all(held[id(w)].stride(1) == 1 != w.stride(1) for w in convs)
+    with torch.inference_mode():
+        assert_exact(model, codes, lengths, engine.decode(codes, lengths))
+        assert engine.graphs.stats.replays > 0 and engine.graphs.stats.eager == 0
+        with torch.no_grad():
+            convs[0].mul_(1.5)  # the model's weight, not the engine's copy
+        stale = engine.decode(codes, lengths)
+        assert any((stale[i] - solo(model, codes[i], n)).abs().max() > 1e-3 for i, n in enumerate(lengths))
+        engine.refresh()
+        assert_exact(model, codes, lengths, engine.decode(codes, lengths))
+    assert [(p.data_ptr(), p.stride()) for p in model.parameters()] == before
+
+
+def test_graphs_captured_under_autocast_are_not_replayed_without_it():
+    """A CUDA graph replays the kernels autocast chose when it was captured: after a decode under
+    bf16 autocast (a bf16-mixed predict), a decode without it captures its graphs again and is exact."""
+    model, engine, codes, lengths = graph_engine_and_batch(seed=13)
+    with torch.inference_mode():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = engine.decode(codes, lengths)
+        captures = engine.graphs.stats.captures
+        assert any((mixed[i] - solo(model, codes[i], n)).abs().max() > 1e-3 for i, n in enumerate(lengths))
+        assert_exact(model, codes, lengths, engine.decode(codes, lengths))
+    assert engine.graphs.stats.captures == 2 * captures and engine.graphs.stats.eager == 0

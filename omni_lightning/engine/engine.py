@@ -273,6 +273,8 @@ class DecodeEngine(EngineStats):
     def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             short = codes.shape[0] * codes.shape[2] <= self.graph_frames
+            if short:
+                self.graphs.follow_autocast(self.device)
             if short and not self.graphs.graphs and not self.graphs.eager:
                 self._capture_largest_first(codes)
             graph = self.graphs.get(codes, self.scratch) if short else None

@@ -132,6 +132,15 @@ class GraphCache:
     graphs: dict[tuple[int, int], StepGraph] = field(default_factory=dict)
     eager: set[tuple[int, int]] = field(default_factory=set)  # buckets whose capture failed
     stats: GraphStats = field(default_factory=GraphStats)
+    autocast: torch.dtype | None = None  # what autocast ran the captured forwards in (None: off)
+
+    def follow_autocast(self, device: torch.device) -> None:
+        """Drops the graphs when autocast changed since they were captured: a replay runs the kernels
+        (and dtypes) autocast chose at capture, whatever autocast does now."""
+        now = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        if now != self.autocast:
+            self.clear()
+            self.autocast = now
 
     def get(self, codes: torch.Tensor, scratch: int) -> StepGraph | None:
         """The graph of ``codes``' bucket, captured now if it is new; None if it runs eagerly.

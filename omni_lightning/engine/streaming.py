@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omni_lightning.engine.engine import DecodeEngine
+from omni_lightning.engine.graphs import GraphCapture
 from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
@@ -55,7 +56,7 @@ class StreamingDecoder:
 
     ``engine``: the engine to run on (default: a new one over ``model`` with ``max_streams`` slots;
     ``cuda_graphs``, ``frames_per_forward`` and ``gpu_memory_utilization``, the share of the GPU its
-    memory budget comes from on a shared GPU, go to it). Each stream holds ``state_bytes_per_stream``.
+    memory budget comes from on a shared GPU, and ``capture``, go to it). Each stream holds ``state_bytes_per_stream``.
     """
 
     def __init__(
@@ -66,6 +67,7 @@ class StreamingDecoder:
         frames_per_forward: int | None = None,
         engine: DecodeEngine | None = None,
         gpu_memory_utilization: float | None = None,
+        capture: GraphCapture | None = None,
     ) -> None:
         check_count("max_streams", max_streams)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
@@ -79,6 +81,7 @@ class StreamingDecoder:
             graph_frames=max(512, max_streams * STEP_FRAMES),
             graph_share=0.75,
             gpu_memory_utilization=gpu_memory_utilization,
+            capture=capture,
         )
         self.max_streams = self.engine.max_rows
         self.cuda_graphs = cuda_graphs

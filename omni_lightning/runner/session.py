@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from omni_lightning.engine import DecodeEngine, StreamingDecoder
-from omni_lightning.engine.graphs import conv_layout, conv_weights
+from omni_lightning.engine.graphs import GraphCapture, conv_layout, conv_weights
 from omni_lightning.kernels import Kernels
 from omni_lightning.runner.host_weights import CASTS, pack, packable, pinned_bytes, stamp, unchanged
 
@@ -130,9 +130,12 @@ class ReleaseOnException(pl.Callback):
 
 class InferenceSession:
     """A module's engine, held host weights, stamp and streaming decoders (module docstring). Methods
-    take the module (no reference kept to it); a copy or pickle keeps only ``stats``."""
+    take the module (no reference kept to it); a copy or pickle keeps only ``stats``. ``host_buffers``
+    and ``capture`` (a new ``GraphCapture``) replace pinned memory and ``torch.cuda.graph``, which the
+    session uses on CUDA only: given, it uses them on any device (tests on the CPU)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host_buffers: Allocate | None = None, capture: Callable[[], GraphCapture] | None = None) -> None:
+        self.host_buffers, self.capture = host_buffers, capture
         self.engine: DecodeEngine | None = None
         self.stats: dict[str, float] = {}  # the engine's stats() at the end of the last predict
         self.stream_decoder: StreamingDecoder | None = None  # module.stream's
@@ -156,13 +159,11 @@ class InferenceSession:
         stale = engine is None or engine.model is not module.model or self._stale(module, engine, cap)
         if stale or not engine.refresh():
             self.release_engine()
-            model = module.model
-            if module.fast_path and next(model.parameters()).device.type == "cuda":
-                self._channels_last(model)
+            held = self._held is not None  # a predict's weights, back into host tensors at its end: any layout
             self.engine = DecodeEngine(
-                model, frames_per_forward=module.frames_per_forward, cuda_graphs=module.fast_path,
-                graph_frames=module.hparams.graph_frames, gpu_memory_utilization=cap,
-                kernels=None if module.fast_path else Kernels(inplace=True),
+                module.model, frames_per_forward=module.frames_per_forward, graph_frames=module.hparams.graph_frames,
+                cuda_graphs=module.fast_path, capture=self._capture(module.model, module.fast_path and held),
+                gpu_memory_utilization=cap, kernels=None if module.fast_path else Kernels(inplace=True),
             )  # fmt: skip
             self._built = (self.engine, _settings(module))
         return self.engine
@@ -180,14 +181,15 @@ class InferenceSession:
         changed = self._built is not None and self._built[0] is engine and self._built[1] != _settings(module)
         return changed or engine.gpu_memory_utilization != cap
 
-    @staticmethod
-    def _channels_last(model: nn.Module) -> None:
-        """Convolution weights channels-last (``engine/graphs.conv_layout``), so the engine holds them as they are."""
-        convs = conv_weights(model)
-        with torch.no_grad():
+    def _capture(self, model: nn.Module, lay_out: bool) -> GraphCapture | None:
+        """A new engine's capture (None: its default); with ``lay_out`` and graphs (on CUDA, or given ``capture``),
+        the convolution weights go channels-last first (``conv_layout``): the engine holds them as they are."""
+        if lay_out and (self.capture is not None or next(model.parameters()).device.type == "cuda"):
+            convs = conv_weights(model)
             for p in model.parameters():
-                if id(p) in convs and p.data.stride(1) != 1:
+                if id(p) in convs and p.data.stride(1) != 1:  # (``.data``: no autograd record)
                     p.data = conv_layout(p.data)
+        return self.capture() if self.capture is not None else None
 
     def setup(self, module: Any, stage: str) -> None:
         """Refuses a call on another thread during fit (giving the fit back its trainer); then per stage."""
@@ -207,9 +209,9 @@ class InferenceSession:
         params = list(module.parameters())
         device = trainer.strategy.root_device if trainer is not None else params[0].device
         cast = CASTS.get(str(getattr(trainer, "precision", "")))
-        pin = device.type == "cuda" and all(cast is None or p.dtype == cast for p in params)
-        cuda = pinned_bytes if device.type == "cuda" else None
-        self._held = HostWeights.hold(module, pin=cuda if pin else None, pin_cast=cuda)
+        allocate = self.host_buffers or (pinned_bytes if device.type == "cuda" else None)
+        pin = allocate is not None and all(cast is None or p.dtype == cast for p in params)
+        self._held = HostWeights.hold(module, pin=allocate if pin else None, pin_cast=allocate)
         engine = self.engine
         if engine is None:
             return
@@ -275,10 +277,8 @@ class InferenceSession:
                           gpu_memory_utilization: float | None) -> StreamingDecoder:  # fmt: skip
         """A decoder over ``module.model``, retired when the module starts fit."""
         self.refuse_during_fit(module)
-        graphs = cuda_graphs and module.fast_path
-        if graphs and next(module.model.parameters()).device.type == "cuda":
-            self._channels_last(module.model)
-        decoder = StreamingDecoder(module.model, max_streams=max_streams, cuda_graphs=graphs,
+        graphs = cuda_graphs and module.fast_path  # laid out in place: a stream never refreshes copies
+        decoder = StreamingDecoder(module.model, max_streams, graphs, capture=self._capture(module.model, graphs),
                                    gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
         self._decoders.add(decoder)
         return decoder
