@@ -212,6 +212,11 @@ def eager(module):
         return {r: module.model(c[None])[0] for r, c in REQS.items()}
 
 
+# the engine's forwards against one whole eager forward in fp32: other reduction orders, up to ~1.2e-5
+# after a fit at lr 1e-2 (seen over seeds); the bugs these tests guard give errors of 1e-2 and more
+EAGER_TOL = 1e-4
+
+
 def assert_same(got, want, tol=0.0):
     assert all(got[r].shape == want[r].shape and (got[r] - want[r]).abs().max() <= tol for r in REQS)
 
@@ -228,7 +233,7 @@ def test_on_the_cpu_predict_takes_the_cuda_path_packed_channels_last_lent_and_ba
         got, want = predict_reqs(module, callbacks=[seen]), predict_reqs(plain)
         assert module.engine.ever == plain.engine.ever and module.engine.graphs.stats.replays > 0
         assert_same(got, want)
-        assert_same(got, eager(plain), tol=1e-5)
+        assert_same(got, eager(plain), tol=EAGER_TOL)
         state = module.state_dict()
         assert all(t.is_contiguous() and torch.equal(t, before[k]) for k, t in state.items())
         assert len(buffers) == 1 and all(
@@ -248,7 +253,7 @@ def test_on_the_cpu_the_cuda_path_decodes_weights_changed_between_predicts_and_f
     optimizer = torch.optim.SGD(module.model.parameters(), lr=1e-2)
     convs(module.model)[-1].sum().backward()  # a convolution weight: the engine holds a copy of its own
     optimizer.step()
-    assert_same(predict_reqs(module), eager(module), tol=1e-5)
+    assert_same(predict_reqs(module), eager(module), tol=EAGER_TOL)
     cfg, n = module.config, module.config.output_length(6)
     batch = {
         "codes": random_codes(2, 6, cfg, seed=71),
@@ -262,11 +267,11 @@ def test_on_the_cpu_the_cuda_path_decodes_weights_changed_between_predicts_and_f
         )
         assert not all(torch.equal(p, b) for p, b in zip(module.parameters(), before))  # it trained
         before = [p.detach().clone() for p in module.parameters()]
-        assert_same(predict_reqs(module), eager(module), tol=1e-5)
+        assert_same(predict_reqs(module), eager(module), tol=EAGER_TOL)
     with pytest.raises(RuntimeError, match="the predict fails here"):
         predict_reqs(module, callbacks=[FailsInABatch()])
     assert all(torch.equal(p, b) and p.is_contiguous() for p, b in zip(module.parameters(), before))
-    assert_same(predict_reqs(module), eager(module), tol=1e-5)
+    assert_same(predict_reqs(module), eager(module), tol=EAGER_TOL)
 
 
 def test_on_the_cpu_a_bf16_true_predict_packs_the_cast_weights_on_the_way_back():
@@ -309,7 +314,6 @@ def test_outside_a_predict_a_decode_copies_the_callers_weights_and_a_stream_read
     assert module.engine.graphs.stats.replays > 0 and module.session.stream_decoder.engine.graphs.stats.replays > 0
 
 
-@pytest.mark.xfail(strict=True, reason="training/ema.py's _swap writes through .data, which no version counter sees")
 def test_a_predict_after_use_ema_decodes_the_weights_swapped_in():
     """``use_ema(False)`` between two predicts swaps the raw weights in: the second predict must copy
     them into the kept engine's copies before lending them (a changed stamp), not decode the EMA ones."""
@@ -324,9 +328,9 @@ def test_a_predict_after_use_ema_decodes_the_weights_swapped_in():
     Trainer(**trainer_kwargs(max_steps=2)).fit(
         module, train_dataloaders=torch.utils.data.DataLoader([batch] * 2, batch_size=None)
     )
-    assert_same(predict_reqs(module), eager(module), tol=1e-5)
+    assert_same(predict_reqs(module), eager(module), tol=EAGER_TOL)
     module.use_ema(False)
-    assert_same(predict_reqs(module), eager(module), tol=1e-5)
+    assert_same(predict_reqs(module), eager(module), tol=EAGER_TOL)
 
 
 @pytest.mark.gpu

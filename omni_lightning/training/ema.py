@@ -58,11 +58,15 @@ class _HostCountedAverage(AveragedModel):
 
 
 def _swap(a: torch.nn.Module, b: torch.nn.Module) -> None:
-    """Exchanges the parameter and buffer values of two modules of the same structure."""
-    for x, y in zip(itertools.chain(a.parameters(), a.buffers()), itertools.chain(b.parameters(), b.buffers())):
-        tmp = x.data.clone()
-        x.data.copy_(y.data)
-        y.data.copy_(tmp)
+    """Exchanges the parameter and buffer values of two modules of the same structure, through
+    ``detach()`` (not ``.data``), so their version counters record the write a kept engine must see."""
+    pairs = zip(itertools.chain(a.parameters(), a.buffers()), itertools.chain(b.parameters(), b.buffers()))
+    with torch.no_grad():
+        for x, y in pairs:
+            x, y = x.detach(), y.detach()
+            tmp = x.clone()
+            x.copy_(y)
+            y.copy_(tmp)
 
 
 class EMAWeights(WeightAveraging):
