@@ -63,3 +63,20 @@ def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32):
         for i, n in enumerate(lengths):
             assert (wavs[i] - model(codes[i : i + 1, :, :n])[0]).abs().max() <= 1e-4, n
     assert engine.graphs.stats.captures >= 1 and engine.graphs.stats.replays >= 1
+
+
+def test_graphs_captured_under_a_hand_written_autocast_read_no_freed_cast():
+    """``torch.autocast`` caches casts of the weights by default; a capture must not read one (freed
+    when autocast exits), so a replay after other allocations gives the same audio."""
+    model = random_model("tiny", seed=4).cuda()
+    lengths = [40, 33]
+    codes = random_codes(len(lengths), max(lengths), seed=3).cuda()
+    engine = DecodeEngine(model, frames_per_forward=96, max_rows=2)
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        first = [w.clone() for w in engine.decode(codes, lengths)]
+    junk = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(8)]  # reuses freed blocks
+    with torch.inference_mode(), torch.autocast("cuda", dtype=torch.bfloat16):
+        again = engine.decode(codes, lengths)
+    del junk
+    assert engine.graphs.stats.replays >= 2
+    assert all(torch.equal(a, b) for a, b in zip(first, again))

@@ -107,6 +107,22 @@ def test_a_failed_predict_leaves_the_weights_in_their_host_tensors():
     assert all(torch.allclose(first[r], again[r], rtol=0, atol=1e-5) for r in reqs)
 
 
+class RestoreFails(InferenceSession):
+    def release_held(self):
+        if self._held is not None:
+            self._held = None
+            raise OSError("the restore fails too")
+
+
+def test_a_failed_restore_after_a_failed_predict_keeps_the_predicts_error(caplog):
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    module.session = RestoreFails()
+    data = CodesDataModule(predict=requests([9, 14]), batch_size=2)
+    with pytest.raises(RuntimeError, match="the predict fails here"):
+        Trainer(**trainer_kwargs(callbacks=[FailsInABatch()])).predict(module, datamodule=data)
+    assert "after RuntimeError, the weights stay where they are: the restore fails too" in caplog.text
+
+
 def predict(module):
     codes = list(requests([5, 6]).values())
     return Trainer(**trainer_kwargs()).predict(module, datamodule=CodesDataModule(predict=codes, batch_size=2))

@@ -77,6 +77,14 @@ class TorchGraphCapture:
             self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
         if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
             self.stream = torch.cuda.Stream()
+        cached = torch.is_autocast_cache_enabled()
+        torch.set_autocast_cache_enabled(False)  # a cast cached in the warm-up is freed when autocast exits
+        try:
+            return self._capture(fn)
+        finally:
+            torch.set_autocast_cache_enabled(cached)
+
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         pool_id = getattr(self.pool, "id", self.pool)
         self.stream.wait_stream(torch.cuda.current_stream())
         try:

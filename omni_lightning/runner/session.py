@@ -1,23 +1,22 @@
 """``InferenceSession``: the one owner of a module's device weights across predicts and streams.
 
-It holds the module's :class:`~omni_lightning.engine.DecodeEngine` (kept while it serves the model
-where it is, so its CUDA graphs survive across predicts), the parameters' host tensors during
-predict, a stamp of the parameters at the last predict's end and the streaming decoders made from
-the module. It is the only code that points a parameter at another tensor (``param.data``).
+It holds the module's :class:`~omni_lightning.engine.DecodeEngine` (kept while it serves the model where
+it is: its CUDA graphs survive across predicts), the parameters' host tensors during predict, their stamp
+at the last predict's end and the module's streaming decoders. Only it points a parameter elsewhere.
 
 - ``setup("predict")``: holds the host tensors (one pinned buffer on CUDA); a kept engine that fits
   this predict lends its copies to the parameters (refreshed from the host where a parameter
   changed since the stamp), so Lightning's move copies nothing; an unfit engine is released.
-- ``on_predict_start``: builds the engine if there is none (on CUDA with the convolution weights
-  channels-last first, so the engine reads the parameters' own tensors).
+- ``on_predict_start``: builds the engine if there is none (on CUDA the convolution weights channels-last
+  first, so the engine reads the parameters' own tensors; outside a predict it copies them).
 - ``on_predict_end``: the parameters back into their host tensors (copied only where written since
   lent, or cast), so Lightning's ``cpu()`` moves only buffers.
 - ``setup`` of fit, validate or test releases the engine; fit retires the streaming decoders.
 
-After an exception :class:`ReleaseOnException` (the module's predict callback) puts the parameters
-back into their host tensors, copying them. Not done: a ``trainer.predict`` on another thread
-while fit runs is refused in ``setup``, which gives the fit back its trainer: Lightning attached the
-predict's just before, so for that moment the module names the predict's trainer.
+After an exception, :class:`ReleaseOnException` (a predict callback) puts the parameters back, copying
+them. Not done: a ``trainer.predict`` on another thread while fit runs is refused in ``setup``, which
+gives the fit back its trainer (for that moment the module names the predict's). A write through
+``param.data`` between predicts changes no version counter: call ``module.release_engine()`` after it.
 """
 
 from __future__ import annotations
@@ -40,9 +39,8 @@ from omni_lightning.runner.host_weights import CASTS, pack, packable, pinned_byt
 log = logging.getLogger(__name__)
 Allocate = Callable[[int], torch.Tensor]  # bytes -> uint8 host buffer
 FIT_ELSEWHERE = (
-    "this module is being fine-tuned (trainer.fit, on another thread): its weights change at every "
-    "step, so a decode now would mix them. Decode once fit returns, or from a copy made before it "
-    "(copy.deepcopy(module))"
+    "this module is being fine-tuned (trainer.fit, on another thread): its weights change at every step, so a "
+    "decode now would mix them. Decode once fit returns, or from a copy made before it (copy.deepcopy(module))"
 )
 RETIRED = "its module started trainer.fit, which changes the weights its streams were decoded with"
 
@@ -125,14 +123,16 @@ class ReleaseOnException(pl.Callback):
     """A failed predict's parameters go back into their held host tensors (before Lightning's ``cpu()``)."""
 
     def on_exception(self, trainer: pl.Trainer, pl_module: Any, exception: BaseException) -> None:
-        pl_module.session.release_held()
+        try:
+            pl_module.session.release_held()
+        except Exception as err:  # the predict's own exception is the one the caller must see
+            log.error("after %s, the weights stay where they are: %s", type(exception).__name__, err)
 
 
 class InferenceSession:
-    """A module's engine, held host weights, stamp and streaming decoders (module docstring). Methods
-    take the module (no reference kept to it); a copy or pickle keeps only ``stats``. ``host_buffers``
-    and ``capture`` (a new ``GraphCapture``) replace pinned memory and ``torch.cuda.graph``, which the
-    session uses on CUDA only: given, it uses them on any device (tests on the CPU)."""
+    """A module's engine, held host weights, stamp and streaming decoders. Methods take the module (no
+    reference kept); a copy or pickle keeps only ``stats``. ``host_buffers`` and ``capture`` (makes a
+    ``GraphCapture``) replace pinned memory and ``torch.cuda.graph`` (CUDA only) on any device: tests."""
 
     def __init__(self, host_buffers: Allocate | None = None, capture: Callable[[], GraphCapture] | None = None) -> None:
         self.host_buffers, self.capture = host_buffers, capture
