@@ -44,6 +44,8 @@ MAX_LINES = 300
 LONG_FILES: dict[str, str] = {
     "omni_lightning/kernels/snake_beta.py": "one op per file: SnakeBeta's forward and backward Triton "
     "kernels, their launchers, the autograd function and the torch reference together",
+    "omni_lightning/runner/session.py": "the one owner of the device weights: every place that points a "
+    "parameter elsewhere (host weights held, lent, restored; layouts for graphs) and the session that decides when",
     "omni_lightning/module.py": "the LightningModule: Lightning's hooks of every stage, each a few lines calling a "
     "collaborator, its documented entry points (engine, streams, training kernels) and the Args the CLI shows",
 }

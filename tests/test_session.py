@@ -259,6 +259,30 @@ def test_on_the_cpu_predict_takes_the_cuda_path_packed_channels_last_lent_and_ba
     assert seen.at_start == [False, True] and all(seen.in_batches)  # built over them, then lent
 
 
+class BuffersSeen(pl.Callback):
+    """Whether, in each batch, the module's buffers are the engine's own tensors (no functional_call)."""
+
+    def __init__(self):
+        self.in_batches = []
+
+    def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+        held = pl_module.engine.weights.held[len(list(pl_module.parameters())) :]
+        self.in_batches.append([b.data_ptr() for b in pl_module.model.buffers()] == [h.data_ptr() for h in held])
+
+
+def test_a_kept_engine_lends_its_buffers_with_its_parameters():
+    """A move to the host and back replaces the module's buffers; the next predict lends the engine's, so
+    its forwards read the engine's tensors as they are, and decode as the eager model does."""
+    module = micro_module()
+    cuda_path(module)
+    predict_reqs(module)
+    for m in module.model.modules():  # what Lightning's cpu() and move to the GPU do to buffers
+        m._buffers.update({k: b.clone() for k, b in m._buffers.items() if b is not None})
+    seen = BuffersSeen()
+    assert_same(predict_reqs(module, callbacks=[seen]), eager(module), tol=EAGER_TOL)
+    assert seen.in_batches and all(seen.in_batches)
+
+
 def test_on_the_cpu_the_cuda_path_decodes_weights_changed_between_predicts_and_fit_still_trains():
     """A write between predicts (an optimizer step outside fit) is copied into the engine's copies
     before they are lent; fit releases the engine and trains the packed host weights; a predict that

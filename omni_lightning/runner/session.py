@@ -223,7 +223,7 @@ class InferenceSession:
         self._lend(module.model, marks)
 
     def _lend(self, model: nn.Module, marks: list | None) -> None:
-        """Points the parameters at the engine's copies, refreshed from them unless ``stamp`` holds."""
+        """Points the parameters (and buffers) at the engine's copies, refreshed unless ``stamp`` holds."""
         weights, params = self.engine.weights, list(model.parameters())
         if weights is None or self._held is None or len(weights.held) < len(params):
             return
@@ -236,6 +236,10 @@ class InferenceSession:
                 if not fresh and p.data_ptr() != c.data_ptr():
                     c.copy_(p, non_blocking=p.is_pinned())  # a parameter may have changed since
                 self._held.lend(p, c)
+        slots = [(m, name) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+        for (owner, name), c in zip(slots, weights.held[len(params) :]):  # (buffers: moved by Lightning, not held)
+            if (owner._buffers[name].shape, owner._buffers[name].dtype) == (c.shape, c.dtype):
+                owner._buffers[name] = c  # what a move would copy: the forwards read the engine's tensors
 
     def on_predict_end(self, module: Any) -> None:
         """Stats, the parameters back into their host tensors, the stamp, the engine's report."""
