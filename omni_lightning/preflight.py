@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.arguments import first_unknown, is_set, read_arguments
+from omni_lightning.arguments import first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
@@ -48,11 +48,12 @@ RERUN_TRAINER = ("accelerator", "strategy", "devices", "num_nodes", "precision",
 READ_HERE = {
     *("out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids"),
     *("model.checkpoint", "model.config", "model.random_weights", "model.frames_per_forward", "model.fast_path"),
-    *("data.batch_size", "data.num_workers", "trainer.enable_progress_bar"),
+    *("data.batch_size", "data.num_workers", "data.config", "trainer.enable_progress_bar"),
     *(f"trainer.{k}" for k in RERUN_TRAINER),
 }
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
+PAIRED = 'a JSONL manifest naming codes and their audio, e.g. {"id": "u1", "codes": "u1.npy", "audio": "u1.wav"}'
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
 
@@ -120,13 +121,19 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
     if data is not None:
         required = REQUIRED_DATA[sub]
         if not data.get(required) and not from_env:
-            raise UsageError(
-                f"{sub} needs data: --data.{required} is not set: give a folder of code files "
-                f"({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+            what = (
+                f"a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+                if sub == "predict"
+                else PAIRED
             )
+            raise UsageError(f"{sub} needs data: --data.{required} is not set: give {what}")
         for key in ("train", "val", "test", "predict"):
             source = data.get(key)
             for item in source if isinstance(source, list) else [source]:
+                if key != "predict" and key in LISTED_DATA[sub] and isinstance(item, str) and Path(item).is_dir():
+                    raise UsageError(
+                        f"--data.{key} {item} is a folder of code files, without audio: {sub} needs {PAIRED}"
+                    )
                 # a folder the subcommand reads is scanned once, by _list_requests, which checks it alike
                 if isinstance(item, str) and not (key in LISTED_DATA[sub] and Path(item).is_dir()):
                     check_source(f"--data.{key}", item)
@@ -139,13 +146,19 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
         preset = model.get("config")
         if isinstance(preset, str) and checkpoint in (None, ""):
             check_preset(preset)
+    if data is not None and isinstance(data.get("config"), str):
+        check_preset(data["config"], "--data.config")
+    _check_settings(values)
     ckpt_path = values.get("ckpt_path")
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
     if local:
         check_ckpt_path(sub, ckpt_path)
     if sub == "predict":
-        out_dir = values.get("out_dir")
-        if isinstance(out_dir, str):
+        out_dir, trainer = values.get("out_dir"), values.get("trainer")
+        writer = not isinstance(trainer, (dict, type(None))) or bool((trainer or {}).get("callbacks"))  # may be one
+        if not out_dir and not writer and not from_env:
+            raise UsageError("predict has no --out_dir: give the folder the audio files and manifest.jsonl go to")
+        if isinstance(out_dir, str) and out_dir:
             check_out_dir(out_dir)
             if Path(out_dir).is_dir() and _first_process():
                 lock_output_folder(out_dir)  # before anything tidies it; the writer finds it held
@@ -234,11 +247,52 @@ def finished_job(command: CommandLine | None) -> str | None:
     return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
 
 
-def check_preset(value: str) -> None:
+def check_preset(value: str, flag: str = "--model.config") -> None:
     from omni_lightning.models.config import PRESETS
 
     if value not in PRESETS:
+        weights = ", or load weights with --model.checkpoint <folder>" if flag == "--model.config" else ""
+        raise UsageError(f"{flag} {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}{weights}")
+
+
+# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken)
+COUNTS = {
+    ("data", "batch_size"): (1, False),
+    ("data", "num_workers"): (0, True),
+    ("model", "frames_per_forward"): (1, True),
+}
+
+
+def _check_settings(values: dict[str, Any]) -> None:
+    """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
+    UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
+    for (group, key), (least, null) in COUNTS.items():
+        section = _group(values, group)
+        value = section.get(key) if isinstance(section, dict) else None
+        number = _as_number(int, value)
+        if value is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
+            raise UsageError(
+                f"--{group}.{key} must be an integer >= {least}{' (or null)' if null else ''}, got {value}"
+            )
+    trainer = values.get("trainer") if isinstance(values.get("trainer"), dict) else {}
+    share = trainer.get("gpu_memory_utilization")
+    fraction = None if isinstance(share, bool) else _as_number(float, share)
+    if share is not None and not (isinstance(fraction, float) and 0 < fraction <= 1):
         raise UsageError(
-            f"--model.config {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, "
-            "or load weights with --model.checkpoint <folder>"
+            f"--trainer.gpu_memory_utilization must be a fraction in (0, 1] of the GPU's memory (or null: no cap), "
+            f"got {share}"
         )
+    precision, known = trainer.get("precision"), lightning_precisions()
+    if precision is not None and known is not None and str(precision) not in known:
+        shown = ", ".join(p for p in sorted(known) if "-" in p)
+        raise UsageError(f"--trainer.precision {precision} is not a precision Lightning takes: use one of {shown}")
+
+
+def _as_number(kind: type, value: Any) -> Any:
+    """An option's text as ``kind`` (int or float; a config file's int as a float too); else unchanged."""
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            return value
+    return float(value) if kind is float and isinstance(value, int) and not isinstance(value, bool) else value

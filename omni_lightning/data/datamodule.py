@@ -16,6 +16,7 @@ from omni_lightning.data.sampler import LengthBucketBatchSampler
 from omni_lightning.data.sources import DUPLICATE_ID_MODES
 from omni_lightning.errors import UsageError, check_count
 from omni_lightning.models import Code2WavConfig
+from omni_lightning.models.config import PRESETS
 
 Source = str | Path | list
 
@@ -78,6 +79,10 @@ class CodesDataModule(pl.LightningDataModule):
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if duplicate_ids not in DUPLICATE_ID_MODES:
             raise UsageError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
+        if isinstance(config, str) and config not in PRESETS:  # else a ValueError deep inside setup
+            raise UsageError(
+                f"config {config!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, or None (the module's)"
+            )
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
         self.batch_size = batch_size
         self.max_frames = max_frames
