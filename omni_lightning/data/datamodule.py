@@ -105,8 +105,9 @@ class CodesDataModule(pl.LightningDataModule):
         return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
 
     def _dataset(
-        self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = False
+        self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = True
     ) -> CodesDataset:
+        """``paired=False`` (predict): codes only, a manifest's audio paths neither checked nor read."""
         if isinstance(source, CodesDataset):
             return source
         crop = self.crop_frames if train else None
@@ -114,6 +115,7 @@ class CodesDataModule(pl.LightningDataModule):
             source,
             self._config(),
             on_bad_input=self.on_bad_input,
+            load_audio=paired,
             crop_frames=crop,
             seed=self.seed,
             duplicate_ids=self.duplicate_ids,
@@ -130,11 +132,11 @@ class CodesDataModule(pl.LightningDataModule):
         if stage == "predict" and self.sources["predict"] is not None:
             self._setup_predict(self.sources["predict"])
         if stage == "fit" and self.sources["fit"] is not None:
-            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True, paired=True)
+            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True)
         if stage in ("fit", "validate") and self.sources["validate"] is not None:
-            self.datasets["validate"] = self._dataset(self.sources["validate"], paired=True)
+            self.datasets["validate"] = self._dataset(self.sources["validate"])
         if stage == "test" and self.sources["test"] is not None:
-            self.datasets["test"] = self._dataset(self.sources["test"], paired=True)
+            self.datasets["test"] = self._dataset(self.sources["test"])
         self._check_ranks(stage)
 
     def _check_ranks(self, stage: str) -> None:
@@ -168,7 +170,7 @@ class CodesDataModule(pl.LightningDataModule):
         if isinstance(finished, (str, Path)):
             finished = Finished.read(finished)
         skip = finished.ids if finished is not None else set()
-        datasets = [self._dataset(s, skip=skip) for s in (sources if many else [sources])]
+        datasets = [self._dataset(s, skip=skip, paired=False) for s in (sources if many else [sources])]
         self.datasets["predict"] = datasets
         ids = [i for ds in datasets for i in (*ds.skipped, *ds.ids)]
         self.predict_plan = PredictPlan(finished, ids, [p for ds in datasets for p in ds.unread])
