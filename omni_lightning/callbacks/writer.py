@@ -134,7 +134,8 @@ class WaveformWriter(BasePredictionWriter):
                 finished = finished or Finished.read(self.out_dir)
                 finished.compact()
             except OSError as err:
-                raise UsageError(f"output folder {self.out_dir} cannot be used ({err}): pick another") from err
+                problem = "is a file, not a folder" if self.out_dir.is_file() else f"cannot be used ({err})"
+                raise UsageError(f"output folder {self.out_dir} {problem}: pick another") from err
         trainer.strategy.barrier("WaveformWriter.setup")
         self._finished = finished or Finished.read(self.out_dir)
         fold = case_insensitive(self.out_dir)
