@@ -236,7 +236,8 @@ def finished_job(command: CommandLine | None) -> str | None:
     if not isinstance(out_dir, str) or not Path(out_dir).is_dir():
         return None
     finished = command.finished = Finished.read(out_dir)
-    command.other_format = other_format_line(finished, command.predict_ids, str(command.values.get("format") or "wav"))
+    audio_format, subtype = str(command.values.get("format") or "wav"), str(command.values.get("subtype") or "PCM_16")
+    command.other_format = other_format_line(finished, command.predict_ids, audio_format, subtype)
     if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)

@@ -196,3 +196,20 @@ def test_fit_on_a_folder_or_predict_without_out_dir_is_named_before_torch_loads(
     for out_dir in ([], ["--out_dir", ""]):
         with pytest.raises(UsageError, match=r"predict has no --out_dir: give the folder"):
             check_command_line([*PREDICT, "--data.predict", str(src), *out_dir])
+
+
+def test_a_rerun_with_another_subtype_says_what_it_leaves_as_it_is(tmp_path):
+    """--subtype PCM_24 over files written as PCM_16 said "nothing left to do" and nothing else."""
+    src, out = finished_folder(tmp_path, "src", ["a", "b"])
+    rows = [{"id": i, "path": file_name(i), "format": "wav", "subtype": "PCM_16", "status": "ok"} for i in "ab"]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
+    command = check_command_line([*base, "--subtype", "PCM_24"])
+    assert finished_job(command) is not None and command.other_format == (
+        f"warning: 2 requests in {out} are already written as wav PCM_16, not wav PCM_24: they count as done "
+        "and are not decoded again; give another --out_dir to have every request as wav PCM_24"
+    )
+    command = check_command_line([*base, "--format", "flac"])  # another format: named alone, as before
+    assert finished_job(command) is not None and "already written as wav, not flac:" in command.other_format
+    command = check_command_line(base)
+    assert finished_job(command) is not None and command.other_format is None
