@@ -115,3 +115,11 @@ def test_codes_given_as_a_nested_list_are_named_as_such():
     bad = CodesDataset({"l": [[1, 2]] * 16}, TINY, on_bad_input="skip").bad
     want = "codes alone must be a tensor or NumPy array [codebooks, frames], not a list"
     assert bad == {"l": f"a pair is (codes, audio), got a list of 16; {want}"}
+
+
+def test_one_request_given_as_the_whole_source_is_refused_with_the_fix():
+    """A tensor [16, T] as the source was read as 16 requests of one row each, all failing."""
+    for source in (random_codes(1, 5)[0], random_codes(1, 5)[0].numpy(), torch.tensor(3)):
+        with pytest.raises(UsageError, match=r"source is a batch \[requests, codebooks, frames\], got shape"):
+            CodesDataModule(predict=source, config="tiny").setup("predict")
+    assert CodesDataset(random_codes(2, 5), TINY).ids == ["0", "1"]  # a batch: one request a row

@@ -120,6 +120,12 @@ class CodesDataset(Dataset):
                     "a data source is a folder, a JSONL manifest, or a list or dict of codes or (codes, audio) "
                     f"pairs; got {type(source).__name__} {source!r:.60}"
                 )
+            shape = getattr(source, "shape", None)  # a tensor or array: a batch, one request a row
+            if shape is not None and len(shape) != 3:
+                raise UsageError(
+                    f"a {type(source).__name__} source is a batch [requests, codebooks, frames], got shape "
+                    f"{tuple(shape)}: give one request [codebooks, frames] as [codes] or {{id: codes}}"
+                )
             items = source.items() if isinstance(source, Mapping) else enumerate(source)
             self.entries = [_memory_entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)
