@@ -41,9 +41,8 @@ from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
-# options these checks read and check themselves (the no-op rerun may decide on them)
-# the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing about
-# what is done; a bad value is then not seen, as in any job with nothing left to do)
+# options these checks read (the no-op rerun may decide on them); of the Trainer's, those a multi-GPU or
+# multi-node rerun of a finished job passes (a bad device count, say, is then not seen: nothing runs)
 RERUN_TRAINER = ("accelerator", "strategy", "devices", "num_nodes", "precision", "gpu_memory_utilization")
 READ_HERE = {
     *("out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids"),
@@ -184,6 +183,8 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
                 ids = None  # held in memory or given another way: the data module lists it
                 continue
             entries, unread = list_source(source, mode, name=f"--data.{key}")
+            if key != "predict" and all(e.audio is None for e in entries):  # a folder is refused before
+                raise UsageError(f"--data.{key} {source} names no audio: {command.sub} needs {PAIRED}")
             if key == "predict" and ids is not None:
                 ids.extend(e.id for e in entries)
                 command.unread.extend(unread)

@@ -180,8 +180,8 @@ def test_bad_numbers_presets_and_precisions_are_named_before_torch_loads_even_on
         CodesDataModule(predict=str(src), config="tinyy")  # from Python: at once, not inside setup
 
 
-def test_fit_on_a_folder_or_predict_without_out_dir_is_named_before_torch_loads(tmp_path):
-    """Both were found ten seconds later, once Lightning had loaded (after its warnings)."""
+def test_fit_on_data_without_audio_or_predict_without_out_dir_is_named_before_torch_loads(tmp_path):
+    """Each was found ten seconds later, once Lightning had loaded (after its warnings)."""
     src, _ = finished_folder(tmp_path, "src", ["a"])
     for sub, key in (("fit", "train"), ("validate", "val"), ("test", "test")):
         argv = [sub, f"--data.{key}", str(src), "--model.config", "tiny", "--model.random_weights", "true"]
@@ -189,9 +189,11 @@ def test_fit_on_a_folder_or_predict_without_out_dir_is_named_before_torch_loads(
             UsageError, match=f"--data.{key} .* is a folder of code files, without audio: {sub} needs a JSONL"
         ):
             check_command_line(argv)
-    with pytest.raises(
-        UsageError, match=r"fit needs data: --data.train is not set: give a JSONL manifest naming codes"
-    ):
+    (tmp_path / "codes.jsonl").write_text(json.dumps({"id": "a", "codes": "src/a.npy"}) + "\n")  # no audio
+    argv = ["validate", "--data.val", str(tmp_path / "codes.jsonl"), "--model.random_weights", "true"]
+    with pytest.raises(UsageError, match=r"codes.jsonl names no audio: validate needs a JSONL manifest naming codes"):
+        check_command_line(argv)
+    with pytest.raises(UsageError, match=r"fit needs data: --data.train is not set: give a JSONL manifest naming"):
         check_command_line(["fit", "--model.config", "tiny"])
     for out_dir in ([], ["--out_dir", ""]):
         with pytest.raises(UsageError, match=r"predict has no --out_dir: give the folder"):
