@@ -78,7 +78,8 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     unknown_key = first_unknown(args)  # before any other check: a misspelled option is named as such
     if unknown_key:
         raise UsageError(unknown_key)
-    command = _check(args.sub, args.values)
+    callbacks = any(k.startswith("trainer.callbacks") for k in args.given)  # (+= too) a writer may be one
+    command = _check(args.sub, args.values, callbacks)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
     # these checks read), so a misspelled key, an appended list (+=) or an option without its value goes
     # to the parser, which refuses it
@@ -108,10 +109,9 @@ def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:
     return group
 
 
-def _check(sub: str, values: dict[str, Any]) -> CommandLine:
+def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> CommandLine:
     command = CommandLine(sub, values)
-    seed = values.get("seed_everything")
-    seed = int(seed) if isinstance(seed, str) and seed.lstrip("-").isdigit() else seed  # options stay text
+    seed = _as_number(int, values.get("seed_everything"))  # options stay text
     if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
         raise UsageError(f"--seed_everything {seed} is out of range: give a seed in [0, 2**32 - 1], or true")
     # values may come from environment variables the checks do not read (jsonargparse's default_env)
@@ -154,8 +154,8 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
         check_ckpt_path(sub, ckpt_path)
     if sub == "predict":
         out_dir, trainer = values.get("out_dir"), values.get("trainer")
-        writer = not isinstance(trainer, (dict, type(None))) or bool((trainer or {}).get("callbacks"))  # may be one
-        if not out_dir and not writer and not from_env:
+        callbacks |= not isinstance(trainer, (dict, type(None))) or bool((trainer or {}).get("callbacks"))
+        if not out_dir and not callbacks and not from_env:
             raise UsageError("predict has no --out_dir: give the folder the audio files and manifest.jsonl go to")
         if isinstance(out_dir, str) and out_dir:
             check_out_dir(out_dir)

@@ -198,6 +198,8 @@ def test_fit_on_data_without_audio_or_predict_without_out_dir_is_named_before_to
     for out_dir in ([], ["--out_dir", ""]):
         with pytest.raises(UsageError, match=r"predict has no --out_dir: give the folder"):
             check_command_line([*PREDICT, "--data.predict", str(src), *out_dir])
+    writer = "--trainer.callbacks+=omni_lightning.WaveformWriter"  # a writer of one's own: the parser's to judge
+    assert check_command_line([*PREDICT, "--data.predict", str(src), writer]).sub == "predict"
 
 
 def test_a_rerun_with_another_subtype_says_what_it_leaves_as_it_is(tmp_path):
