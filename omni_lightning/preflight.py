@@ -1,8 +1,8 @@
 """Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
-either is imported (which takes seconds): data sources and their ids (repeated ids listed), checkpoint
-folders, the preset name, ``--ckpt_path``, ``--out_dir``, the output format, config files, and the
-weights guard: ``predict``, ``validate`` and ``test`` need ``--model.checkpoint`` or ``--ckpt_path``
-unless ``--model.random_weights true`` (``fit`` may start from random weights).
+either is imported (which takes seconds): data sources and their ids (repeated ids listed; audio for
+fit, validate, test), checkpoints, presets, the numbers and precision read here, ``--ckpt_path``,
+``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate`` and ``test``
+need ``--model.checkpoint`` or ``--ckpt_path`` unless ``--model.random_weights true``.
 
 A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>`` (a repeated-id
 listing follows its line). Values come from the subcommand's ``--config`` files (a top-level

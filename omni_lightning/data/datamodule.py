@@ -35,7 +35,8 @@ class CodesDataModule(pl.LightningDataModule):
     files not read, what was finished), which a writer reads before anything is decoded.
 
     Args:
-        predict: what to decode: a folder, a JSONL manifest, codes in memory, or a list of such sources.
+        predict: what to decode: a folder, a JSONL manifest, codes in memory, or a list of such sources
+            (codes only: audio that a manifest or a pair holds is neither checked nor read).
         train: fit's paired data: a JSONL manifest with audio paths, or (codes, audio) pairs in memory.
         val: validation's paired data; a fit without it runs no validation.
         test: test's paired data.
