@@ -123,3 +123,16 @@ def test_one_request_given_as_the_whole_source_is_refused_with_the_fix():
         with pytest.raises(UsageError, match=r"source is a batch \[requests, codebooks, frames\], got shape"):
             CodesDataModule(predict=source, config="tiny").setup("predict")
     assert CodesDataset(random_codes(2, 5), TINY).ids == ["0", "1"]  # a batch: one request a row
+
+
+def test_a_fit_or_evaluation_whose_every_request_is_bad_is_refused_at_setup(tmp_path):
+    """Every request skipped, a fit ran its epochs on nothing and exited 0 (a validation logged no metric)."""
+    np.save(tmp_path / "a.npy", random_codes(1, 3)[0].numpy())
+    lines = [{"id": i, "codes": "a.npy", "audio": "missing.wav"} for i in ("x", "y")]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    for stage, key in (("fit", "train"), ("validate", "val"), ("test", "test")):
+        data = CodesDataModule(**{key: str(tmp_path / "m.jsonl")}, config="tiny")
+        with pytest.raises(
+            UsageError, match=rf"all 2 {key} request\(s\) are bad, e.g. x: audio file .* does not exist"
+        ):
+            data.setup(stage)

@@ -138,6 +138,11 @@ class CodesDataModule(pl.LightningDataModule):
             self.datasets["validate"] = self._dataset(self.sources["validate"])
         if stage == "test" and self.sources["test"] is not None:
             self.datasets["test"] = self._dataset(self.sources["test"])
+        for key in {"fit": ("fit", "validate"), "validate": ("validate",), "test": ("test",)}.get(name, ()):
+            bad = self.datasets[key].bad if key in self.datasets else {}
+            if bad and len(bad) == len(self.datasets[key]):  # nothing to train or evaluate on: not a run
+                req_id, reason = next(iter(bad.items()))
+                raise UsageError(f"all {len(bad)} {_ARGUMENT[key]} request(s) are bad, e.g. {req_id}: {reason}")
         self._check_ranks(stage)
 
     def _check_ranks(self, stage: str) -> None:
