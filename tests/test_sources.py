@@ -28,6 +28,8 @@ def test_a_single_code_file_or_a_binary_file_as_a_source_is_a_usage_error_naming
         CodesDataset(str(tmp_path / "late.jsonl"), TINY)
     with pytest.raises(UsageError, match=r"missing does not exist"):
         CodesDataset(str(tmp_path / "missing"), TINY)
+    with pytest.raises(UsageError, match=r"\*.npy does not exist \(a pattern is not expanded\): give a folder"):
+        CodesDataset(str(tmp_path / "*.npy"), TINY)  # a quoted glob, or one the shell found nothing for
     # a manifest whose first line is broken is still a manifest in Python: that line is one bad request
     (tmp_path / "torn.jsonl").write_text('{"id": "x", "co\n{"id": "a", "codes": "a.npy"}\n')
     torn = CodesDataset(str(tmp_path / "torn.jsonl"), TINY, on_bad_input="skip")

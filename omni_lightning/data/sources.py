@@ -62,7 +62,8 @@ def check_source(flag: str, value: str | Path) -> None:
     file, a binary or unreadable file, ...)."""
     path = Path(value)
     if not path.exists():
-        raise UsageError(f"{flag} {value} does not exist: {SOURCE_FIX}")
+        pattern = " (a pattern is not expanded)" if any(c in str(value) for c in "*?[") else ""
+        raise UsageError(f"{flag} {value} does not exist{pattern}: {SOURCE_FIX}")
     if path.is_dir():
         codes, others = scan_folder(path)
         if not codes:
