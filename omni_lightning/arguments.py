@@ -196,6 +196,28 @@ def _init_arguments(package: str, relative: str, cls: str) -> set[str] | None:
 
 
 @functools.cache
+def lightning_precisions() -> frozenset[str] | None:
+    """The ``precision`` values Lightning takes (its ``_PRECISION_INPUT*`` literals, as text), read from
+    its source with ``ast``; None when that source cannot be read (the parser judges)."""
+    spec = importlib.util.find_spec("lightning")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        path = Path(spec.submodule_search_locations[0]) / "fabric/plugins/precision/precision.py"
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    for node in tree.body:
+        target = node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None
+        if isinstance(target, ast.Name) and target.id.startswith("_PRECISION_INPUT"):
+            literal = node.value.slice if isinstance(node.value, ast.Subscript) else None
+            items = literal.elts if isinstance(literal, ast.Tuple) else [literal]
+            names |= {str(i.value) for i in items if isinstance(i, ast.Constant)}
+    return frozenset(names) or None
+
+
+@functools.cache
 def group_options(group: str) -> frozenset[str] | None:
     """The init arguments a class group takes (``trainer``: ours and ``lightning.Trainer``'s); None:
     unknown here (the parser judges)."""

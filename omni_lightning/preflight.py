@@ -1,8 +1,8 @@
 """Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
-either is imported (which takes seconds): data sources and their ids (repeated ids listed), checkpoint
-folders, the preset name, ``--ckpt_path``, ``--out_dir``, the output format, config files, and the
-weights guard: ``predict``, ``validate`` and ``test`` need ``--model.checkpoint`` or ``--ckpt_path``
-unless ``--model.random_weights true`` (``fit`` may start from random weights).
+either is imported (which takes seconds): data sources and their ids (repeated ids listed; audio for
+fit, validate, test), checkpoints, presets, the numbers and precision read here, ``--ckpt_path``,
+``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate`` and ``test``
+need ``--model.checkpoint`` or ``--ckpt_path`` unless ``--model.random_weights true``.
 
 A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>`` (a repeated-id
 listing follows its line). Values come from the subcommand's ``--config`` files (a top-level
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.arguments import first_unknown, is_set, read_arguments
+from omni_lightning.arguments import first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
@@ -41,18 +41,18 @@ from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
-# options these checks read and check themselves (the no-op rerun may decide on them)
-# the Trainer settings a multi-GPU or multi-node rerun of a finished job passes (they decide nothing about
-# what is done; a bad value is then not seen, as in any job with nothing left to do)
+# options these checks read (the no-op rerun may decide on them); of the Trainer's, those a multi-GPU or
+# multi-node rerun of a finished job passes (a bad device count, say, is then not seen: nothing runs)
 RERUN_TRAINER = ("accelerator", "strategy", "devices", "num_nodes", "precision", "gpu_memory_utilization")
 READ_HERE = {
     *("out_dir", "format", "subtype", "ckpt_path", "seed_everything", "data.predict", "data.duplicate_ids"),
     *("model.checkpoint", "model.config", "model.random_weights", "model.frames_per_forward", "model.fast_path"),
-    *("data.batch_size", "data.num_workers", "trainer.enable_progress_bar"),
+    *("data.batch_size", "data.num_workers", "data.config", "trainer.enable_progress_bar"),
     *(f"trainer.{k}" for k in RERUN_TRAINER),
 }
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
 NEEDS_WEIGHTS = ("predict", "validate", "test")
+PAIRED = 'a JSONL manifest naming codes and their audio, e.g. {"id": "u1", "codes": "u1.npy", "audio": "u1.wav"}'
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
 
@@ -78,7 +78,8 @@ def check_command_line(argv: list[str]) -> CommandLine | None:
     unknown_key = first_unknown(args)  # before any other check: a misspelled option is named as such
     if unknown_key:
         raise UsageError(unknown_key)
-    command = _check(args.sub, args.values)
+    callbacks = any(k.startswith("trainer.callbacks") for k in args.given)  # (+= too) a writer may be one
+    command = _check(args.sub, args.values, callbacks)
     # the no-op rerun decides before the parser runs: only on options a config file also sets (or that
     # these checks read), so a misspelled key, an appended list (+=) or an option without its value goes
     # to the parser, which refuses it
@@ -108,10 +109,9 @@ def _group(values: dict[str, Any], name: str) -> dict[str, Any] | None:
     return group
 
 
-def _check(sub: str, values: dict[str, Any]) -> CommandLine:
+def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> CommandLine:
     command = CommandLine(sub, values)
-    seed = values.get("seed_everything")
-    seed = int(seed) if isinstance(seed, str) and seed.lstrip("-").isdigit() else seed  # options stay text
+    seed = _as_number(int, values.get("seed_everything"))  # options stay text
     if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < 2**32:
         raise UsageError(f"--seed_everything {seed} is out of range: give a seed in [0, 2**32 - 1], or true")
     # values may come from environment variables the checks do not read (jsonargparse's default_env)
@@ -120,13 +120,19 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
     if data is not None:
         required = REQUIRED_DATA[sub]
         if not data.get(required) and not from_env:
-            raise UsageError(
-                f"{sub} needs data: --data.{required} is not set: give a folder of code files "
-                f"({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+            what = (
+                f"a folder of code files ({', '.join(CODE_SUFFIXES)}) or a JSONL manifest"
+                if sub == "predict"
+                else PAIRED
             )
+            raise UsageError(f"{sub} needs data: --data.{required} is not set: give {what}")
         for key in ("train", "val", "test", "predict"):
             source = data.get(key)
             for item in source if isinstance(source, list) else [source]:
+                if key != "predict" and key in LISTED_DATA[sub] and isinstance(item, str) and Path(item).is_dir():
+                    raise UsageError(
+                        f"--data.{key} {item} is a folder of code files, without audio: {sub} needs {PAIRED}"
+                    )
                 # a folder the subcommand reads is scanned once, by _list_requests, which checks it alike
                 if isinstance(item, str) and not (key in LISTED_DATA[sub] and Path(item).is_dir()):
                     check_source(f"--data.{key}", item)
@@ -139,13 +145,19 @@ def _check(sub: str, values: dict[str, Any]) -> CommandLine:
         preset = model.get("config")
         if isinstance(preset, str) and checkpoint in (None, ""):
             check_preset(preset)
+    if data is not None and isinstance(data.get("config"), str):
+        check_preset(data["config"], "--data.config")
+    _check_settings(values)
     ckpt_path = values.get("ckpt_path")
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
     if local:
         check_ckpt_path(sub, ckpt_path)
     if sub == "predict":
-        out_dir = values.get("out_dir")
-        if isinstance(out_dir, str):
+        out_dir, trainer = values.get("out_dir"), values.get("trainer")
+        callbacks |= not isinstance(trainer, (dict, type(None))) or bool((trainer or {}).get("callbacks"))
+        if not out_dir and not callbacks and not from_env:
+            raise UsageError("predict has no --out_dir: give the folder the audio files and manifest.jsonl go to")
+        if isinstance(out_dir, str) and out_dir:
             check_out_dir(out_dir)
             if Path(out_dir).is_dir() and _first_process():
                 lock_output_folder(out_dir)  # before anything tidies it; the writer finds it held
@@ -171,6 +183,8 @@ def _list_requests(command: CommandLine, data: dict[str, Any]) -> None:
                 ids = None  # held in memory or given another way: the data module lists it
                 continue
             entries, unread = list_source(source, mode, name=f"--data.{key}")
+            if key != "predict" and all(e.audio is None for e in entries):  # a folder is refused before
+                raise UsageError(f"--data.{key} {source} names no audio: {command.sub} needs {PAIRED}")
             if key == "predict" and ids is not None:
                 ids.extend(e.id for e in entries)
                 command.unread.extend(unread)
@@ -223,7 +237,8 @@ def finished_job(command: CommandLine | None) -> str | None:
     if not isinstance(out_dir, str) or not Path(out_dir).is_dir():
         return None
     finished = command.finished = Finished.read(out_dir)
-    command.other_format = other_format_line(finished, command.predict_ids, str(command.values.get("format") or "wav"))
+    audio_format, subtype = str(command.values.get("format") or "wav"), str(command.values.get("subtype") or "PCM_16")
+    command.other_format = other_format_line(finished, command.predict_ids, audio_format, subtype)
     if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)
@@ -234,11 +249,52 @@ def finished_job(command: CommandLine | None) -> str | None:
     return summary_line(stats, finished.out_dir, command.unread) + "; nothing left to do (no model was loaded)"
 
 
-def check_preset(value: str) -> None:
+def check_preset(value: str, flag: str = "--model.config") -> None:
     from omni_lightning.models.config import PRESETS
 
     if value not in PRESETS:
+        weights = ", or load weights with --model.checkpoint <folder>" if flag == "--model.config" else ""
+        raise UsageError(f"{flag} {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}{weights}")
+
+
+# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken)
+COUNTS = {
+    ("data", "batch_size"): (1, False),
+    ("data", "num_workers"): (0, True),
+    ("model", "frames_per_forward"): (1, True),
+}
+
+
+def _check_settings(values: dict[str, Any]) -> None:
+    """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
+    UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
+    for (group, key), (least, null) in COUNTS.items():
+        section = _group(values, group)
+        value = section.get(key) if isinstance(section, dict) else None
+        number = _as_number(int, value)
+        if value is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
+            raise UsageError(
+                f"--{group}.{key} must be an integer >= {least}{' (or null)' if null else ''}, got {value}"
+            )
+    trainer = values.get("trainer") if isinstance(values.get("trainer"), dict) else {}
+    share = trainer.get("gpu_memory_utilization")
+    fraction = None if isinstance(share, bool) else _as_number(float, share)
+    if share is not None and not (isinstance(fraction, float) and 0 < fraction <= 1):
         raise UsageError(
-            f"--model.config {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, "
-            "or load weights with --model.checkpoint <folder>"
+            f"--trainer.gpu_memory_utilization must be a fraction in (0, 1] of the GPU's memory (or null: no cap), "
+            f"got {share}"
         )
+    precision, known = trainer.get("precision"), lightning_precisions()
+    if precision is not None and known is not None and str(precision) not in known:
+        shown = ", ".join(p for p in sorted(known) if "-" in p)
+        raise UsageError(f"--trainer.precision {precision} is not a precision Lightning takes: use one of {shown}")
+
+
+def _as_number(kind: type, value: Any) -> Any:
+    """An option's text as ``kind`` (int or float; a config file's int as a float too); else unchanged."""
+    if isinstance(value, str):
+        try:
+            return kind(value)
+        except ValueError:
+            return value
+    return float(value) if kind is float and isinstance(value, int) and not isinstance(value, bool) else value

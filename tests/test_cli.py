@@ -102,8 +102,7 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
            "--data.predict", str(src), "--out_dir", str(tmp_path / "out"), "--trainer.accelerator", "cpu"]  # fmt: skip
     mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
-        "--model.frames_per_forward": ("0", "frames_per_forward must be an integer >= 1 (or None), got 0"),
-        "--data.batch_size": ("0", "batch_size must be an integer >= 1, got 0"),
+        "--data.max_frames": ("0", "max_frames must be an integer >= 1 (or None), got 0"),
         "--trainer.devices": ("0", "`Trainer(devices='0')` value is not a valid input"),
     }
     for flag, (value, message) in mistakes.items():
@@ -112,10 +111,10 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
         assert f"error: {message}" in err and "Traceback" not in err, err
 
     with pytest.raises(SystemExit) as exited:  # the parser's own error (it exits): no 100-line usage above it
-        main([*job, "--data.batch_size", "abc"])
+        main([*job, "--data.seed", "abc"])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert 'error: Parser key "data.batch_size"' in err and "usage:" not in err and err.count("\n") <= 4, err
+    assert 'error: Parser key "data.seed"' in err and "usage:" not in err and err.count("\n") <= 4, err
 
     def broken(self, batch):
         raise ValueError("an internal check failed")  # a bug deep inside: not the user's mistake

@@ -112,11 +112,23 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
     ):
         runs.append([*good, "--format", fmt, "--subtype", subtype])
         wanted.append((value, fix))
+    # settings a finished job would not reach the parser with, a preset of the data, data without audio
+    for flag, value, fix in (("--trainer.precision", "fp8", "is not a precision Lightning takes: use one of 16-mixed"),
+                             ("--data.batch_size", "0", "--data.batch_size must be an integer >= 1, got 0"),
+                             ("--data.config", "tinyy", "is not a preset: use one of qwen3-omni, tiny")):  # fmt: skip
+        runs.append([*good, flag, value])
+        wanted.append((value, fix))
+    runs.append(["fit", "--data.train", str(tmp_path)])
+    wanted.append((f"--data.train {tmp_path} is a folder of code files", "fit needs a JSONL manifest naming codes"))
+    runs.append([arg for arg in good if arg not in ("--out_dir", str(tmp_path / "out"))])
+    wanted.append(("--out_dir", "predict has no --out_dir: give the folder"))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"id": "a", "codes": "one.npy", "audio": "a.wav"}) + "\n")
     # the weights guard: no --model.checkpoint, no --ckpt_path, no --model.random_weights true
     no_weights = {"predict": ["--config", "configs/predict.yaml", "--data.predict", str(tmp_path), "--out_dir",
                               str(tmp_path / "out")],
-                  "validate": ["--config", "configs/eval_wandb.yaml", "--data.val", str(tmp_path)],
-                  "test": ["--config", "configs/eval_wandb.yaml", "--data.test", str(tmp_path)]}  # fmt: skip
+                  "validate": ["--config", "configs/eval_wandb.yaml", "--data.val", str(pairs)],
+                  "test": ["--config", "configs/eval_wandb.yaml", "--data.test", str(pairs)]}  # fmt: skip
     for sub, args in no_weights.items():
         for random in ([], ["--model.random_weights", "false"]):
             runs.append([sub, *args, *random])

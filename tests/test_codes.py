@@ -126,3 +126,8 @@ def test_forward_and_decode_take_any_integer_dtype(tiny_model):
         for dtype in (torch.uint8, torch.int16, torch.uint16, torch.int32):
             assert torch.equal(tiny_model(codes.to(dtype)), want)
             assert torch.equal(tiny_model.decode(codes.to(dtype), [5, 3])[1], want[1, :, : tiny_model.output_length(3)])
+
+
+def test_one_request_given_to_a_batch_check_is_told_how_to_make_it_a_batch():
+    with pytest.raises(ValueError, match=r"got \(16, 5\) \(one request\? codes\[None\] is a batch of it\)"):
+        validate_codes(random_codes(1, 5)[0], TINY)

@@ -2,6 +2,7 @@
 with nothing left to do, nulls, seeds, class paths, environment variables, ``--ckpt_path last``."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from conftest import random_codes, random_model
 from helpers import cli
 from jsonargparse import Namespace
 
-from omni_lightning import Code2WavModule
+from omni_lightning import Code2WavModule, CodesDataModule
 from omni_lightning.data import folder_lock
 from omni_lightning.data.output_folder import file_name
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
@@ -111,9 +112,9 @@ def test_ckpt_path_last_without_a_last_checkpoint_is_refused(tmp_path):
 
 
 def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_path):
-    """Stock LightningCLI lays the checkpoint's hyperparameters over the parsed ones: a frame budget of
-    0 was accepted and ignored beside --ckpt_path (the fit's value ran), while the checkpoint's
-    architecture must still win over the config's preset."""
+    """Stock LightningCLI lays the checkpoint's hyperparameters over the parsed ones: a bad run setting
+    (log_samples -1) was accepted and ignored beside --ckpt_path (the fit's value ran), while the
+    checkpoint's architecture must still win over the config's preset."""
     from helpers import trainer_kwargs
 
     from omni_lightning import CodesDataModule, Trainer
@@ -124,9 +125,9 @@ def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_pa
     trainer.save_checkpoint(tmp_path / "fit.ckpt")
     args = ["predict", "--config", "configs/predict.yaml", "--ckpt_path", str(tmp_path / "fit.ckpt"), "--data.predict",
             str(train), "--out_dir", str(tmp_path / "out"), "--model.config", "qwen3-omni"]  # fmt: skip
-    proc = cli(*args, "--model.frames_per_forward", "0")
+    proc = cli(*args, "--model.log_samples", "-1")  # judged by the module, not before torch loads
     log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 2 and "frames_per_forward must be an integer >= 1" in log, log
+    assert proc.returncode == 2 and "log_samples must be an integer >= 0, got -1" in log, log
     proc = cli(*args, "--model.frames_per_forward", "7")  # the architecture is the checkpoint's: tiny
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0 and "2 requests written" in log, log
@@ -147,3 +148,72 @@ def test_an_option_without_its_value_goes_to_the_parser(tmp_path):
     command = check_command_line([*PREDICT, "--data.predict", str(src), "--out_dir", str(out),
                                   "--trainer.enable_progress_bar"])  # fmt: skip
     assert command.unchecked == ["trainer.enable_progress_bar"] and finished_job(command) is None
+
+
+def test_bad_numbers_presets_and_precisions_are_named_before_torch_loads_even_on_a_finished_job(tmp_path):
+    """A finished job said "nothing left to do" (exit 0) to --data.batch_size 0 or --trainer.precision
+    fp8; an unfinished one printed the parser's dozen lines for a precision, and --data.config tinyy
+    ended in a ValueError traceback (exit 1) once Lightning had loaded."""
+    src, out = finished_folder(tmp_path, "src", ["a"])
+    base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
+    mistakes = [
+        ("--data.batch_size", "0", "--data.batch_size must be an integer >= 1, got 0"),
+        ("--data.batch_size", "abc", "--data.batch_size must be an integer >= 1, got abc"),
+        ("--data.num_workers", "-1", "--data.num_workers must be an integer >= 0 (or null), got -1"),
+        ("--model.frames_per_forward", "2.5", "--model.frames_per_forward must be an integer >= 1 (or null), got 2.5"),
+        ("--trainer.gpu_memory_utilization", "1.5", "--trainer.gpu_memory_utilization must be a fraction in (0, 1]"),
+        ("--trainer.gpu_memory_utilization", "nan", "--trainer.gpu_memory_utilization must be a fraction in (0, 1]"),
+        (
+            "--trainer.precision",
+            "fp8",
+            "--trainer.precision fp8 is not a precision Lightning takes: use one of 16-mixed",
+        ),
+        ("--data.config", "tinyy", "--data.config 'tinyy' is not a preset: use one of qwen3-omni, tiny"),
+    ]
+    for option, value, message in mistakes:
+        with pytest.raises(UsageError, match=re.escape(message)):
+            check_command_line([*base, option, value])
+    good = [("--data.num_workers", "null"), ("--trainer.precision", "16"), ("--trainer.gpu_memory_utilization", "1")]
+    for option, value in [*good, ("--data.config", "tiny"), ("--trainer.precision", "bf16-true")]:
+        assert finished_job(check_command_line([*base, option, value])) is not None, option
+    with pytest.raises(UsageError, match=r"config 'tinyy' is not a preset: use one of qwen3-omni, tiny"):
+        CodesDataModule(predict=str(src), config="tinyy")  # from Python: at once, not inside setup
+
+
+def test_fit_on_data_without_audio_or_predict_without_out_dir_is_named_before_torch_loads(tmp_path):
+    """Each was found ten seconds later, once Lightning had loaded (after its warnings)."""
+    src, _ = finished_folder(tmp_path, "src", ["a"])
+    for sub, key in (("fit", "train"), ("validate", "val"), ("test", "test")):
+        argv = [sub, f"--data.{key}", str(src), "--model.config", "tiny", "--model.random_weights", "true"]
+        with pytest.raises(
+            UsageError, match=f"--data.{key} .* is a folder of code files, without audio: {sub} needs a JSONL"
+        ):
+            check_command_line(argv)
+    (tmp_path / "codes.jsonl").write_text(json.dumps({"id": "a", "codes": "src/a.npy"}) + "\n")  # no audio
+    argv = ["validate", "--data.val", str(tmp_path / "codes.jsonl"), "--model.random_weights", "true"]
+    with pytest.raises(UsageError, match=r"codes.jsonl names no audio: validate needs a JSONL manifest naming codes"):
+        check_command_line(argv)
+    with pytest.raises(UsageError, match=r"fit needs data: --data.train is not set: give a JSONL manifest naming"):
+        check_command_line(["fit", "--model.config", "tiny"])
+    for out_dir in ([], ["--out_dir", ""]):
+        with pytest.raises(UsageError, match=r"predict has no --out_dir: give the folder"):
+            check_command_line([*PREDICT, "--data.predict", str(src), *out_dir])
+    writer = "--trainer.callbacks+=omni_lightning.WaveformWriter"  # a writer of one's own: the parser's to judge
+    assert check_command_line([*PREDICT, "--data.predict", str(src), writer]).sub == "predict"
+
+
+def test_a_rerun_with_another_subtype_says_what_it_leaves_as_it_is(tmp_path):
+    """--subtype PCM_24 over files written as PCM_16 said "nothing left to do" and nothing else."""
+    src, out = finished_folder(tmp_path, "src", ["a", "b"])
+    rows = [{"id": i, "path": file_name(i), "format": "wav", "subtype": "PCM_16", "status": "ok"} for i in "ab"]
+    (out / "manifest.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    base = [*PREDICT, "--data.predict", str(src), "--out_dir", str(out)]
+    command = check_command_line([*base, "--subtype", "PCM_24"])
+    assert finished_job(command) is not None and command.other_format == (
+        f"warning: 2 requests in {out} are already written as wav PCM_16, not wav PCM_24: they count as done "
+        "and are not decoded again; give another --out_dir to have every request as wav PCM_24"
+    )
+    command = check_command_line([*base, "--format", "flac"])  # another format: named alone, as before
+    assert finished_job(command) is not None and "already written as wav, not flac:" in command.other_format
+    command = check_command_line(base)
+    assert finished_job(command) is not None and command.other_format is None

@@ -90,3 +90,24 @@ def test_an_id_in_two_predict_sources_stops_a_writer_job_before_any_decode_with_
     # without a writer the repeat names nothing: each source is its own dataloader, as in Lightning
     preds = Trainer(**trainer_kwargs()).predict(module, datamodule=data)
     assert [[i for out in p for i in out.req_ids] for p in preds] == [["a", "b"], ["a"]]
+
+
+def test_a_name_that_is_not_utf8_is_printed_escaped_not_a_traceback(tmp_path, capsys):
+    """Python holds a non-UTF-8 file name with surrogates; printing one (an id, an unread file) where
+    stdout is strict UTF-8 (en_US.UTF-8, PYTHONIOENCODING) ended the job in a traceback, exit 1, at
+    every rerun."""
+    import json
+    import os
+
+    from omni_lightning.cli import main
+
+    src, out = tmp_path / "codes", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    np.save(src / "a.npy", random_codes(1, 3)[0].numpy())
+    (src / os.fsdecode(b"notes\xff.txt")).write_text("not codes")
+    (out / "a.wav").write_bytes(b"RIFF")
+    (out / "manifest.jsonl").write_text(json.dumps({"id": "a", "path": "a.wav", "status": "ok"}) + "\n")
+    job = ["predict", "--data.predict", str(src), "--out_dir", str(out), "--model.random_weights", "true"]
+    assert main(job) == 0  # a job with nothing left to do prints its summary, unread files named
+    assert "notes\\udcff.txt" in capsys.readouterr().out

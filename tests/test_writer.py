@@ -321,3 +321,25 @@ def test_ctrl_c_or_sigterm_writes_what_was_decoded_then_exits(tmp_path, sig, sta
     # every request decoded before the signal is written (at least the 10 the bar counted), not all 60
     assert max(seen, 10) <= len(rows) < 60 and all((out / r["path"]).is_file() for r in rows)
     assert temp_files(out) == []  # the background thread finished its batches: nothing half-written
+
+
+def test_an_output_folder_that_is_a_file_is_named_so(tmp_path):
+    """From Python (the command line checks it first) it read "cannot be used ([Errno 17] File exists)"."""
+    (tmp_path / "wavs").write_text("a file")
+    trainer = Trainer(**trainer_kwargs(callbacks=[WaveformWriter(tmp_path / "wavs")]))
+    data = CodesDataModule(predict={"a": random_codes(1, 3)[0]}, config="tiny")
+    with pytest.raises(ValueError, match=r"output folder .*wavs is a file, not a folder: pick another"):
+        trainer.predict(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
+
+
+def test_requests_left_out_as_finished_in_another_folder_are_not_left_out_silently(tmp_path):
+    """CodesDataModule(skip_done=a) with a writer to b: b got none of a's requests and the summary
+    said every request was written."""
+    done = tmp_path / "a"
+    done.mkdir()
+    (done / "r0.wav").write_bytes(b"RIFF")
+    (done / "manifest.jsonl").write_text(json.dumps({"id": "r0", "path": "r0.wav", "status": "ok"}) + "\n")
+    data = CodesDataModule(predict={f"r{i}": random_codes(1, 3, seed=i)[0] for i in range(2)}, skip_done=done)
+    trainer = Trainer(**trainer_kwargs(callbacks=[WaveformWriter(tmp_path / "b")]))
+    with pytest.warns(UserWarning, match=r"1 requests finished in skip_done=.*a are not written here"):
+        trainer.predict(Code2WavModule(config="tiny", random_weights=True), datamodule=data, return_predictions=False)

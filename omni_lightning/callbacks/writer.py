@@ -37,6 +37,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter
+from lightning.pytorch.utilities import rank_zero_warn
 
 from omni_lightning.callbacks.audio_files import discard, encode_durably
 from omni_lightning.callbacks.file_claims import FileClaims, error_line, written_line
@@ -134,7 +135,8 @@ class WaveformWriter(BasePredictionWriter):
                 finished = finished or Finished.read(self.out_dir)
                 finished.compact()
             except OSError as err:
-                raise UsageError(f"output folder {self.out_dir} cannot be used ({err}): pick another") from err
+                problem = "is a file, not a folder" if self.out_dir.is_file() else f"cannot be used ({err})"
+                raise UsageError(f"output folder {self.out_dir} {problem}: pick another") from err
         trainer.strategy.barrier("WaveformWriter.setup")
         self._finished = finished or Finished.read(self.out_dir)
         fold = case_insensitive(self.out_dir)
@@ -148,6 +150,8 @@ class WaveformWriter(BasePredictionWriter):
         if plan is not None:
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
+        elif listed is not None and listed.skipped:  # finished in another folder: never written to this one
+            rank_zero_warn(f"{listed.skipped} requests finished in skip_done={listed.out_dir} are not written here")
         limit = trainer.limit_predict_batches  # 0 runs no predict hook after this one: the counts stand as set here
         limited = isinstance(limit, int) or (limit if limit is not None else 1.0) < 1.0
         self.stats["limited"] = bool(trainer.fast_dev_run) or limited

@@ -16,6 +16,7 @@ from omni_lightning.data.sampler import LengthBucketBatchSampler
 from omni_lightning.data.sources import DUPLICATE_ID_MODES
 from omni_lightning.errors import UsageError, check_count
 from omni_lightning.models import Code2WavConfig
+from omni_lightning.models.config import PRESETS
 
 Source = str | Path | list
 
@@ -34,7 +35,8 @@ class CodesDataModule(pl.LightningDataModule):
     files not read, what was finished), which a writer reads before anything is decoded.
 
     Args:
-        predict: what to decode: a folder, a JSONL manifest, codes in memory, or a list of such sources.
+        predict: what to decode: a folder, a JSONL manifest, codes in memory, or a list of such sources
+            (codes only: audio that a manifest or a pair holds is neither checked nor read).
         train: fit's paired data: a JSONL manifest with audio paths, or (codes, audio) pairs in memory.
         val: validation's paired data; a fit without it runs no validation.
         test: test's paired data.
@@ -78,6 +80,10 @@ class CodesDataModule(pl.LightningDataModule):
             raise UsageError(f"on_bad_input must be one of {BAD_INPUT_MODES}, got {on_bad_input!r}")
         if duplicate_ids not in DUPLICATE_ID_MODES:
             raise UsageError(f"duplicate_ids must be one of {DUPLICATE_ID_MODES}, got {duplicate_ids!r}")
+        if isinstance(config, str) and config not in PRESETS:  # else a ValueError deep inside setup
+            raise UsageError(
+                f"config {config!r} is not a preset: use one of {', '.join(sorted(PRESETS))}, or None (the module's)"
+            )
         self.sources = {"predict": predict, "fit": train, "validate": val, "test": test}
         self.batch_size = batch_size
         self.max_frames = max_frames
@@ -100,8 +106,9 @@ class CodesDataModule(pl.LightningDataModule):
         return module.config if module is not None and hasattr(module, "config") else "qwen3-omni"
 
     def _dataset(
-        self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = False
+        self, source: Any, train: bool = False, skip: Collection[str] = (), paired: bool = True
     ) -> CodesDataset:
+        """``paired=False`` (predict): codes only, a manifest's audio paths neither checked nor read."""
         if isinstance(source, CodesDataset):
             return source
         crop = self.crop_frames if train else None
@@ -109,6 +116,7 @@ class CodesDataModule(pl.LightningDataModule):
             source,
             self._config(),
             on_bad_input=self.on_bad_input,
+            load_audio=paired,
             crop_frames=crop,
             seed=self.seed,
             duplicate_ids=self.duplicate_ids,
@@ -125,11 +133,16 @@ class CodesDataModule(pl.LightningDataModule):
         if stage == "predict" and self.sources["predict"] is not None:
             self._setup_predict(self.sources["predict"])
         if stage == "fit" and self.sources["fit"] is not None:
-            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True, paired=True)
+            self.datasets["fit"] = self._dataset(self.sources["fit"], train=True)
         if stage in ("fit", "validate") and self.sources["validate"] is not None:
-            self.datasets["validate"] = self._dataset(self.sources["validate"], paired=True)
+            self.datasets["validate"] = self._dataset(self.sources["validate"])
         if stage == "test" and self.sources["test"] is not None:
-            self.datasets["test"] = self._dataset(self.sources["test"], paired=True)
+            self.datasets["test"] = self._dataset(self.sources["test"])
+        for key in {"fit": ("fit", "validate"), "validate": ("validate",), "test": ("test",)}.get(name, ()):
+            bad = self.datasets[key].bad if key in self.datasets else {}
+            if bad and len(bad) == len(self.datasets[key]):  # nothing to train or evaluate on: not a run
+                req_id, reason = next(iter(bad.items()))
+                raise UsageError(f"all {len(bad)} {_ARGUMENT[key]} request(s) are bad, e.g. {req_id}: {reason}")
         self._check_ranks(stage)
 
     def _check_ranks(self, stage: str) -> None:
@@ -163,7 +176,7 @@ class CodesDataModule(pl.LightningDataModule):
         if isinstance(finished, (str, Path)):
             finished = Finished.read(finished)
         skip = finished.ids if finished is not None else set()
-        datasets = [self._dataset(s, skip=skip) for s in (sources if many else [sources])]
+        datasets = [self._dataset(s, skip=skip, paired=False) for s in (sources if many else [sources])]
         self.datasets["predict"] = datasets
         ids = [i for ds in datasets for i in (*ds.skipped, *ds.ids)]
         self.predict_plan = PredictPlan(finished, ids, [p for ds in datasets for p in ds.unread])

@@ -41,7 +41,7 @@ from torch.utils.data import Dataset
 
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.io import audio_tensor, check_audio, codes_file_layout, in_memory, load_audio, load_codes_file
-from omni_lightning.data.sources import Entry, list_source, unique_ids
+from omni_lightning.data.sources import Entry, list_source, relative_path_hint, unique_ids
 from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig, resolve_config
 from omni_lightning.models.codes import CheckedCodes, check_request_codes, geometry
@@ -59,7 +59,9 @@ def _memory_entry(req_id: str, value: Any) -> Entry:
     """An entry of a source in memory: codes, or a ``(codes, audio)`` pair."""
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
-            return Entry(req_id, None, error=f"a pair is (codes, audio), got a {type(value).__name__} of {len(value)}")
+            kind = type(value).__name__
+            codes = f"codes alone must be a tensor or NumPy array [codebooks, frames], not a {kind}"
+            return Entry(req_id, None, error=f"a pair is (codes, audio), got a {kind} of {len(value)}; {codes}")
         return Entry(req_id, value[0], value[1])
     return Entry(req_id, value)
 
@@ -118,6 +120,12 @@ class CodesDataset(Dataset):
                     "a data source is a folder, a JSONL manifest, or a list or dict of codes or (codes, audio) "
                     f"pairs; got {type(source).__name__} {source!r:.60}"
                 )
+            shape = getattr(source, "shape", None)  # a tensor or array: a batch, one request a row
+            if shape is not None and len(shape) != 3:
+                raise UsageError(
+                    f"a {type(source).__name__} source is a batch [requests, codebooks, frames], got shape "
+                    f"{tuple(shape)}: give one request [codebooks, frames] as [codes] or {{id: codes}}"
+                )
             items = source.items() if isinstance(source, Mapping) else enumerate(source)
             self.entries = [_memory_entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)
@@ -164,7 +172,7 @@ class CodesDataset(Dataset):
             elif entry.audio is not None and self.load_audio:
                 entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
         except Exception as err:  # whatever one request's files hold, it is that request's failure
-            entry.error = _reason(err)
+            entry.error = _reason(err) + relative_path_hint(self.source, entry)
 
     def _load_codes(self, entry: Entry) -> torch.Tensor:
         if isinstance(entry.codes, Path):

@@ -22,8 +22,7 @@ def load_codes_file(path: Path) -> torch.Tensor:
     """Reads one code file; raises ValueError (never anything else) when it cannot."""
     if path.suffix not in CODE_SUFFIXES:
         raise ValueError(f"codes file {path}: unsupported suffix {path.suffix!r} (use {', '.join(CODE_SUFFIXES)})")
-    if not path.is_file():
-        raise ValueError(f"codes file {path} does not exist")
+    require_file(path, "codes")
     try:
         if path.suffix == ".npy":
             import numpy as np
@@ -53,6 +52,12 @@ def load_codes_file(path: Path) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"codes file {path} holds a {type(value).__name__}, not a tensor")
     return value
+
+
+def require_file(path: Path, what: str) -> None:
+    """ValueError naming ``path`` unless it is a file (``what``: "codes" or "audio")."""
+    if not path.is_file():
+        raise ValueError(f"{what} file {path} {'is a folder, not a file' if path.is_dir() else 'does not exist'}")
 
 
 def numpy_to_tensor(array: Any, where: str) -> torch.Tensor:
@@ -103,8 +108,7 @@ def codes_file_layout(path: Path) -> torch.Tensor | None:
     ValueError naming the file when the header cannot be read."""
     if path.suffix not in (".npy", ".safetensors"):
         return None
-    if not path.is_file():
-        raise ValueError(f"codes file {path} does not exist")
+    require_file(path, "codes")
     try:
         header = _npy_header(path) if path.suffix == ".npy" else _safetensors_header(path)
     except Exception as err:  # a corrupt header raises anything from numpy, json or a short read
@@ -152,8 +156,7 @@ def check_audio(path: Path) -> None:
     """Header check only: the scan must not read every waveform."""
     import soundfile as sf
 
-    if not path.is_file():
-        raise ValueError(f"audio file {path} does not exist")
+    require_file(path, "audio")
     try:
         info = sf.info(str(path))
     except Exception as err:
@@ -167,8 +170,7 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
     import numpy as np
     import soundfile as sf
 
-    if not path.is_file():
-        raise ValueError(f"audio file {path} does not exist")
+    require_file(path, "audio")
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as err:

@@ -162,14 +162,17 @@ class Finished:
         stems = {row["id"]: Path(row["path"]).stem for row in self.rows.values()}
         return {(s.casefold() if fold else s): req_id for req_id, s in stems.items()}
 
-    def in_other_format(self, req_ids: Iterable[str], audio_format: str) -> dict[str, int]:
-        """Of ``req_ids``, how many are finished in a format other than ``audio_format``, by format.
-        They still count as finished: a rerun does not decode them again in the new format."""
+    def in_other_format(self, req_ids: Iterable[str], audio_format: str, subtype: str | None = None) -> dict[str, int]:
+        """Of ``req_ids``, how many are finished in a format other than ``audio_format`` (or, given
+        ``subtype``, in that format with another subtype: ``"wav PCM_16"``), by format. They still count
+        as finished: a rerun does not decode them again in the new format."""
         counts: dict[str, int] = {}
         for req_id in req_ids:
             row = self.rows.get(req_id)
             if row is not None:
                 written = str(row.get("format") or Path(row["path"]).suffix.lstrip("."))
+                if written == audio_format and subtype and row.get("subtype") not in (None, subtype):
+                    written = f"{written} {row['subtype']}"
                 if written != audio_format:
                     counts[written] = counts.get(written, 0) + 1
         return counts
@@ -255,16 +258,19 @@ class PredictPlan:
         return len(self.ids) - len(self.pending)
 
 
-def other_format_line(finished: Finished, req_ids: Iterable[str], audio_format: str) -> str | None:
-    """One ``warning:`` line for requests finished in another format than ``--format`` (they are not
-    decoded again), saying what to do; None when there are none."""
-    counts = finished.in_other_format(req_ids, audio_format)
+def other_format_line(
+    finished: Finished, req_ids: Iterable[str], audio_format: str, subtype: str | None = None
+) -> str | None:
+    """One ``warning:`` line for requests finished in another format than ``--format`` (or subtype than
+    ``--subtype``; they are not decoded again), saying what to do; None when there are none."""
+    counts = finished.in_other_format(req_ids, audio_format, subtype)
     if not counts:
         return None
+    wanted = f"{audio_format} {subtype}" if any(" " in written for written in counts) else audio_format
     return (
         f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
-        f"{' and '.join(sorted(counts))}, not {audio_format}: they count as done and are not decoded again; "
-        f"give another --out_dir to have every request as {audio_format}"
+        f"{' and '.join(sorted(counts))}, not {wanted}: they count as done and are not decoded again; "
+        f"give another --out_dir to have every request as {wanted}"
     )
 
 

@@ -62,7 +62,8 @@ def check_source(flag: str, value: str | Path) -> None:
     file, a binary or unreadable file, ...)."""
     path = Path(value)
     if not path.exists():
-        raise UsageError(f"{flag} {value} does not exist: {SOURCE_FIX}")
+        pattern = " (a pattern is not expanded)" if any(c in str(value) for c in "*?[") else ""
+        raise UsageError(f"{flag} {value} does not exist{pattern}: {SOURCE_FIX}")
     if path.is_dir():
         codes, others = scan_folder(path)
         if not codes:
@@ -72,7 +73,7 @@ def check_source(flag: str, value: str | Path) -> None:
         raise UsageError(f"{flag} {value} is a single code file: give its folder, or a JSONL manifest listing it")
     try:
         with open(path, encoding="utf-8-sig") as f:
-            first = next((line for line in f if line.strip()), None)
+            first = next((line for line in f if line.strip() and not line.lstrip().startswith("#")), None)
     except (OSError, UnicodeDecodeError) as err:
         problem = type(err).__name__
         raise UsageError(f"{flag} {value} cannot be read as a JSONL manifest ({problem}): {SOURCE_FIX}") from err
@@ -104,7 +105,7 @@ def read_manifest_entries(path: Path) -> list[Entry]:
     except (OSError, UnicodeDecodeError) as err:
         raise UsageError(f"manifest {path} cannot be read as UTF-8 JSON lines ({type(err).__name__}: {err})") from err
     for line_no, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
+        if not line.strip() or line.lstrip().startswith("#"):  # a blank line or a comment
             continue
         where = f"line {line_no}"
         try:
@@ -131,6 +132,17 @@ def read_manifest_entries(path: Path) -> list[Entry]:
     if not entries:
         raise UsageError(f"manifest {path} lists no request")
     return entries
+
+
+def relative_path_hint(source: Any, entry: Entry) -> str:
+    """For a manifest's request whose file is missing: a hint when its path, taken from the current
+    folder rather than the manifest's, names a file (a manifest's paths are relative to its folder)."""
+    folder = Path(source).parent if isinstance(source, (str, Path)) and Path(source).is_file() else None
+    for path in (entry.codes, entry.audio) if folder is not None and folder != Path(".") else ():
+        given = path.relative_to(folder) if isinstance(path, Path) and path.is_relative_to(folder) else None
+        if given is not None and not path.exists() and given.exists():
+            return f" (paths in a manifest are relative to its folder {folder}; {given} is relative to the current one)"
+    return ""
 
 
 def unique_ids(entries: list[Entry], source: Any, duplicate_ids: str = "error") -> None:

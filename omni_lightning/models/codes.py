@@ -74,7 +74,8 @@ def check_codes_layout(codes: Any, config: Code2WavConfig, req_ids: Sequence[str
     count, frames); works on meta tensors and never waits for a device. ValueError on the first problem."""
     _check_tensor(codes, "", "[batch, codebooks, frames]")
     if codes.dim() != 3:
-        raise ValueError(f"codes must have shape [batch, codebooks, frames], got {tuple(codes.shape)}")
+        one = " (one request? codes[None] is a batch of it)" if codes.dim() == 2 else ""
+        raise ValueError(f"codes must have shape [batch, codebooks, frames], got {tuple(codes.shape)}{one}")
     if codes.shape[0] == 0:
         raise ValueError("codes hold no request (batch size 0)")
     _check_codebooks(codes.shape[1:], config, _name(req_ids, 0) if codes.shape[0] == 1 else "codes")
