@@ -1,11 +1,13 @@
 """What the command line prints besides its jobs' output: warnings as one line, the top-level help and
-the subcommands' one-line descriptions, help group headers. Shared by ``cli``, ``lightning_cli`` and
-``demo``; standard library only (it runs before torch loads). Third-party noise is silenced where it
-starts: ``omni_lightning.Trainer`` (``trainer.py``) and ``lightning_cli``."""
+the subcommands' one-line descriptions, help group headers, a predict's failed requests. Shared by
+``cli``, ``lightning_cli`` and ``demo``; standard library only (it runs before torch loads).
+Third-party noise is silenced where it starts: ``omni_lightning.Trainer`` and ``lightning_cli``."""
 
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
+from typing import Any
 
 
 def compact_warnings() -> None:
@@ -80,3 +82,15 @@ def top_level_help() -> str:
     lines = [f"  {name:<10}{text}" for name, text in SUBCOMMAND_HELP.items()]
     lines[-1] += f" Work folder: ./{DEFAULT_WORK_DIR}/"
     return HELP.format(subcommands="\n".join(lines)).rstrip()
+
+
+def failed_lines(failed: dict[str, str], out_dir: Path, most: int = 20) -> list[str]:
+    """A line per failed request (the first ``most``, the rest counted), control characters escaped:
+    an id holding a newline cannot split its line."""
+    lines = [f"  failed {printable(i)}: {printable(reason)}" for i, reason in list(failed.items())[:most]]
+    return lines + ([f"  ... {len(failed) - most} more in {out_dir / 'manifest.jsonl'}"] if len(failed) > most else [])
+
+
+def printable(text: Any) -> str:
+    """``text`` with its control characters (newlines, escapes) written as Python escapes."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))

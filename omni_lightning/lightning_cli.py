@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,13 +24,13 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
-from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, heading
+from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.preflight import check_weights, set_by_user
-from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning, quiet_device_lines
+from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning, quiet_cli_trainer
 
 SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
 
@@ -135,7 +134,7 @@ class OmniCLI(LightningCLI):
         the arguments it was given (a checkpoint that does not fit its preset, a setting out of
         range): it is reported as a usage error. Errors after this point keep their own kind."""
         try:
-            with quiet_device_lines() if self.subcommand == "predict" else nullcontext():
+            with quiet_cli_trainer(self.subcommand):
                 super().instantiate_classes()
         except UsageError:
             raise
@@ -216,12 +215,9 @@ class OmniCLI(LightningCLI):
             if self.writer is not None:
                 self.timings.update(writer=self.writer.timing, stats=self.writer.stats)
         if self.writer is not None and self.trainer.is_global_zero:
-            print(f"predict: {self.writer.summary()}")
-            failed = list(self.writer.failed.items())
-            for req_id, reason in failed[:20]:
-                print(f"  failed {req_id}: {reason}")
-            if len(failed) > 20:
-                print(f"  ... {len(failed) - 20} more in {self.writer.out_dir / 'manifest.jsonl'}")
+            print(
+                "\n".join([f"predict: {self.writer.summary()}", *failed_lines(self.writer.failed, self.writer.out_dir)])
+            )
 
     def after_fit(self) -> None:
         ckpt = self.trainer.checkpoint_callback

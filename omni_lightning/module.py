@@ -246,14 +246,15 @@ class Code2WavModule(pl.LightningModule):
 
     def configure_callbacks(self) -> list[pl.Callback]:
         """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test; in
-        predict, the weights back into their host tensors after an error."""
+        predict, the weights back into their host tensors after an error. One the trainer holds already
+        (a second run on it) is not given again: Lightning would announce that it overrides itself."""
         stage = self.trainer.state.fn
         callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
         if stage in ("fit", "validate", "test"):
             callbacks.append(EvaluationMedia(self.hparams.log_samples))
         if stage == "predict":
             callbacks.append(ReleaseOnException())  # a failed predict's weights back into their host tensors
-        return callbacks
+        return [cb for cb in callbacks if not any(_does(have, cb) for have in self.trainer.callbacks)]
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.model(codes)
@@ -396,3 +397,9 @@ class Code2WavModule(pl.LightningModule):
 def _weights_loaded(module: Code2WavModule, incompatible_keys: Any) -> None:
     """A state dict loaded into the module (a Lightning checkpoint too): its weights are no longer random."""
     module.unasked_random_weights = False
+
+
+def _does(have: pl.Callback, want: pl.Callback) -> bool:
+    """Whether ``have`` does ``want``'s job: the same, or one of its class and settings (reset per run)."""
+    same_kind = type(have) is type(want) and isinstance(want, (ReleaseOnException, EvaluationMedia))
+    return have is want or (same_kind and vars(have).get("log_samples") == vars(want).get("log_samples"))

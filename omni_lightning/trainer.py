@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -67,10 +68,12 @@ def _with_defaults(kwargs: dict[str, Any], async_d2h: bool) -> list[Any]:
 
 def quiet_known_noise() -> None:
     """Silences, each by its one message, what a user can do nothing about: torch's deprecation of
-    ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls, and Lightning's
-    advertisements for the litlogger and litmodels packages, printed by every trainer."""
+    ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls, Lightning's
+    advertisements for the litlogger and litmodels packages, printed by every trainer, and its warning
+    that a ``*_dataloader`` returned an empty list (``CodesDataModule``'s fit without ``val``: no validation)."""
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero\.")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if _drop_lightning_tips not in logger.filters:
@@ -86,20 +89,29 @@ def quiet_checkpoint_callbacks_warning() -> None:
 
 
 @contextmanager
-def quiet_device_lines() -> Iterator[None]:
-    """While a trainer is built, Lightning's "GPU available: ...", "TPU available: ..." lines and its "GPU
-    available but not used" warning are dropped (for the command line's predict, whose start-up line
-    says the device, the precision and a GPU left unused); put back after."""
-    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    logger.addFilter(_drop_device_lines)
-    warnings.filterwarnings("ignore", message="GPU available but not used")
-    unused_gpu = warnings.filters[0]
+def quiet_cli_trainer(subcommand: str) -> Iterator[None]:
+    """While the command line builds its trainer: Lightning's advice to install tensorboard (its default
+    logger is then a CSV one, whose folder the command's last line names) is dropped; for predict, whose
+    start-up line says the device, the precision and a GPU left unused, so are Lightning's "GPU
+    available: ...", "TPU available: ..." lines and its "GPU available but not used" warning. Put back after."""
+    logger, messages = (
+        logging.getLogger("lightning.pytorch.utilities.rank_zero"),
+        ["Starting from v1.9.0, `tensorboardX`"],
+    )
+    if subcommand == "predict":
+        logger.addFilter(_drop_device_lines)
+        messages.append("GPU available but not used")
+    added = []
+    for message in messages:
+        warnings.filterwarnings("ignore", message=re.escape(message))
+        added.append(warnings.filters[0])
     try:
         yield
     finally:
         logger.removeFilter(_drop_device_lines)
-        if unused_gpu in warnings.filters:
-            warnings.filters.remove(unused_gpu)
+        for entry in added:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
 
 
 def _drop_device_lines(record: logging.LogRecord) -> bool:

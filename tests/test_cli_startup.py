@@ -197,3 +197,19 @@ def test_fit_then_validate_say_where_their_files_are_and_validate_prints_its_met
     assert line.startswith("validate: val/audio_s=") and line.endswith("; logs in runs/finetune/version_1"), out
     assert (tmp_path / "runs/finetune/version_1/metrics.csv").is_file()
     assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
+
+
+def test_fit_without_val_and_validate_without_a_logger_config_warn_of_neither(tmp_path, monkeypatch, capsys, recwarn):
+    """A fit given no validation data warned that a list was empty across ranks; a validate with
+    Lightning's default logger advised installing tensorboard (it logs to CSV, as its line says)."""
+    from omni_lightning.cli import main
+
+    pairs = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="pairs.jsonl")
+    monkeypatch.chdir(tmp_path)
+    common = ["--model.config", "tiny", "--model.random_weights", "true", "--data.num_workers", "0"]
+    common += ["--data.batch_size", "2", "--trainer.enable_progress_bar", "false"]
+    fit = ["--data.train", str(pairs), "--trainer.max_steps", "1", "--trainer.enable_model_summary", "false"]
+    assert main(["fit", *common, *fit]) == 0
+    assert main(["validate", *common, "--data.val", str(pairs)]) == 0
+    said = [str(w.message) for w in recwarn] + capsys.readouterr().err.splitlines()
+    assert not [s for s in said if "tensorboardX" in s or "across ranks is zero" in s], said

@@ -111,3 +111,12 @@ def test_a_name_that_is_not_utf8_is_printed_escaped_not_a_traceback(tmp_path, ca
     job = ["predict", "--data.predict", str(src), "--out_dir", str(out), "--model.random_weights", "true"]
     assert main(job) == 0  # a job with nothing left to do prints its summary, unread files named
     assert "notes\\udcff.txt" in capsys.readouterr().out
+
+
+def test_failed_requests_print_a_line_each_whatever_their_ids_hold(tmp_path):
+    from omni_lightning.console import failed_lines
+
+    failed = {"a\nb": "codes out of range\n(2048)", "x\ty/é z": "empty", **{f"r{i}": "bad" for i in range(30)}}
+    lines = failed_lines(failed, tmp_path)
+    assert lines[:2] == ["  failed a\\nb: codes out of range\\n(2048)", "  failed x\\ty/é z: empty"]
+    assert len(lines) == 21 and lines[-1] == f"  ... 12 more in {tmp_path / 'manifest.jsonl'}"

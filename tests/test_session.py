@@ -1,6 +1,7 @@
 """The inference session owns the device weights (runner/session.py): the module composes it, the
 engine reads its own copies without repointing parameters, and predict leaves plain host tensors."""
 
+import logging
 import re
 import warnings
 from pathlib import Path
@@ -87,8 +88,11 @@ def test_an_engine_built_in_a_predict_takes_weights_written_after_it_and_leaves_
 
 
 class FailsInABatch(pl.Callback):
+    armed = True
+
     def on_predict_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
-        raise RuntimeError("the predict fails here")
+        if self.armed:
+            raise RuntimeError("the predict fails here")
 
 
 def test_a_failed_predict_leaves_the_weights_in_their_host_tensors():
@@ -121,6 +125,19 @@ def test_a_failed_restore_after_a_failed_predict_keeps_the_predicts_error(caplog
     with pytest.raises(RuntimeError, match="the predict fails here"):
         Trainer(**trainer_kwargs(callbacks=[FailsInABatch()])).predict(module, datamodule=data)
     assert "after RuntimeError, the weights stay where they are: the restore fails too" in caplog.text
+
+
+def test_a_second_predict_on_one_trainer_keeps_its_callbacks_silently_and_still_restores(caplog):
+    """The module's predict callback is already on the trainer the second time: no "will override" line,
+    and a failure then still puts the weights back into their host tensors."""
+    module, fails = Code2WavModule(model=random_model("tiny", seed=3)), FailsInABatch()
+    fails.armed, trainer = False, Trainer(**trainer_kwargs(callbacks=[fails]))
+    data = lambda: CodesDataModule(predict=requests([9, 14, 5]), batch_size=1)  # noqa: E731
+    trainer.predict(module, datamodule=data())
+    before, fails.armed = [p.data_ptr() for p in module.parameters()], True
+    with caplog.at_level(logging.INFO), pytest.raises(RuntimeError, match="the predict fails here"):
+        trainer.predict(module, datamodule=data())
+    assert "will override" not in caplog.text and [p.data_ptr() for p in module.parameters()] == before
 
 
 def predict(module):
