@@ -32,7 +32,7 @@ def test_cli_job_accounts_for_every_file_and_exits_3_when_a_request_failed(tmp_p
     assert proc.returncode == 3, log
     assert "predict: 3 requests written" in log and "0 already done, 1 failed" in log, log
     assert "failed float: request 'float': codes have dtype float64" in log
-    assert "1 input files not read (not code files, or links to folders)" in log and "notes.txt" in log
+    assert "1 input files not read (not code files, hidden, or links to folders)" in log and "notes.txt" in log
     got = rows(out)
     assert {k: v["status"] for k, v in got.items()} == {"good": "ok", "x/a": "ok", "x_a": "ok", "float": "error"}
     assert got["x_a"]["path"] == "x_a.wav" != got["x/a"]["path"]

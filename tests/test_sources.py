@@ -67,6 +67,19 @@ def test_links_to_folders_and_odd_manifest_ids_are_reported_never_dropped_or_rew
     }
 
 
+def test_hidden_files_and_folders_are_listed_as_not_read_never_taken_as_requests(tmp_path):
+    """macOS leaves ``._a.npy`` beside ``a.npy`` on a copied folder, Jupyter ``.ipynb_checkpoints/``:
+    read as requests, they failed (exit 3 on every rerun) or decoded a stale copy."""
+    codes = random_codes(1, 3, seed=4)[0].numpy()
+    for name in ("a.npy", "x/b.npy", ".ipynb_checkpoints/a-checkpoint.npy"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        np.save(tmp_path / name, codes)
+    (tmp_path / "._a.npy").write_bytes(b"\x00\x05\x16\x07 resource fork")
+    dataset = CodesDataset(str(tmp_path), TINY)
+    assert dataset.ids == ["a", "x/b"] and not dataset.bad
+    assert sorted(p.name for p in dataset.unread) == ["._a.npy", ".ipynb_checkpoints"]
+
+
 def test_a_pt_file_that_torch_did_not_write_is_told_apart_from_one_holding_other_objects(tmp_path):
     (tmp_path / "noise.pt").write_bytes(bytes(range(256)) * 4)
     torch.save(np.zeros((16, 3), dtype=np.int64), tmp_path / "array.pt")

@@ -133,7 +133,7 @@ class CodesDataset(Dataset):
             from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
             suffixes = ", ".join(CODE_SUFFIXES)
-            what = f"not code files ({suffixes}) or links to folders"
+            what = f"not code files ({suffixes}), hidden, or links to folders"
             rank_zero_warn(f"{_listing(self.unread, self.source)} not read: {what}")
         self.skipped = [e.id for e in self.entries if e.id in skip]  # finished already: never opened
         if self.skipped:

@@ -4,7 +4,9 @@ before torch or Lightning is imported.
 Every code file under the folder is a request, subfolders included (``x/a.npy`` has the id ``x/a``).
 Every other file is listed as not read (never dropped silently); the dataset reports them.
 Symbolic links to folders are not followed (a link cycle cannot make a scan endless, and a link
-cannot pull in files from outside the folder): they are listed as not read too.
+cannot pull in files from outside the folder): they are listed as not read too. So are hidden files
+and folders (a name starting with ``.``: macOS's ``._a.npy`` resource forks, ``.ipynb_checkpoints/``),
+whose contents are not read.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ def scan_folder(folder: str | Path) -> tuple[list[tuple[str, Path]], list[Path]]
     codes: list[tuple[str, Path]] = []
     others: list[Path] = []
     for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        others.extend(Path(root) / d for d in dirs if os.path.islink(os.path.join(root, d)))
+        skipped = {d for d in dirs if d.startswith(".") or os.path.islink(os.path.join(root, d))}
+        dirs[:] = sorted(set(dirs) - skipped)  # os.walk descends only into what is left here
+        others.extend(Path(root) / d for d in sorted(skipped))
         for name in sorted(files):
             path = Path(root) / name
-            if path.suffix in CODE_SUFFIXES:
+            if path.suffix in CODE_SUFFIXES and not name.startswith("."):
                 codes.append((path.relative_to(folder).with_suffix("").as_posix(), path))
             else:
                 others.append(path)

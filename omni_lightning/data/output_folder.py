@@ -288,5 +288,5 @@ def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None
         text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        text += f"; {len(unread)} input files not read (not code files, or links to folders): {names}"
+        text += f"; {len(unread)} input files not read (not code files, hidden, or links to folders): {names}"
     return text
