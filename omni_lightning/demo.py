@@ -21,6 +21,8 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from omni_lightning.console import DEFAULT_WORK_DIR
@@ -29,17 +31,24 @@ MARKER = ".omni_lightning_demo"
 OUTPUTS = ("data", "wavs_before", "wavs_after", "runs")
 
 
-def quiet() -> None:
-    """The demo prints its own four lines: Lightning's per-trainer banners (accelerator, seed) and
-    wandb's run summary would bury them. Warnings still show."""
-    for name in (
-        "lightning.pytorch",
-        "lightning.fabric",
-        "lightning.pytorch.utilities.rank_zero",
-        "lightning.fabric.utilities.rank_zero",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
+@contextmanager
+def quiet() -> Iterator[None]:
+    """While the demo runs (levels and ``WANDB_SILENT`` put back after): it prints its own four lines,
+    which Lightning's per-trainer banners (accelerator, seed) and wandb's run summary would bury.
+    Warnings still show."""
+    names = ("lightning.pytorch", "lightning.fabric", "lightning.pytorch.utilities.rank_zero")
+    loggers = [logging.getLogger(name) for name in (*names, "lightning.fabric.utilities.rank_zero")]
+    levels, silent = [lg.level for lg in loggers], os.environ.get("WANDB_SILENT")
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
     os.environ.setdefault("WANDB_SILENT", "true")
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if silent is None:
+            os.environ.pop("WANDB_SILENT", None)
 
 
 def prepare_work_dir(work: Path) -> bool:
@@ -73,13 +82,13 @@ def run_demo(
     work = Path(work_dir)
     if prepare_work_dir(work):
         print(f"[0/4] {work.resolve()} holds a previous demo run: removed its outputs, everything is recomputed")
-    quiet()
     import torch
 
     saved_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(work, n_requests, fit_steps, start)
+        with quiet():
+            return _run(work, n_requests, fit_steps, start)
     finally:
         torch.set_num_threads(saved_threads)
 

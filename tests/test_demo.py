@@ -1,5 +1,7 @@
 """The demo command: it reruns only in a folder it made, and refuses counts below one."""
 
+import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -36,7 +38,11 @@ def test_every_path_the_demo_prints_exists(tmp_path, monkeypatch, capsys, recwar
     from omni_lightning.demo import main as demo_main
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_SILENT", raising=False)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
     demo_main(["--work-dir", "demo", "--requests", "2", "--steps", "1"])
+    assert lightning_log.level == level and "WANDB_SILENT" not in os.environ  # quiet while it ran only
     out = capsys.readouterr().out
     printed = [word.rstrip(";,)`") for word in out.split() if word.lstrip("`").startswith("/")]
     assert len(printed) >= 5 and all(Path(p.lstrip("`")).exists() for p in printed), out

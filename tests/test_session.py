@@ -63,6 +63,21 @@ def test_after_predict_the_state_dict_is_plain_contiguous_host_tensors(tmp_path)
         assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
 
 
+def test_a_state_dict_is_contiguous_even_while_a_stream_reads_channels_last_weights(tmp_path):
+    """A streaming decoder over a module on the GPU lays its convolution weights out channels-last in
+    place (its engine reads them there); the module's state dict still saves raw, with their values."""
+    from safetensors.torch import load_file, save_file
+
+    module = Code2WavModule(model=random_model("tiny", seed=3))
+    module.session = InferenceSession(capture=ReplayCapture)  # the CUDA path's layout, on the CPU
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    module.streaming_decoder(max_streams=2)
+    assert any(not p.is_contiguous() for p in module.parameters())
+    save_file(module.state_dict(), tmp_path / "w.safetensors")
+    loaded = load_file(tmp_path / "w.safetensors")
+    assert loaded.keys() == before.keys() and all(torch.equal(loaded[k], v) for k, v in before.items())
+
+
 def test_an_engine_built_in_a_predict_takes_weights_written_after_it_and_leaves_them_trainable():
     """An engine built during a predict (in inference mode, as on CUDA) holds inference tensors: a weight
     written between predicts is copied into them in the next one's setup, and what goes back to the

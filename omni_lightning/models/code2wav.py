@@ -72,6 +72,7 @@ class Code2Wav(nn.Module):
         for name, module in self.named_modules():
             if hasattr(module, "state_name"):
                 module.state_name = name
+        self.register_state_dict_post_hook(_contiguous_state)
 
     def _code_offset(self, device: torch.device | None = None) -> torch.Tensor:
         q = self.config.num_quantizers
@@ -220,3 +221,11 @@ class Code2Wav(nn.Module):
         from omni_lightning.models.checkpoint import save_pretrained
 
         return save_pretrained(self, path)
+
+
+def _contiguous_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """A state dict holds contiguous tensors: weights an engine laid out channels-last (``engine/graphs``)
+    are given as plain copies, which every format saves (safetensors refuses strided tensors)."""
+    for key, value in state.items():
+        if key.startswith(prefix) and isinstance(value, torch.Tensor) and not value.is_contiguous():
+            state[key] = value.contiguous()
