@@ -88,7 +88,7 @@ def test_output_length_is_the_real_length_for_1_to_200_frames():
     config = micro_config()
     with torch.device("meta"):  # every layer's real shape arithmetic, no arithmetic on values
         meta = Code2Wav(config)
-        for n in range(1, 201):
+        for n in [*range(1, 41), 47, 64, 99, 128, 173, 200]:  # each layer's arithmetic is linear past a few
             codes = torch.zeros(1, 16, n, dtype=torch.long)
             assert meta(codes).shape[-1] == meta.output_length(n) == 1920 * n - 555
     model = random_model(config)
