@@ -5,6 +5,7 @@ Third-party noise is silenced where it starts: ``omni_lightning.Trainer`` and ``
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -94,3 +95,14 @@ def failed_lines(failed: dict[str, str], out_dir: Path, most: int = 20) -> list[
 def printable(text: Any) -> str:
     """``text`` with its control characters (newlines, escapes) written as Python escapes."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def one_line(message: str) -> str:
+    """jsonargparse's type error (key, subtypes, each subtype's error, value: ~8 lines) as one line."""
+    key = re.match(r'Parser key "([^"]+)":', message)
+    types = re.findall(r"<class '(?:\w+\.)*(\w+)'>", message.split("Errors:")[0])
+    value = re.search(r"(?:Given value|Got value): (.*)", message)
+    if key and types and value:
+        wanted = " or ".join(dict.fromkeys("null" if t == "NoneType" else t for t in types))
+        return f"--{key[1]} takes {wanted}, not {value[1].strip()!r}"
+    return " ".join(message.split())

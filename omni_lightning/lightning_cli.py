@@ -24,7 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
-from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading
+from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading, one_line
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
@@ -49,6 +49,9 @@ class OneLineErrorParser(LightningArgumentParser):
 
     def print_usage(self, file: Any = None) -> None:  # argparse calls it only from error()
         pass
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        super().error(one_line(message), ex)
 
 
 # model arguments that set how a run computes, not what a checkpoint holds (see OmniCLI._parse_ckpt_path)
@@ -130,15 +133,15 @@ class OmniCLI(LightningCLI):
             config.data.skip_done = config.out_dir  # one reading of the folder decides what is finished
 
     def instantiate_classes(self) -> None:
-        """Builds model, data and trainer. A ``ValueError`` a class raises while being built is about
-        the arguments it was given (a checkpoint that does not fit its preset, a setting out of
-        range): it is reported as a usage error. Errors after this point keep their own kind."""
+        """Builds model, data and trainer. What a class raises while being built (``ValueError``, and
+        Lightning's ``TypeError`` or missing package for an accelerator) is about its arguments: a usage
+        error (as is Lightning's ``MisconfigurationException``, anywhere). Later errors keep their kind."""
         try:
             with quiet_cli_trainer(self.subcommand):
                 super().instantiate_classes()
         except UsageError:
             raise
-        except ValueError as err:
+        except (ValueError, TypeError, ModuleNotFoundError) as err:
             raise UsageError(f"the configuration could not be built: {err}") from err
 
         self._mark("built")

@@ -101,20 +101,26 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     np.save(src / "a.npy", random_codes(1, 3)[0].numpy())
     job = ["predict", "--config", str(ROOT / "configs/predict.yaml"), "--model.checkpoint", str(ckpt),
            "--data.predict", str(src), "--out_dir", str(tmp_path / "out"), "--trainer.accelerator", "cpu"]  # fmt: skip
-    mistakes = {  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
-        "--data.max_frames": ("0", "max_frames must be an integer >= 1 (or None), got 0"),
-        "--trainer.devices": ("0", "`Trainer(devices='0')` value is not a valid input"),
-    }
-    for flag, (value, message) in mistakes.items():
+    built = "the configuration could not be built: "
+    mistakes = [  # found once torch is loaded, by the classes or by Lightning: still the user's, one line
+        ("--data.max_frames", "0", "max_frames must be an integer >= 1 (or None), got 0"),
+        ("--trainer.devices", "0", "`Trainer(devices='0')` value is not a valid input"),
+        ("--trainer.devices", "foo", built + "`devices` selected with `CPUAccelerator` should be an int > 0"),
+        ("--trainer.strategy", "nope", built + "You selected an invalid strategy"),
+        ("--trainer.accelerator", "tpu", built + "Requirement 'torch_xla"),
+    ]
+    for flag, value, message in mistakes:
         assert main([*job, flag, value]) == 2
         err = capsys.readouterr().err
         assert f"error: {message}" in err and "Traceback" not in err, err
 
-    with pytest.raises(SystemExit) as exited:  # the parser's own error (it exits): no 100-line usage above it
-        main([*job, "--data.seed", "abc"])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert 'error: Parser key "data.seed"' in err and "usage:" not in err and err.count("\n") <= 4, err
+    parser_says = {"--data.seed": "abc", "--trainer.num_nodes": "two", "--trainer.enable_progress_bar": "0"}
+    for flag, value in parser_says.items():  # jsonargparse's own errors (it exits): one line, no usage above
+        with pytest.raises(SystemExit) as exited:
+            main([*job, flag, value])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err
+        assert f"error: {flag} takes " in err and f", not '{value}'" in err and err.count("\n") <= 2, err
 
     def broken(self, batch):
         raise ValueError("an internal check failed")  # a bug deep inside: not the user's mistake
