@@ -38,8 +38,9 @@ class Work:
         return self.codes.shape[1] - self.done
 
 
-def checked_lengths(codes: torch.Tensor, lengths: Sequence[int] | None, config: Code2WavConfig,
-                    validate: bool | None) -> list[int]:  # fmt: skip
+def checked_lengths(
+    codes: torch.Tensor, lengths: Sequence[int] | None, config: Code2WavConfig, validate: bool | None
+) -> list[int]:
     """A batch's lengths as ints after ``DecodeEngine.decode``'s checks; a batch of no request passes."""
     if isinstance(codes, torch.Tensor) and codes.dim() == 3 and codes.shape[0] == 0:
         return check_lengths(lengths, 0, codes.shape[-1]).tolist()
