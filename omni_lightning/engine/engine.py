@@ -40,10 +40,9 @@ from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture,
 from omni_lightning.engine.plan import Planner
 from omni_lightning.engine.serial import serialized
 from omni_lightning.engine.stats import EngineStats
-from omni_lightning.engine.work import Work, gather, scatter, to_device
+from omni_lightning.engine.work import Work, checked_lengths, gather, scatter, to_device
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
-from omni_lightning.models.codes import check_lengths
 from omni_lightning.models.state import DecodeState, host_to_device
 
 log = logging.getLogger(__name__)
@@ -167,13 +166,16 @@ class DecodeEngine(EngineStats):
     # --- decoding --------------------------------------------------------------------------------
 
     @serialized
-    def decode(self, codes: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
-        """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a right-padded batch ``codes
-        [B, Q, T]`` whose values were validated (the lengths are checked here), each equal to its whole decode."""
-        queue = deque(enumerate(check_lengths(lengths, codes.shape[0], codes.shape[-1]).tolist()))
+    def decode(
+        self, codes: torch.Tensor, lengths: Sequence[int] | None = None, validate: bool | None = None
+    ) -> list[torch.Tensor]:
+        """Request ``i``'s waveform ``[1, output_length(lengths[i])]`` of a right-padded batch ``codes [B, Q, T]``
+        (``lengths`` None: all ``T``), each equal to its whole decode. Layout and lengths are always checked, code
+        values with ``validate`` (None: on the CPU only, where it costs no wait; predict checks its batch there)."""
+        queue = deque(enumerate(checked_lengths(codes, lengths, self.model.config, validate)))
         codes = codes.to(self.device, non_blocking=True)
         active: list[tuple[int, Work]] = []
-        outs: list[torch.Tensor | None] = [None] * len(lengths)
+        outs: list[torch.Tensor | None] = [None] * len(queue)
         try:
             while queue or active:
                 while queue and (self._free or not active):  # take slots as they free up; none at all: acquire() raises

@@ -180,6 +180,9 @@ class StreamingDecoder:
     def stream(self, code_chunks: Iterable[torch.Tensor], stream_id: Hashable | None = None) -> Iterator[torch.Tensor]:
         """Decodes one stream: yields ``[1, m]`` per chunk of ``code_chunks``; closes it at the end
         (also when the iteration stops early or a chunk is bad). Other streams are not advanced."""
+        if isinstance(code_chunks, torch.Tensor) and code_chunks.dim() < 3:  # its rows are no chunks
+            shape = tuple(code_chunks.shape)
+            raise ValueError(f"code_chunks must be chunks [codebooks, frames], got one tensor {shape}: pass [codes]")
         with self._lock:  # no retire on another thread between the two
             sid = self.open(stream_id)
             own = self._streams[sid]  # an id closed and opened again belongs to another stream
@@ -203,6 +206,7 @@ class StreamingDecoder:
     @serialized
     def warmup(self, chunk_sizes: Iterable[int] = (1,), batch_sizes: Iterable[int] = (1,)) -> float:
         """Runs (and on CUDA captures) these shapes now on fresh scratch streams; returns seconds."""
+        chunk_sizes, batch_sizes = _sizes("chunk_sizes", chunk_sizes), _sizes("batch_sizes", batch_sizes)
         start = time.perf_counter()
         for b in batch_sizes:
             for c in chunk_sizes:
@@ -244,7 +248,8 @@ class StreamingDecoder:
         if stream is None:
             self._check_serving()
             if stream_id in self._closed:
-                raise ValueError(f"stream {stream_id!r} is closed: a chunk after close() needs a new stream")
+                why = "a chunk after close() needs a new stream" if usable else "close() it once"
+                raise ValueError(f"stream {stream_id!r} is closed already: {why}")
             raise ValueError(f"unknown stream {stream_id!r}: open() it first")
         if usable and stream.failed is not None:
             raise ValueError(
@@ -281,3 +286,11 @@ def _check_hashable(stream_id: Hashable) -> None:
         hash(stream_id)
     except TypeError:
         raise ValueError(f"stream ids must be hashable, got {type(stream_id).__name__}") from None
+
+
+def _sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:
+    """``sizes`` as a tuple of integers >= 1, else a ValueError naming ``name`` and the bad value."""
+    sizes = tuple(sizes) if isinstance(sizes, Iterable) else sizes
+    if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")
+    return sizes

@@ -5,7 +5,8 @@ gives back, and how a streaming step's chunks reach the device.
 builds a forward's ``[rows, Q, chunk]`` codes from the works it advances; :func:`scatter` puts that
 forward's output where each work keeps its samples (a copy per work, or one multi-tensor copy for all
 when the forward decodes every one of them whole: a streaming step).
-:func:`to_device` moves many small chunks in one copy. Nothing here waits for the device.
+:func:`to_device` moves many small chunks in one copy. Nothing here waits for the device, but
+:func:`checked_lengths` (a batch's checks before it becomes work) asked to check codes on a device.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from omni_lightning.models.codes import check_codes_layout, check_lengths, validate_codes
+from omni_lightning.models.config import Code2WavConfig
 
 
 @dataclass
@@ -32,6 +36,18 @@ class Work:
     @property
     def left(self) -> int:
         return self.codes.shape[1] - self.done
+
+
+def checked_lengths(
+    codes: torch.Tensor, lengths: Sequence[int] | None, config: Code2WavConfig, validate: bool | None
+) -> list[int]:
+    """A batch's lengths as ints after ``DecodeEngine.decode``'s checks; a batch of no request passes."""
+    if isinstance(codes, torch.Tensor) and codes.dim() == 3 and codes.shape[0] == 0:
+        return check_lengths(lengths, 0, codes.shape[-1]).tolist()
+    if validate or (validate is None and isinstance(codes, torch.Tensor) and codes.device.type == "cpu"):
+        return validate_codes(codes, config, lengths).tolist()
+    check_codes_layout(codes, config)
+    return check_lengths(lengths, codes.shape[0], codes.shape[-1]).tolist()
 
 
 def to_device(

@@ -154,13 +154,14 @@ class Code2Wav(nn.Module):
         Each waveform is what that request gives decoded alone (the model never looks past a
         frame's own look-ahead). ``validate=False`` skips the range check, for callers that
         validated on the CPU already (the check on a GPU tensor synchronizes the device); the
-        lengths are checked either way (one per request, each in ``[1, T]``). One
+        dtype, shape and lengths are checked either way (one length per request, in ``[1, T]``). One
         forward over the whole batch: for long requests or bounded memory use ``chunked_decode`` or
         the decode engine (``omni_lightning.engine``).
         """
         if validate:
             lengths = validate_codes(codes, self.config, lengths, req_ids)
         else:
+            check_codes_layout(codes, self.config, req_ids)
             lengths = check_lengths(lengths, codes.shape[0], codes.shape[-1], req_ids)
         n = lengths.tolist()
         codes = codes[..., : max(n)]
@@ -182,6 +183,8 @@ class Code2Wav(nn.Module):
         check_count("chunk_size", chunk_size)
         if validate:
             validate_codes(codes, self.config)
+        else:
+            check_codes_layout(codes, self.config)
         state = self.new_state(codes.shape[0])
         starts = range(0, codes.shape[-1], chunk_size)
         pieces = [self(codes[..., start : start + chunk_size], state) for start in starts]
