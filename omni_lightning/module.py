@@ -300,7 +300,7 @@ class Code2WavModule(pl.LightningModule):
     def decode_batch(self, batch: dict[str, Any]) -> list[torch.Tensor]:
         """Float32 waveforms of a (validated) batch, in request order."""
         n_frames = batch.get("n_frames") or self.on_before_batch_transfer(batch, 0)["n_frames"]
-        return self.decode_engine().decode(batch["codes"], n_frames)
+        return self.decode_engine().decode(batch["codes"], n_frames, validate=False)  # checked before transfer
 
     # --- fine-tuning -------------------------------------------------------------------------------
 
