@@ -168,7 +168,7 @@ class CodesDataset(Dataset):
                 codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
             if isinstance(entry.audio, Path) and self.load_audio:
-                check_audio(entry.audio)
+                check_audio(entry.audio, values=self.on_bad_input == "raise")
             elif entry.audio is not None and self.load_audio:
                 entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
         except Exception as err:  # whatever one request's files hold, it is that request's failure

@@ -152,17 +152,24 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_audio(path: Path) -> None:
-    """Header check only: the scan must not read every waveform."""
+def check_audio(path: Path, values: bool = False) -> None:
+    """The header (``values=False``: a scan under ``skip`` does not read every waveform), or also
+    the samples of a float file, in blocks, for NaN and Inf (integer and FLAC samples are finite)."""
+    import numpy as np
     import soundfile as sf
 
     require_file(path, "audio")
     try:
         info = sf.info(str(path))
+        bad = 0
+        if values and info.subtype in ("FLOAT", "DOUBLE") and info.frames:
+            bad = sum(int(b.size - np.isfinite(b).sum()) for b in sf.blocks(str(path), blocksize=1 << 20))
     except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
+        raise _unreadable_audio(path, err) from err
     if info.frames == 0:
         raise ValueError(f"audio file {path} is empty")
+    if bad:
+        raise _non_finite(f"audio file {path}", bad)
 
 
 def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
@@ -174,10 +181,10 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
+        raise _unreadable_audio(path, err) from err
     bad = int(data.size - np.isfinite(data).sum())
-    if bad:  # one such target turns every weight of a fit into NaN
-        raise ValueError(f"audio file {path} holds {bad} non-finite sample(s) (NaN or Inf)")
+    if bad:
+        raise _non_finite(f"audio file {path}", bad)
     audio = torch.from_numpy(data).mean(dim=1)
     if sr != sample_rate:
         import torchaudio
@@ -205,6 +212,18 @@ def audio_tensor(audio: Any, req_id: str, sample_rate: int) -> torch.Tensor:
         raise ValueError(f"{who} is empty")
     audio = audio.to(device="cpu", dtype=torch.float32)
     bad = int(audio.numel() - torch.isfinite(audio).sum())
-    if bad:  # one such target turns every weight of a fit into NaN
-        raise ValueError(f"{who} holds {bad} non-finite sample(s) (NaN or Inf)")
+    if bad:
+        raise _non_finite(who, bad)
     return audio
+
+
+def _unreadable_audio(path: Path, err: Exception) -> ValueError:
+    text = str(err)
+    if "File does not exist" in text and path.is_file():  # libsndfile's words for an undecodable file
+        text = "corrupt, or in a format libsndfile cannot decode"
+    return ValueError(f"audio file {path} could not be read ({type(err).__name__}: {text})")
+
+
+def _non_finite(who: str, count: int) -> ValueError:
+    # one such target turns every weight of a fit into NaN
+    return ValueError(f"{who} holds {count} non-finite sample(s) (NaN or Inf)")

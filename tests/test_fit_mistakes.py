@@ -1,0 +1,67 @@
+"""What a new user's realistic fit and evaluation inputs do: each works, or is one clear error
+naming the bad value, found at set-up where the docs say so."""
+
+import json
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from helpers import micro_config, random_model, trainer_kwargs
+from lightning.pytorch.loggers import WandbLogger
+
+from omni_lightning import Code2WavModule, CodesDataModule, CodesDataset, Trainer
+from omni_lightning.errors import UsageError
+
+CONFIG = micro_config()
+
+
+def manifest(folder, audio: dict[str, np.ndarray], subtype="FLOAT", frames=4, suffix=".wav"):
+    """A paired manifest of ``frames``-frame requests, one per audio array (24 kHz files)."""
+    lines = []
+    for i, (name, samples) in enumerate(audio.items()):
+        np.save(folder / f"{name}.npy", np.random.default_rng(i).integers(0, 2048, (16, frames)))
+        if samples is not None:
+            sf.write(folder / f"{name}{suffix}", samples, 24000, subtype=subtype)
+        lines.append({"id": name, "codes": f"{name}.npy", "audio": f"{name}{suffix}"})
+    path = folder / "pairs.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_a_float_wav_holding_nan_or_inf_is_refused_at_set_up_naming_it(tmp_path):
+    good = 0.1 * np.random.default_rng(0).standard_normal(CONFIG.output_length(4)).astype(np.float32)
+    nan, inf = good.copy(), good.copy()
+    nan[7], inf[9] = np.nan, -np.inf
+    path = manifest(tmp_path, {"good": good, "nan": nan, "inf": inf})
+    with pytest.raises(UsageError, match="2 bad") as err:
+        CodesDataset(path, CONFIG, paired=True)
+    assert "nan.wav holds 1 non-finite" in str(err.value) and "inf.wav holds 1 non-finite" in str(err.value)
+    kept = CodesDataset(path, CONFIG, paired=True, on_bad_input="skip")  # skip: found when loaded
+    assert "error" not in kept[0] and "non-finite" in kept[1]["error"] and "non-finite" in kept[2]["error"]
+
+
+def test_an_undecodable_audio_file_is_not_called_missing(tmp_path):
+    path = manifest(tmp_path, {"a": None}, suffix=".mp3")
+    (tmp_path / "a.mp3").write_bytes(b"\xff\xfb\x90\x00" + bytes(64))
+    with pytest.raises(UsageError, match="a.mp3 could not be read") as err:
+        CodesDataset(path, CONFIG, paired=True)
+    assert "does not exist" not in str(err.value)
+
+
+def test_a_reference_shorter_than_the_spectrogram_window_is_logged_to_wandb(tmp_path, monkeypatch):
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    module = Code2WavModule(model=random_model(CONFIG), log_samples=2)
+    short = 0.1 * torch.randn(300)  # a clip of 12.5 ms under 4 frames of codes: zero-padded, 300 real samples
+    pairs = {"short": (torch.randint(0, 2048, (16, 4)), short)}
+    logger = WandbLogger(project="omni-lightning-test", save_dir=str(tmp_path), offline=True)
+    try:
+        metrics = Trainer(**{**trainer_kwargs(), "logger": logger}).validate(
+            module, datamodule=CodesDataModule(val=pairs, config=CONFIG), verbose=False
+        )
+    finally:
+        wandb.finish()
+    assert metrics[0]["val/requests"] == 1
+    assert len(list((tmp_path / "wandb").glob("offline-run-*/files/media/audio/val/*.wav"))) == 2
