@@ -12,6 +12,8 @@ from lightning.pytorch.loggers import WandbLogger
 
 from omni_lightning import Code2WavModule, CodesDataModule, CodesDataset, Trainer
 from omni_lightning.errors import UsageError
+from omni_lightning.evaluation.metrics import AudioMetrics
+from omni_lightning.training.losses import MultiResolutionSTFTLoss
 
 CONFIG = micro_config()
 
@@ -65,3 +67,39 @@ def test_a_reference_shorter_than_the_spectrogram_window_is_logged_to_wandb(tmp_
         wandb.finish()
     assert metrics[0]["val/requests"] == 1
     assert len(list((tmp_path / "wandb").glob("offline-run-*/files/media/audio/val/*.wav"))) == 2
+
+
+def test_a_silent_target_gives_a_bounded_stft_loss_and_leaves_other_items_alone():
+    """Spectral convergence divides by the target's norm: against digital silence it gave millions."""
+    gen = torch.Generator().manual_seed(0)
+    pred, target = 0.1 * torch.randn(2, 12000, generator=gen), 0.1 * torch.randn(2, 12000, generator=gen)
+    target[1] = 0
+    loss = MultiResolutionSTFTLoss()
+    per_item = loss(pred, target, reduction="none")
+    assert per_item[1] < 50, per_item
+    torch.testing.assert_close(per_item[0], loss(pred[:1], target[:1])[()])
+    quiet = loss(pred[:1], 1e-3 * target[:1])  # quiet but audible: convergence still counts
+    assert quiet > loss(pred[:1], target[:1]) + 100
+
+
+def test_si_sdr_and_snr_are_means_over_requests_whose_reference_is_not_silent():
+    gen = torch.Generator().manual_seed(0)
+    pred, target = 0.1 * torch.randn(3, 1, 6000, generator=gen), 0.1 * torch.randn(3, 6000, generator=gen)
+    target[1] = 0
+    target[2, 3000:] = 0
+    lengths = torch.tensor([6000, 6000, 3000])
+    metrics = AudioMetrics()
+    metrics.update(pred, target, lengths)
+    out = metrics.compute()
+    audible = AudioMetrics()
+    audible.update(pred[[0, 2]], target[[0, 2]], lengths[[0, 2]])
+    for name in ("si_sdr", "snr"):
+        torch.testing.assert_close(out[name], audible.compute()[name])
+    assert out["requests"] == 3 and torch.isfinite(out["mel_distance"])
+    silent = AudioMetrics()
+    silent.update(pred[1:2], target[1:2], lengths[1:2])
+    assert torch.isnan(silent.compute()["si_sdr"]) and torch.isfinite(silent.compute()["stft_distance"])
+    pred[0] = float("nan")  # a diverged model's NaN is never left out
+    broken = AudioMetrics()
+    broken.update(pred, target, lengths)
+    assert torch.isnan(broken.compute()["si_sdr"])
