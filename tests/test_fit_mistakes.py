@@ -103,3 +103,16 @@ def test_si_sdr_and_snr_are_means_over_requests_whose_reference_is_not_silent():
     broken = AudioMetrics()
     broken.update(pred, target, lengths)
     assert torch.isnan(broken.compute()["si_sdr"])
+
+
+def test_pairs_whose_audio_is_far_longer_or_shorter_than_their_codes_are_named_in_one_warning(recwarn):
+    """Cut or padded as documented, but a 44.1 kHz file taken as 24 kHz, or a wrong pair, is named."""
+    n = CONFIG.output_length(8)
+    pairs = {
+        name: (torch.randint(0, 2048, (16, 8)), 0.1 * torch.randn(length))
+        for name, length in [("close", n - 100), ("near", n + 300), ("long", 3 * n), ("short", n // 3)]
+    }
+    CodesDataset(pairs, CONFIG, paired=True)
+    said = [str(w.message) for w in recwarn if "pair(s)" in str(w.message)]
+    assert len(said) == 1 and "2 pair(s)" in said[0], said
+    assert "long (" in said[0] and "short (" in said[0] and "close" not in said[0] and "near" not in said[0]

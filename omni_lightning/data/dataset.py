@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
 from omni_lightning.data.files import CODE_SUFFIXES
@@ -112,6 +113,7 @@ class CodesDataset(Dataset):
         self.epoch: int | None = None  # set by set_epoch: crops keyed on (seed, epoch, index)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
+        self.misaligned: list[str] = []  # pairs whose audio is under half or over twice their codes' span
         if isinstance(source, (str, Path)):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
@@ -130,8 +132,6 @@ class CodesDataset(Dataset):
             self.entries = [_memory_entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)
         if self.unread:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
             suffixes = ", ".join(CODE_SUFFIXES)
             what = f"not code files ({suffixes}), hidden, or links to folders"
             rank_zero_warn(f"{_listing(self.unread, self.source)} not read: {what}")
@@ -141,6 +141,14 @@ class CodesDataset(Dataset):
         for entry in self.entries:
             if entry.error is None:
                 self._scan(entry)
+        if self.misaligned:
+            more = f", ... ({len(self.misaligned) - 5} more)" if len(self.misaligned) > 5 else ""
+            rank_zero_warn(
+                f"{len(self.misaligned)} pair(s) in {self.source} whose audio is under half or over twice the "
+                f"length of their codes' decode: {', '.join(self.misaligned[:5])}{more}; the target is the "
+                "first output_length(frames) samples (longer audio is cut, shorter is padded and masked): "
+                "check the pairing and the sample rate"
+            )
         if paired:  # fit, validate and test compare with the audio: a request without it is bad input
             self._require_audio()
         bad = [e for e in self.entries if e.error is not None]
@@ -167,10 +175,15 @@ class CodesDataset(Dataset):
             if codes is None or self.on_bad_input == "raise":  # raise: the values too, before any compute
                 codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
+            seconds = None
             if isinstance(entry.audio, Path) and self.load_audio:
-                check_audio(entry.audio, values=self.on_bad_input == "raise")
+                seconds = check_audio(entry.audio, values=self.on_bad_input == "raise")
             elif entry.audio is not None and self.load_audio:
                 entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
+                seconds = entry.audio.shape[0] / self.config.sample_rate
+            span = self.config.output_length(entry.n_frames) / self.config.sample_rate
+            if seconds is not None and not span / 2 <= seconds <= 2 * span:  # a wrong pair or sample rate?
+                self.misaligned.append(f"{entry.id} ({seconds:.2f} s of audio, {span:.2f} s of codes)")
         except Exception as err:  # whatever one request's files hold, it is that request's failure
             entry.error = _reason(err) + relative_path_hint(self.source, entry)
 

@@ -152,9 +152,10 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_audio(path: Path, values: bool = False) -> None:
-    """The header (``values=False``: a scan under ``skip`` does not read every waveform), or also
-    the samples of a float file, in blocks, for NaN and Inf (integer and FLAC samples are finite)."""
+def check_audio(path: Path, values: bool = False) -> float:
+    """Its duration in seconds, from the header (``values=False``: a scan under ``skip`` does not read
+    every waveform), after checking the samples of a float file too, in blocks, for NaN and Inf
+    (integer and FLAC samples are finite)."""
     import numpy as np
     import soundfile as sf
 
@@ -170,6 +171,7 @@ def check_audio(path: Path, values: bool = False) -> None:
         raise ValueError(f"audio file {path} is empty")
     if bad:
         raise _non_finite(f"audio file {path}", bad)
+    return info.frames / info.samplerate
 
 
 def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
