@@ -110,9 +110,9 @@ def test_pairs_whose_audio_is_far_longer_or_shorter_than_their_codes_are_named_i
     n = CONFIG.output_length(8)
     pairs = {
         name: (torch.randint(0, 2048, (16, 8)), 0.1 * torch.randn(length))
-        for name, length in [("close", n - 100), ("near", n + 300), ("long", 3 * n), ("short", n // 3)]
+        for name, length in [("close", n - 100), ("near", n + 1920), ("44k", n * 441 // 240), ("short", n // 3)]
     }
     CodesDataset(pairs, CONFIG, paired=True)
     said = [str(w.message) for w in recwarn if "pair(s)" in str(w.message)]
     assert len(said) == 1 and "2 pair(s)" in said[0], said
-    assert "long (" in said[0] and "short (" in said[0] and "close" not in said[0] and "near" not in said[0]
+    assert "44k (" in said[0] and "short (" in said[0] and "close" not in said[0] and "near" not in said[0]

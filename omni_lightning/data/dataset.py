@@ -113,7 +113,7 @@ class CodesDataset(Dataset):
         self.epoch: int | None = None  # set by set_epoch: crops keyed on (seed, epoch, index)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
-        self.misaligned: list[str] = []  # pairs whose audio is under half or over twice their codes' span
+        self.misaligned: list[str] = []  # pairs whose audio is far from their codes' span
         if isinstance(source, (str, Path)):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
@@ -144,8 +144,8 @@ class CodesDataset(Dataset):
         if self.misaligned:
             more = f", ... ({len(self.misaligned) - 5} more)" if len(self.misaligned) > 5 else ""
             rank_zero_warn(
-                f"{len(self.misaligned)} pair(s) in {self.source} whose audio is under half or over twice the "
-                f"length of their codes' decode: {', '.join(self.misaligned[:5])}{more}; the target is the "
+                f"{len(self.misaligned)} pair(s) in {self.source} whose audio is over 20% longer or shorter "
+                f"than their codes' decode: {', '.join(self.misaligned[:5])}{more}; the target is the "
                 "first output_length(frames) samples (longer audio is cut, shorter is padded and masked): "
                 "check the pairing and the sample rate"
             )
@@ -182,7 +182,8 @@ class CodesDataset(Dataset):
                 entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
                 seconds = entry.audio.shape[0] / self.config.sample_rate
             span = self.config.output_length(entry.n_frames) / self.config.sample_rate
-            if seconds is not None and not span / 2 <= seconds <= 2 * span:  # a wrong pair or sample rate?
+            slack = max(0.2 * span, 2 / self.config.frame_rate)  # a codec's pair: within a frame or two
+            if seconds is not None and abs(seconds - span) > slack:  # a wrong pair or sample rate?
                 self.misaligned.append(f"{entry.id} ({seconds:.2f} s of audio, {span:.2f} s of codes)")
         except Exception as err:  # whatever one request's files hold, it is that request's failure
             entry.error = _reason(err) + relative_path_hint(self.source, entry)
