@@ -116,3 +116,22 @@ def test_pairs_whose_audio_is_far_longer_or_shorter_than_their_codes_are_named_i
     said = [str(w.message) for w in recwarn if "pair(s)" in str(w.message)]
     assert len(said) == 1 and "2 pair(s)" in said[0], said
     assert "44k (" in said[0] and "short (" in said[0] and "close" not in said[0] and "near" not in said[0]
+
+
+def test_audio_past_the_models_clamped_range_is_named_in_one_warning(tmp_path, recwarn):
+    """int16 samples taken as floats (a missing / 32768) are targets the clamped output never reaches."""
+    n = CONFIG.output_length(4)
+    loud = 0.1 * np.random.default_rng(0).standard_normal(n).astype(np.float32)
+    CodesDataset({"scaled": (torch.randint(0, 2048, (16, 4)), torch.from_numpy(loud * 32768))}, CONFIG, paired=True)
+    clipped = np.clip(loud * 20, -1, 1)
+    path = manifest(tmp_path, {"hot": loud * 20, "clipped": clipped})  # float WAVs
+    CodesDataset(path, CONFIG, paired=True)  # raise: float files are read whole, so their peak is known
+    manifest(tmp_path, {"pcm": clipped}, subtype="PCM_16")
+    CodesDataset(path.with_name("pairs.jsonl"), CONFIG, paired=True)
+    said = [str(w.message) for w in recwarn if "pair(s)" in str(w.message)]
+    assert len(said) == 2, said
+    assert (
+        "1 pair(s) in <memory>" in said[0]
+        and f"scaled (peak {np.abs(loud).max() * 32768:.3g}, past the model's [-1, 1])" in said[0]
+    )
+    assert "hot (peak" in said[1] and "clipped" not in said[1] and "/ 32768" in said[1]

@@ -41,7 +41,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
 from omni_lightning.data.files import CODE_SUFFIXES
-from omni_lightning.data.io import audio_tensor, check_audio, codes_file_layout, in_memory, load_audio, load_codes_file
+from omni_lightning.data.io import codes_file_layout, in_memory, load_audio, load_codes_file, scan_audio, warn_audio
 from omni_lightning.data.sources import Entry, list_source, relative_path_hint, unique_ids
 from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig, resolve_config
@@ -113,7 +113,7 @@ class CodesDataset(Dataset):
         self.epoch: int | None = None  # set by set_epoch: crops keyed on (seed, epoch, index)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
-        self.misaligned: list[str] = []  # pairs whose audio is far from their codes' span
+        self.doubtful: list[str] = []  # pairs whose audio looks wrong (io.scan_audio)
         if isinstance(source, (str, Path)):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
@@ -141,14 +141,8 @@ class CodesDataset(Dataset):
         for entry in self.entries:
             if entry.error is None:
                 self._scan(entry)
-        if self.misaligned:
-            more = f", ... ({len(self.misaligned) - 5} more)" if len(self.misaligned) > 5 else ""
-            rank_zero_warn(
-                f"{len(self.misaligned)} pair(s) in {self.source} whose audio is over 20% longer or shorter "
-                f"than their codes' decode: {', '.join(self.misaligned[:5])}{more}; the target is the "
-                "first output_length(frames) samples (longer audio is cut, shorter is padded and masked): "
-                "check the pairing and the sample rate"
-            )
+        if self.doubtful:
+            warn_audio(self.doubtful, self.source)
         if paired:  # fit, validate and test compare with the audio: a request without it is bad input
             self._require_audio()
         bad = [e for e in self.entries if e.error is not None]
@@ -175,16 +169,10 @@ class CodesDataset(Dataset):
             if codes is None or self.on_bad_input == "raise":  # raise: the values too, before any compute
                 codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
-            seconds = None
-            if isinstance(entry.audio, Path) and self.load_audio:
-                seconds = check_audio(entry.audio, values=self.on_bad_input == "raise")
-            elif entry.audio is not None and self.load_audio:
-                entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
-                seconds = entry.audio.shape[0] / self.config.sample_rate
-            span = self.config.output_length(entry.n_frames) / self.config.sample_rate
-            slack = max(0.2 * span, 2 / self.config.frame_rate)  # a codec's pair: within a frame or two
-            if seconds is not None and abs(seconds - span) > slack:  # a wrong pair or sample rate?
-                self.misaligned.append(f"{entry.id} ({seconds:.2f} s of audio, {span:.2f} s of codes)")
+            if entry.audio is not None and self.load_audio:
+                values = self.on_bad_input == "raise"  # a float file's samples too, as the codes' values
+                entry.audio, doubt = scan_audio(entry.audio, entry.id, entry.n_frames, self.config, values)
+                self.doubtful += [f"{entry.id} ({doubt})"] if doubt else []
         except Exception as err:  # whatever one request's files hold, it is that request's failure
             entry.error = _reason(err) + relative_path_hint(self.source, entry)
 

@@ -152,26 +152,58 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_audio(path: Path, values: bool = False) -> float:
-    """Its duration in seconds, from the header (``values=False``: a scan under ``skip`` does not read
-    every waveform), after checking the samples of a float file too, in blocks, for NaN and Inf
-    (integer and FLAC samples are finite)."""
+def check_audio(path: Path, values: bool = False) -> tuple[float, float | None]:
+    """Its duration in seconds from the header, and with ``values`` the peak of a float file, whose
+    samples are read in blocks and refused when one is NaN or Inf (integer and FLAC samples are
+    finite and within [-1, 1]: peak None). A scan under ``skip`` does not read every waveform."""
     import numpy as np
     import soundfile as sf
 
     require_file(path, "audio")
     try:
         info = sf.info(str(path))
-        bad = 0
+        bad, peak = 0, None
         if values and info.subtype in ("FLOAT", "DOUBLE") and info.frames:
-            bad = sum(int(b.size - np.isfinite(b).sum()) for b in sf.blocks(str(path), blocksize=1 << 20))
+            for block in sf.blocks(str(path), blocksize=1 << 20):
+                bad += int(block.size - np.isfinite(block).sum())
+                peak = max(peak or 0.0, float(np.abs(block).max()))
     except Exception as err:
         raise _unreadable_audio(path, err) from err
     if info.frames == 0:
         raise ValueError(f"audio file {path} is empty")
     if bad:
         raise _non_finite(f"audio file {path}", bad)
-    return info.frames / info.samplerate
+    return info.frames / info.samplerate, peak
+
+
+def scan_audio(audio: Any, req_id: str, n_frames: int, config: Any, values: bool) -> tuple[Any, str | None]:
+    """A request's audio as the build checks it (a file: :func:`check_audio`; in memory:
+    :func:`audio_tensor`), and why it looks wrong, or None: a length far (20%, two frames) from its
+    codes' decode (a wrong pair or sample rate), or samples past the model's clamped [-1, 1]."""
+    rate = config.sample_rate
+    if isinstance(audio, Path):
+        seconds, peak = check_audio(audio, values)
+    else:
+        audio = audio_tensor(audio, req_id, rate)
+        seconds, peak = audio.shape[0] / rate, float(audio.abs().max())
+    span = config.output_length(n_frames) / rate
+    far = abs(seconds - span) > max(0.2 * span, 2 / config.frame_rate)
+    doubts = [f"{seconds:.2f} s of audio, {span:.2f} s of codes"] if far else []
+    doubts += [f"peak {peak:.3g}, past the model's [-1, 1]"] if peak is not None and peak > 1 else []
+    return audio, "; ".join(doubts) or None
+
+
+def warn_audio(doubtful: list[str], source: Any) -> None:
+    """One warning naming the pairs whose audio looks wrong (``"id (why)"`` each, from :func:`scan_audio`)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    more = f", ... ({len(doubtful) - 5} more)" if len(doubtful) > 5 else ""
+    rank_zero_warn(
+        f"{len(doubtful)} pair(s) in {source} whose audio looks wrong: {', '.join(doubtful[:5])}{more}; a target "
+        "is the first output_length(frames) samples (longer audio is cut, shorter is padded and masked) and the "
+        "model's output is clamped to [-1, 1]: check the pairing, the sample rate and the scale (int16 samples "
+        "as floats need / 32768)"
+    )
 
 
 def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
