@@ -25,7 +25,8 @@ request's failure, never the run's.
 Audio files are read with soundfile, mixed to mono and resampled to the model's rate. The alignment
 rule, for files and memory alike: a request's target is the first ``output_length(n_frames)``
 samples of its audio; longer audio is cut; shorter audio is zero-padded and ``audio_length`` marks
-the real samples, so the pad never enters a loss.
+the real samples, so the pad never enters a loss. Pairs whose audio looks wrong (far from its codes'
+length, or past [-1, 1]: ``io.scan_audio``) are named in one warning at the build.
 """
 
 from __future__ import annotations
