@@ -216,7 +216,7 @@ def variant(pairs, tmp_path, extra):
 def test_bad_paired_requests_are_refused_or_skipped_by_name_never_trained_on(pairs, tmp_path):
     """A target with NaN samples (it turned every weight into NaN) and a line with no audio (it crashed
     the fit mid-run with "training needs paired data") are bad input. With ``on_bad_input="raise"`` the
-    line is refused at set-up, naming it (a NaN target raises when it is read); with ``"skip"`` both
+    line and the NaN target are refused at set-up, naming them; with ``"skip"`` both
     are left out, each named in one warning, and the fit trains on the rest with finite weights."""
     wav, _ = sf.read(str(pairs[0].parent / json.loads(pairs[0].read_text().splitlines()[3])["audio"]), dtype="float32")
     wav[100:200] = np.nan
@@ -230,8 +230,9 @@ def test_bad_paired_requests_are_refused_or_skipped_by_name_never_trained_on(pai
             {"id": "no audio", "codes": rows[1]["codes"]},
         ],
     )
-    with pytest.raises(UsageError, match="no audio: no 'audio' path in its manifest line"):
-        CodesDataModule(train=str(manifest), on_bad_input="raise").setup("fit")  # (the NaN: when read)
+    with pytest.raises(UsageError, match="no audio: no 'audio' path in its manifest line") as err:
+        CodesDataModule(train=str(manifest), on_bad_input="raise").setup("fit")
+    assert "nan target: audio file" in str(err.value) and "non-finite" in str(err.value)
     data = CodesDataModule(train=str(manifest), batch_size=1, crop_frames=20, on_bad_input="skip")
     module = student()
     with pytest.warns(UserWarning) as caught:

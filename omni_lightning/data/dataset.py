@@ -25,7 +25,8 @@ request's failure, never the run's.
 Audio files are read with soundfile, mixed to mono and resampled to the model's rate. The alignment
 rule, for files and memory alike: a request's target is the first ``output_length(n_frames)``
 samples of its audio; longer audio is cut; shorter audio is zero-padded and ``audio_length`` marks
-the real samples, so the pad never enters a loss.
+the real samples, so the pad never enters a loss. Pairs whose audio looks wrong (far from its codes'
+length, or past [-1, 1]: ``io.scan_audio``) are named in one warning at the build.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import Dataset
 
 from omni_lightning.data.files import CODE_SUFFIXES
-from omni_lightning.data.io import audio_tensor, check_audio, codes_file_layout, in_memory, load_audio, load_codes_file
+from omni_lightning.data.io import codes_file_layout, in_memory, load_audio, load_codes_file, scan_audio, warn_audio
 from omni_lightning.data.sources import Entry, list_source, relative_path_hint, unique_ids
 from omni_lightning.errors import UsageError
 from omni_lightning.models import Code2WavConfig, resolve_config
@@ -112,6 +114,7 @@ class CodesDataset(Dataset):
         self.epoch: int | None = None  # set by set_epoch: crops keyed on (seed, epoch, index)
         self.source = source if isinstance(source, (str, Path)) else "<memory>"
         self.unread: list[Path] = []  # files of a source folder that are not code files
+        self.doubtful: list[str] = []  # pairs whose audio looks wrong (io.scan_audio)
         if isinstance(source, (str, Path)):
             self.entries, self.unread = list_source(source, duplicate_ids)
         else:
@@ -130,8 +133,6 @@ class CodesDataset(Dataset):
             self.entries = [_memory_entry(str(k), v) for k, v in items]
             unique_ids(self.entries, self.source, duplicate_ids)
         if self.unread:
-            from lightning.fabric.utilities.rank_zero import rank_zero_warn
-
             suffixes = ", ".join(CODE_SUFFIXES)
             what = f"not code files ({suffixes}), hidden, or links to folders"
             rank_zero_warn(f"{_listing(self.unread, self.source)} not read: {what}")
@@ -141,6 +142,8 @@ class CodesDataset(Dataset):
         for entry in self.entries:
             if entry.error is None:
                 self._scan(entry)
+        if self.doubtful:
+            warn_audio(self.doubtful, self.source)
         if paired:  # fit, validate and test compare with the audio: a request without it is bad input
             self._require_audio()
         bad = [e for e in self.entries if e.error is not None]
@@ -167,10 +170,10 @@ class CodesDataset(Dataset):
             if codes is None or self.on_bad_input == "raise":  # raise: the values too, before any compute
                 codes = self._load_codes(entry)
             entry.n_frames = codes.shape[-1]
-            if isinstance(entry.audio, Path) and self.load_audio:
-                check_audio(entry.audio)
-            elif entry.audio is not None and self.load_audio:
-                entry.audio = audio_tensor(entry.audio, entry.id, self.config.sample_rate)
+            if entry.audio is not None and self.load_audio:
+                values = self.on_bad_input == "raise"  # a float file's samples too, as the codes' values
+                entry.audio, doubt = scan_audio(entry.audio, entry.id, entry.n_frames, self.config, values)
+                self.doubtful += [f"{entry.id} ({doubt})"] if doubt else []
         except Exception as err:  # whatever one request's files hold, it is that request's failure
             entry.error = _reason(err) + relative_path_hint(self.source, entry)
 

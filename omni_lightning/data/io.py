@@ -152,17 +152,58 @@ def _safetensors_header(path: Path) -> dict[str, Any]:
     return header
 
 
-def check_audio(path: Path) -> None:
-    """Header check only: the scan must not read every waveform."""
+def check_audio(path: Path, values: bool = False) -> tuple[float, float | None]:
+    """Its duration in seconds from the header, and with ``values`` the peak of a float file, whose
+    samples are read in blocks and refused when one is NaN or Inf (integer and FLAC samples are
+    finite and within [-1, 1]: peak None). A scan under ``skip`` does not read every waveform."""
+    import numpy as np
     import soundfile as sf
 
     require_file(path, "audio")
     try:
         info = sf.info(str(path))
+        bad, peak = 0, None
+        if values and info.subtype in ("FLOAT", "DOUBLE") and info.frames:
+            for block in sf.blocks(str(path), blocksize=1 << 20):
+                bad += int(block.size - np.isfinite(block).sum())
+                peak = max(peak or 0.0, float(np.abs(block).max()))
     except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
+        raise _unreadable_audio(path, err) from err
     if info.frames == 0:
         raise ValueError(f"audio file {path} is empty")
+    if bad:
+        raise _non_finite(f"audio file {path}", bad)
+    return info.frames / info.samplerate, peak
+
+
+def scan_audio(audio: Any, req_id: str, n_frames: int, config: Any, values: bool) -> tuple[Any, str | None]:
+    """A request's audio as the build checks it (a file: :func:`check_audio`; in memory:
+    :func:`audio_tensor`), and why it looks wrong, or None: a length far (20%, two frames) from its
+    codes' decode (a wrong pair or sample rate), or samples past the model's clamped [-1, 1]."""
+    rate = config.sample_rate
+    if isinstance(audio, Path):
+        seconds, peak = check_audio(audio, values)
+    else:
+        audio = audio_tensor(audio, req_id, rate)
+        seconds, peak = audio.shape[0] / rate, float(audio.abs().max())
+    span = config.output_length(n_frames) / rate
+    far = abs(seconds - span) > max(0.2 * span, 2 / config.frame_rate)
+    doubts = [f"{seconds:.2f} s of audio, {span:.2f} s of codes"] if far else []
+    doubts += [f"peak {peak:.3g}, past the model's [-1, 1]"] if peak is not None and peak > 1 else []
+    return audio, "; ".join(doubts) or None
+
+
+def warn_audio(doubtful: list[str], source: Any) -> None:
+    """One warning naming the pairs whose audio looks wrong (``"id (why)"`` each, from :func:`scan_audio`)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    more = f", ... ({len(doubtful) - 5} more)" if len(doubtful) > 5 else ""
+    rank_zero_warn(
+        f"{len(doubtful)} pair(s) in {source} whose audio looks wrong: {', '.join(doubtful[:5])}{more}; a target "
+        "is the first output_length(frames) samples (longer audio is cut, shorter is padded and masked) and the "
+        "model's output is clamped to [-1, 1]: check the pairing, the sample rate and the scale (int16 samples "
+        "as floats need / 32768)"
+    )
 
 
 def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
@@ -174,10 +215,10 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
     try:
         data, sr = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as err:
-        raise ValueError(f"audio file {path} could not be read ({type(err).__name__}: {err})") from err
+        raise _unreadable_audio(path, err) from err
     bad = int(data.size - np.isfinite(data).sum())
-    if bad:  # one such target turns every weight of a fit into NaN
-        raise ValueError(f"audio file {path} holds {bad} non-finite sample(s) (NaN or Inf)")
+    if bad:
+        raise _non_finite(f"audio file {path}", bad)
     audio = torch.from_numpy(data).mean(dim=1)
     if sr != sample_rate:
         import torchaudio
@@ -205,6 +246,18 @@ def audio_tensor(audio: Any, req_id: str, sample_rate: int) -> torch.Tensor:
         raise ValueError(f"{who} is empty")
     audio = audio.to(device="cpu", dtype=torch.float32)
     bad = int(audio.numel() - torch.isfinite(audio).sum())
-    if bad:  # one such target turns every weight of a fit into NaN
-        raise ValueError(f"{who} holds {bad} non-finite sample(s) (NaN or Inf)")
+    if bad:
+        raise _non_finite(who, bad)
     return audio
+
+
+def _unreadable_audio(path: Path, err: Exception) -> ValueError:
+    text = str(err)
+    if "File does not exist" in text and path.is_file():  # libsndfile's words for an undecodable file
+        text = "corrupt, or in a format libsndfile cannot decode"
+    return ValueError(f"audio file {path} could not be read ({type(err).__name__}: {text})")
+
+
+def _non_finite(who: str, count: int) -> ValueError:
+    # one such target turns every weight of a fit into NaN
+    return ValueError(f"{who} holds {count} non-finite sample(s) (NaN or Inf)")

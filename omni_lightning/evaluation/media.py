@@ -67,7 +67,9 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
     import matplotlib.pyplot as plt
     import torchaudio
 
-    mel = torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=1024, hop_length=256, n_mels=80)(wav.float())
+    # zero-padded at the ends: reflect padding refuses a request shorter than half the window
+    mel = torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=1024, hop_length=256, n_mels=80, pad_mode="constant")
+    mel = mel(wav.float())
     fig, ax = plt.subplots(figsize=(6, 2.5), dpi=80)
     ax.imshow(torch.log(mel + 1e-5).numpy(), origin="lower", aspect="auto", cmap="magma")
     ax.set_title(title)

@@ -35,7 +35,8 @@ def batch_metrics(
     stft: MultiResolutionSTFTLoss,
 ) -> dict[str, torch.Tensor]:
     """All four metrics of each request, ``[B]`` each: ``pred`` ``[B, 1, T]`` or ``[B, T]``, ``target``
-    ``[B, N]``, ``lengths`` real samples per request (None: all)."""
+    ``[B, N]``, ``lengths`` real samples per request (None: all). SI-SDR and SNR against a silent
+    reference (every real sample 0) are undefined: NaN."""
     pred, target = pred.reshape(pred.shape[0], -1).float(), target.reshape(target.shape[0], -1).float()
     n = min(pred.shape[-1], target.shape[-1])
     pred, target = pred[:, :n], target[:, :n]
@@ -43,11 +44,13 @@ def batch_metrics(
         real = torch.arange(n, device=pred.device)[None] < lengths.to(pred.device)[:, None]
         pred, target = pred * real, target * real
     spectra = mel.spectra(pred, target, lengths)
+    silent = target.abs().amax(-1) == 0  # else eps over pred's energy: -90 dB that swamps the mean
+    nan = torch.tensor(float("nan"), device=pred.device)
     return {
         "mel_distance": torch.stack(mel.item_losses(spectra)).mean(0),
         "stft_distance": torch.stack(stft.item_losses(spectra)).mean(0),
-        "si_sdr": scale_invariant_signal_distortion_ratio(pred, target),
-        "snr": signal_noise_ratio(pred, target),
+        "si_sdr": torch.where(silent, nan, scale_invariant_signal_distortion_ratio(pred, target)),
+        "snr": torch.where(silent, nan, signal_noise_ratio(pred, target)),
     }
 
 
@@ -59,8 +62,9 @@ def request_metrics(
 
 
 class AudioMetrics(Metric):
-    """Means over requests of :data:`NAMES`, plus ``requests``, ``audio_s`` and ``audio_s_per_s``
-    (summed over ranks, over rank 0's wall-clock time since ``reset``)."""
+    """Means over requests of :data:`NAMES` (SI-SDR and SNR over those whose reference is not
+    silent), plus ``requests``, ``audio_s`` and ``audio_s_per_s`` (summed over ranks, over rank 0's
+    wall-clock time since ``reset``)."""
 
     full_state_update = False
 
@@ -74,6 +78,7 @@ class AudioMetrics(Metric):
         for name in LOSSES:
             self.add_state(f"sum_{name}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("audible", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")  # scored by SI-SDR, SNR
         self.add_state("loss_requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("audio_s", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self._t0 = time.perf_counter()
@@ -97,15 +102,19 @@ class AudioMetrics(Metric):
                 setattr(self, f"sum_{name}", getattr(self, f"sum_{name}") + value.detach().double() * lengths.numel())
         if losses:
             self.loss_requests += lengths.numel()
+        n = min(pred.shape[-1], target.shape[-1])
+        audible = (target[:, :n].ne(0) & (torch.arange(n, device=lengths.device)[None] < lengths[:, None])).any(-1)
         for name, values in batch_metrics(pred, target, lengths, self.mel, self.stft).items():
+            values = values.where(audible, 0.0) if name in ("si_sdr", "snr") else values  # NaN when silent
             setattr(self, name, getattr(self, name) + values.double().sum())
         self.requests += lengths.numel()
+        self.audible += audible.sum()
         self.audio_s += lengths.sum().double() / self.sample_rate
 
     def compute(self) -> dict[str, torch.Tensor]:
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=self.requests.device)
-        count = self.requests.double()
-        out = {name: getattr(self, name) / count if self.requests else nan for name in NAMES}
+        counts = {name: self.audible if name in ("si_sdr", "snr") else self.requests for name in NAMES}
+        out = {name: getattr(self, name) / counts[name].double() if counts[name] else nan for name in NAMES}
         if self.loss_requests:  # every rank has the same states here: they were reduced
             out.update({name: getattr(self, f"sum_{name}") / self.loss_requests.double() for name in LOSSES})
         out["requests"] = self.requests.double()

@@ -81,11 +81,14 @@ class MultiResolutionSTFTLoss(nn.Module):
         self.eps = eps
 
     def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
-        """Per resolution, each item's spectral convergence plus mean log-magnitude L1: ``[B]`` each."""
+        """Per resolution, each item's spectral convergence plus mean log-magnitude L1: ``[B]`` each.
+        Against a silent target (no bin above ``eps``: digital silence) the convergence, relative to
+        the target's norm, is undefined and left out; the log-magnitude term still pulls towards it."""
         out = []
         for s in spectra:
             pm, tm = s.pred.clamp_min(self.eps), s.target.clamp_min(self.eps)
-            convergence = s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps)
+            audible = s.norm(tm - self.eps) > 0  # else pred's norm over 1e-7: a loss of millions
+            convergence = torch.where(audible, s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps), 0.0)
             out.append(convergence + s.mean((torch.log(pm) - torch.log(tm)).abs()))
         return out
 
