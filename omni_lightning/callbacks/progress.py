@@ -166,7 +166,7 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     plan = getattr(getattr(trainer, "datamodule", None), "predict_plan", None)
     done = f", {plan.skipped} already done" if getattr(plan, "skipped", 0) else ""
     ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
-    job = f"{requests} requests to decode ({audio_s:.1f} s of audio){ranks}{done}"
+    job = f"{requests} request{'s' * (requests != 1)} to decode ({audio_s:.1f} s of audio){ranks}{done}"
     where = f"{device.type} {trainer.precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
     lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {where}; {memory}, {budget}; {job}"]
     if device.type == "cpu" and params > LARGE_ON_CPU:
