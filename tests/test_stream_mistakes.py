@@ -90,3 +90,10 @@ def test_an_abandoned_module_stream_frees_its_slot_and_the_next_is_exact():
         got = torch.cat(list(module.stream([codes[:, :0], codes[:, :1], codes[:, 1:]])), dim=-1)
         want = module.model(codes[None])[0]
     assert got.shape == want.shape and (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_chunk_given_as_a_batch_of_one_is_told_how_to_pass_it():
+    decoder = StreamingDecoder(random_model(micro_config(), seed=1), max_streams=1, cuda_graphs=False)
+    stream = decoder.open()
+    with pytest.raises(ValueError, match=r"got \(1, 16, 5\) \(a batch of one\? pass codes\[0\]\)"):
+        decoder.push(stream, torch.randint(0, 2048, (1, 16, 5)))

@@ -139,7 +139,8 @@ def check_request_codes(
     if chunk_from is None and codes.dim() == 3 and codes.shape[0] == 1:
         codes = codes[0]
     if codes.dim() != 2:
-        raise ValueError(_say(who, f"codes must have shape [codebooks, frames], got {tuple(codes.shape)}"))
+        hint = " (a batch of one? pass codes[0])" if codes.dim() == 3 and codes.shape[0] == 1 else ""
+        raise ValueError(_say(who, f"codes must have shape [codebooks, frames], got {tuple(codes.shape)}{hint}"))
     _check_codebooks(codes.shape, config, who)
     if codes.shape[1] == 0 and chunk_from is None:
         raise ValueError(f"{who} is empty (0 frames)")
