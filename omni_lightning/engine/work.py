@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omni_lightning.models.codes import check_codes_layout, check_lengths, validate_codes
+from omni_lightning.models.codes import check_lengths, validate_codes
 from omni_lightning.models.config import Code2WavConfig
 
 
@@ -44,10 +44,8 @@ def checked_lengths(
     """A batch's lengths as ints after ``DecodeEngine.decode``'s checks; a batch of no request passes."""
     if isinstance(codes, torch.Tensor) and codes.dim() == 3 and codes.shape[0] == 0:
         return check_lengths(lengths, 0, codes.shape[-1]).tolist()
-    if validate or (validate is None and isinstance(codes, torch.Tensor) and codes.device.type == "cpu"):
-        return validate_codes(codes, config, lengths).tolist()
-    check_codes_layout(codes, config)
-    return check_lengths(lengths, codes.shape[0], codes.shape[-1]).tolist()
+    values = validate or (validate is None and isinstance(codes, torch.Tensor) and codes.device.type == "cpu")
+    return validate_codes(codes, config, lengths, values=bool(values)).tolist()
 
 
 def to_device(

@@ -26,7 +26,7 @@ from torch import nn
 
 from omni_lightning.errors import UsageError, check_count
 from omni_lightning.kernels import Kernels
-from omni_lightning.models.codes import check_codes_layout, check_lengths, validate_codes
+from omni_lightning.models.codes import check_codes_layout, validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
     CausalConv1d,
@@ -158,12 +158,7 @@ class Code2Wav(nn.Module):
         forward over the whole batch: for long requests or bounded memory use ``chunked_decode`` or
         the decode engine (``omni_lightning.engine``).
         """
-        if validate:
-            lengths = validate_codes(codes, self.config, lengths, req_ids)
-        else:
-            check_codes_layout(codes, self.config, req_ids)
-            lengths = check_lengths(lengths, codes.shape[0], codes.shape[-1], req_ids)
-        n = lengths.tolist()
+        n = validate_codes(codes, self.config, lengths, req_ids, values=validate).tolist()
         codes = codes[..., : max(n)]
         if codes.dtype not in (torch.int32, torch.int64):  # uint16 & co. have no clamp kernel
             codes = codes.long()
@@ -181,10 +176,7 @@ class Code2Wav(nn.Module):
         ``[1, N]``, as ``decode`` gives per request.
         """
         check_count("chunk_size", chunk_size)
-        if validate:
-            validate_codes(codes, self.config)
-        else:
-            check_codes_layout(codes, self.config)
+        validate_codes(codes, self.config, values=validate)
         state = self.new_state(codes.shape[0])
         starts = range(0, codes.shape[-1], chunk_size)
         pieces = [self(codes[..., start : start + chunk_size], state) for start in starts]

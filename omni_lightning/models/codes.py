@@ -107,9 +107,10 @@ def validate_codes(
     config: Code2WavConfig,
     lengths: Any = None,
     req_ids: Sequence[str] | None = None,
+    values: bool = True,
 ) -> torch.Tensor:
     """Checks a batch ``[B, Q, T]`` of any integer dtype (and its ``lengths``) before any lookup;
-    returns the lengths (int64, CPU).
+    returns the lengths (int64, CPU). ``values=False``: the layout and lengths only (no device wait).
 
     Raises ``ValueError`` naming the request (id or index), codebook and frame of the first problem.
     Only frames inside each request's length are checked, so any pad value is accepted. On a GPU
@@ -121,7 +122,8 @@ def validate_codes(
         shown = f"{list(req_ids)[:8]!r}{' ...' if len(req_ids) > 8 else ''}"
         raise ValueError(f"{len(req_ids)} request ids for a batch of {batch} requests: req_ids {shown}")
     lengths = check_lengths(lengths, batch, n_frames, req_ids)
-    _check_values(codes, config, lambda i: _name(req_ids, i), "batch" if batch > 1 else "request", lengths)
+    if values:
+        _check_values(codes, config, lambda i: _name(req_ids, i), "batch" if batch > 1 else "request", lengths)
     return lengths
 
 
