@@ -487,9 +487,10 @@ class ExceptionLog(Callback):
         self.ended = True
 
 
-def test_exception_in_predict_step(make_trainer):
+@pytest.mark.parametrize("progress_bar", [False, True])
+def test_exception_in_predict_step(make_trainer, progress_bar):
     log = ExceptionLog()
-    trainer = make_trainer(callbacks=[log])
+    trainer = make_trainer(callbacks=[log], enable_progress_bar=progress_bar)
     net = Failing()
     net.train()
     with pytest.raises(ValueError, match="boom at batch 1") as err:

@@ -43,14 +43,36 @@ def test_fast_sine_is_as_accurate_as_libdevice_for_any_argument():
         assert errors[False] <= 2 * errors[True] + 2e-6, (scale, errors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_residual_unit_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
+    """The fused unit (fast sine, tensor-core dots) against the torch reference in fp64, beside the
+    layers' own error in ``dtype``: no larger than theirs, plus bf16's rounding of ``h``."""
+    from omni_lightning.kernels.residual_unit import residual_unit_reference, residual_unit_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    for channels, dilation in ((96, 9), (192, 3), (4, 1), (136, 1)):
+        rand = lambda *s, scale=1.0: torch.randn(*s, device="cuda", generator=gen) * scale  # noqa: E731
+        a, x = rand(2, 6 * dilation + 3001, channels), rand(2, 3001, channels)
+        w1 = rand(channels, channels, 7, scale=(7 * channels) ** -0.5).transpose(1, 2).contiguous().transpose(1, 2)
+        b1, la, lb = rand(channels, scale=0.1), rand(channels, scale=0.3), rand(channels, scale=0.3)
+        w2 = rand(channels, channels, 1, scale=channels**-0.5)
+        args = (w1, b1, la, lb, w2)
+        want = residual_unit_reference(a.double(), x.double(), *(t.double() for t in args))
+        low = [t.to(dtype) for t in (a, x, w1)]
+        ours = residual_unit_triton(low[0], low[1].clone(), low[2], b1, la, lb, w2.to(dtype), dilation)
+        theirs = residual_unit_reference(low[0], low[1].clone(), low[2], b1, la, lb, w2.to(dtype))
+        errors = [float((y.double() - want).norm() / want.norm()) for y in (ours, theirs)]
+        assert errors[0] <= 1.5 * errors[1] + (1e-6 if dtype == torch.float32 else 4e-3), (channels, errors)
+
+
 def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
     model = random_model("tiny").cuda()
     ref = reference_model(model).cuda()
     codes = random_codes(3, 37, seed=1).cuda()
     with torch.inference_mode():
         want = ref(codes)
-        for kernels in (Kernels(), Kernels.for_inference("cuda")):
-            assert (model(codes, kernels=kernels) - want).abs().max() <= 1e-4, kernels.name
+        for kernels in (Kernels(), Kernels.for_inference("cuda"), None):  # None: a plain call's default
+            assert (model(codes, kernels=kernels) - want).abs().max() <= 1e-4, kernels
 
 
 def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32):

@@ -50,3 +50,29 @@ def test_the_bar_ends_its_line_before_lightning_says_fit_stopped(tmp_path, capsy
     out = capsys.readouterr().out
     assert "\n`Trainer.fit` stopped: `max_steps=2` reached." in out and "train/loss" in out, out
     assert "v_num" not in out, out
+
+
+class FailsOnce(Code2WavModule):
+    """Raises in its second predict step the first time it predicts (a crash mid-job)."""
+
+    failed = False
+
+    def predict_step(self, batch, batch_idx, dataloader_idx=0):
+        if batch_idx == 1 and not self.failed:
+            type(self).failed = True
+            raise RuntimeError("crash mid-job")
+        return super().predict_step(batch, batch_idx, dataloader_idx)
+
+
+def test_a_predict_after_a_failed_one_on_the_same_trainer_completes_with_its_own_bar(model):
+    job = {f"r{i}": random_codes(1, n, seed=i)[0] for i, n in enumerate([3, 5, 7, 9])}
+    kw = {**trainer_kwargs(), "enable_progress_bar": True}
+    trainer = Trainer(**kw)
+    module = FailsOnce(model=model)
+    with pytest.raises(RuntimeError, match="crash mid-job"):
+        trainer.predict(module, datamodule=CodesDataModule(predict=job, batch_size=2, config="tiny"))
+    bar = next(cb for cb in trainer.callbacks if isinstance(cb, AudioProgressBar))
+    failed_bar = bar.predict_progress_bar
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=job, batch_size=2, config="tiny"))
+    assert sorted(r for o in preds for r in o.req_ids) == sorted(job)
+    assert bar.predict_progress_bar is not failed_bar and "requests=4/4" in bar.predict_progress_bar.postfix

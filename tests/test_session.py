@@ -191,7 +191,7 @@ def test_predict_after_fit_does_not_warn_of_random_weights():
 
 
 @pytest.mark.gpu
-def test_cuda_predicts_leave_contiguous_host_weights_that_save_raw(tmp_path):
+def test_cuda_predicts_leave_contiguous_host_weights_that_save_raw(tmp_path, no_tf32):
     from safetensors.torch import save_file
 
     module = Code2WavModule(model=random_model("tiny", seed=2))

@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
+from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
@@ -44,7 +45,8 @@ class AudioProgressBar(TQDMProgressBar):
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
-        return Tqdm(
+        # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
+        return tqdm_progress.Tqdm(
             desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,
@@ -89,8 +91,13 @@ class AudioProgressBar(TQDMProgressBar):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """No bar yet: it is made at the first batch, with its total, below the start-up line (which
-        ``PredictStartLine`` prints after this hook, once the module's engine is built)."""
+        ``PredictStartLine`` prints after this hook, once the module's engine is built). A failed or
+        interrupted predict skipped ``on_predict_end``: its bar is closed and the dataloader tracker reset
+        here, so the first batch of this predict makes a new bar."""
+        if self._predict_progress_bar is not None:
+            self._predict_progress_bar.close()
         self._predict_progress_bar = None
+        self.reset_dataloader_idx_tracker()
 
     def on_predict_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
         if not self.has_dataloader_changed(dataloader_idx):

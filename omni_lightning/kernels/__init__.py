@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_lightning.kernels import snake_beta
+from omni_lightning.kernels.residual_unit import MAX_CHANNELS, residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
 
@@ -23,20 +24,39 @@ def triton_available() -> bool:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature) and ``inplace``
+    """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature), ``inplace``
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
-    autograd needs the stream's earlier values)."""
+    autograd needs the stream's earlier values) and ``residual_unit`` (``kernels/residual_unit.py``:
+    a residual unit's convolutions and second SnakeBeta in one pass, in place; None: layer by layer)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
     name: str = "reference"
+    residual_unit: Callable[..., torch.Tensor] | None = None
+
+    def fused_unit(self, x: torch.Tensor) -> bool:
+        """Whether a residual unit on the stream ``x`` runs as ``residual_unit`` (in place, so inference
+        only; channels within one tile; a contiguous stream)."""
+        return (
+            self.residual_unit is not None
+            and self.inplace
+            and x.shape[-1] <= MAX_CHANNELS
+            and x.is_contiguous()
+            and not torch.is_grad_enabled()
+        )
 
     @classmethod
     def for_inference(cls, device: torch.device | str, fused: bool = True) -> Kernels:
         """Triton SnakeBeta on CUDA (when Triton is installed and ``fused``), in-place residuals."""
         if fused and torch.device(device).type == "cuda" and triton_available():
-            return cls(snake_beta_triton, inplace=True, name="triton")
+            return cls(snake_beta_triton, inplace=True, name="triton", residual_unit=residual_unit_triton)
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
+
+    @classmethod
+    def for_call(cls, device: torch.device | str) -> Kernels:
+        """What a plain ``model(codes)`` runs: :meth:`for_inference` where no gradient is recorded,
+        else :meth:`for_training` (on the CPU both are the torch reference)."""
+        return cls.for_training(device) if torch.is_grad_enabled() else cls.for_inference(device)
 
     @classmethod
     def for_training(cls, device: torch.device | str) -> Kernels:

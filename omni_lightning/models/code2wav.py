@@ -13,7 +13,9 @@ depends on a frame after ``s // total_upsample``: a right-padded batch gives eac
 what it gives alone, and ``output_length(T) = total_upsample * T - tail`` (555 on Qwen3-Omni).
 
 No CUDA, Triton or grad branch lives here: the forward's ``kernels`` (``omni_lightning.kernels``)
-are chosen by whoever runs it (the decode engine, the training step); the default is plain torch.
+are chosen by whoever runs it (the decode engine, the training step); a plain ``model(codes)`` gets
+``Kernels.for_call`` of its device (the fast kernels on CUDA, the torch reference on the CPU), and
+``kernels=REFERENCE`` asks for the torch reference anywhere.
 """
 
 from __future__ import annotations
@@ -123,7 +125,7 @@ class Code2Wav(nn.Module):
             validate_codes(codes, self.config)
         if codes.dtype not in (torch.int32, torch.int64):  # the embedding takes int32/int64 only
             codes = codes.long()
-        step = Step(state, kernels or REFERENCE, codes.shape[0], codes.shape[-1], codes.device)
+        step = Step(state, kernels or Kernels.for_call(codes.device), codes.shape[0], codes.shape[-1], codes.device)
         h = self.code_embedding(codes + self.code_offset).mean(1)  # [B, T, hidden], time-major
         h = self.pre_transformer(h, step)
         for conv_t, convnext in self.upsample:

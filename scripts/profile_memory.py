@@ -1,0 +1,128 @@
+"""What holds GPU memory in a predict: reserved bytes after a job, and the largest segments with the
+Python lines that allocated them (``torch.cuda.memory._snapshot``).
+
+    python scripts/profile_memory.py                       # a GPU: the tiny job uncapped, then capped jobs
+    python scripts/profile_memory.py --jobs tiny-uncapped --top 5
+
+Jobs: ``tiny-uncapped`` (7 requests, bf16-true, no cap), ``tiny-0.02`` (the GPU test's 41 requests of
+2-160 s, 32-true, share 0.02), ``qwen-0.03`` (24 requests of 2-30 s, bf16-true, share 0.03), and
+``repeat-fp32`` (two fp32 predicts of one module, TF32 on and off: their largest difference). A job
+that fails prints its error and the segments held at that moment. Writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import traceback
+
+import torch
+from workload import codes_job, random_model, save
+
+from omni_lightning import Code2WavModule, CodesDataModule, Trainer
+
+GIB = 2**30
+
+
+def segments(top: int) -> list[dict]:
+    """The ``top`` largest segments: size, pool, what is active in them, and where they were allocated."""
+    snap = torch.cuda.memory._snapshot()
+    rows = []
+    for seg in sorted(snap["segments"], key=lambda s: -s["total_size"])[:top]:
+        frames = seg.get("frames") or next((b.get("frames") for b in seg["blocks"] if b.get("frames")), [])
+        keep = ("omni_lightning", "torch/nn", "cuda/graphs")
+        ours = [
+            f"{f['filename'].split('site-packages/')[-1]}:{f['line']} {f['name']}"
+            for f in frames
+            if any(k in f["filename"] for k in keep)
+        ]
+        rows.append(
+            {
+                "mib": seg["total_size"] / 2**20,
+                "active_mib": seg["active_size"] / 2**20,
+                "pool": str(seg.get("segment_pool_id")),
+                "stream": seg.get("stream"),
+                "where": ours[:6],
+            }
+        )
+    return rows
+
+
+def predict(reqs: dict, precision: str, share: float | None, preset: str = "tiny", batch_size: int = 8):
+    module = Code2WavModule(model=random_model(preset, seed=11))
+    trainer = Trainer(accelerator="gpu", devices=1, precision=precision, gpu_memory_utilization=share, logger=False,
+                      enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=batch_size))
+    return module, {r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)}
+
+
+def job(name: str, cfg) -> tuple[dict, str, float | None, str]:
+    rng = random.Random(0)
+    if name == "tiny-uncapped":
+        return codes_job(cfg, [12] * 7), "bf16-true", None, "tiny"
+    if name == "tiny-0.02":
+        return codes_job(cfg, [rng.randint(25, 375) for _ in range(40)] + [2000]), "32-true", 0.02, "tiny"
+    return codes_job(cfg, [rng.randint(25, 375) for _ in range(24)]), "bf16-true", 0.03, "qwen3-omni"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", nargs="*", default=["tiny-uncapped", "tiny-0.02", "qwen-0.03", "repeat-fp32"])
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--out", default="profile_memory.json")
+    args = parser.parse_args()
+    args.device = "cuda"
+    cfg = random_model("tiny").config
+    result = {}
+    torch.cuda.memory._record_memory_history(max_entries=200_000)
+    for name in args.jobs:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        row: dict = {"reserved_before_gib": torch.cuda.memory_reserved() / GIB}
+        try:
+            if name == "repeat-fp32":
+                row.update(repeat_fp32(cfg))
+            else:
+                reqs, precision, share, preset = job(name, cfg)
+                module, _ = predict(reqs, precision, share, preset)
+                row["stats"] = {k: v for k, v in module.engine_stats.items() if isinstance(v, (int, float))}
+                row["frames_per_forward"] = module.engine.frames_per_forward if module.engine else None
+        except Exception as err:
+            row["error"] = "".join(traceback.format_exception_only(err))[-2000:]
+        row["reserved_gib"] = torch.cuda.memory_reserved() / GIB
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        row["segments"] = segments(args.top)
+        result[name] = row
+        print(f"\n== {name}: reserved {row['reserved_gib']:.2f} GiB (peak {row['peak_reserved_gib']:.2f}), "
+              f"{row.get('error', 'ok')[:600]}")  # fmt: skip
+        for k in ("stats", "frames_per_forward", "max_abs"):
+            if k in row:
+                print(f"   {k}: {row[k]}")
+        for seg in row["segments"]:
+            print(f"   {seg['mib']:9.1f} MiB (active {seg['active_mib']:.1f}) pool {seg['pool']}: {seg['where'][:3]}")
+        import gc
+
+        gc.collect()
+    save(args.out, result, args)
+
+
+def repeat_fp32(cfg) -> dict:
+    """Two predicts of one fp32 module on one GPU, with TF32 as torch leaves it and with it off."""
+    reqs = codes_job(cfg, [5, 23, 40, 7, 61, 12, 33])
+    out = {}
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    for tf32 in (True, False):
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+        module = Code2WavModule(model=random_model("tiny", seed=2))
+        runs = []
+        for _ in range(2):
+            trainer = Trainer(accelerator="gpu", devices=1, logger=False, enable_progress_bar=False)
+            preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=3))
+            runs.append({r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)})
+        out[f"tf32_{tf32}"] = max(float((runs[0][r] - runs[1][r]).abs().max()) for r in reqs)
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    return {"max_abs": out}
+
+
+if __name__ == "__main__":
+    main()
