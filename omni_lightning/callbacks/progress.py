@@ -105,12 +105,12 @@ class AudioProgressBar(TQDMProgressBar):
         self._audio = self._plan(trainer, pl_module, dataloader_idx)
         total = round(self._total_s, 1) if self._audio else convert_inf(self.total_predict_batches_current_dataloader)
         unit = "s" if self._audio else "it"
-        several = len(trainer.num_predict_batches) > 1
+        # Lightning's description, but where one dataloader of audio needs no index
+        several = len(trainer.num_predict_batches) > 1 or not self._audio
         desc = f"{self.predict_description} DataLoader {dataloader_idx}" if several else self.predict_description
         bar = self._predict_progress_bar
-        if bar is None:
-            self.predict_progress_bar = self._bar(desc, leave=True, total=total, unit=unit, smoothing=0)
-            return
+        if bar is None:  # made without a total, then reset to it, as Lightning's bar does for every dataloader
+            bar = self.predict_progress_bar = self._bar(desc, leave=True, unit=unit, smoothing=0)
         bar.unit = unit
         bar.set_description(desc, refresh=False)
         bar.reset(total)
