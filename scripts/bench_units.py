@@ -100,7 +100,7 @@ def main() -> None:
     base = random_model(args.preset)
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
-    fused = Kernels.for_inference(device)
+    fused = Kernels.for_inference(device, fused_units=True)
     layers = Kernels(fused.snake_beta, inplace=True, name=f"{fused.name}-layers")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "units": [], "forward": []}
     print(f"{'stage':>5} {'C':>4} {'d':>2} {'layers ms':>9} {'best fused ms':>13} {'config':>11} {'floor ms':>8} "

@@ -71,15 +71,18 @@ def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
     codes = random_codes(3, 37, seed=1).cuda()
     with torch.inference_mode():
         want = ref(codes)
-        for kernels in (Kernels(), Kernels.for_inference("cuda"), None):  # None: a plain call's default
+        fused_units = Kernels.for_inference("cuda", fused_units=True)
+        for kernels in (Kernels(), Kernels.for_inference("cuda"), fused_units, None):  # None: a plain call's default
             assert (model(codes, kernels=kernels) - want).abs().max() <= 1e-4, kernels
 
 
-def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32):
+@pytest.mark.parametrize("fused_units", [False, True])
+def test_engine_on_cuda_equals_whole_decodes_at_any_length(no_tf32, fused_units):
     model = random_model("tiny", seed=3).cuda()
     lengths = [1, 7, 71, 72, 73, 200, 5]
     codes = random_codes(len(lengths), max(lengths), seed=2).cuda()
-    engine = DecodeEngine(model, frames_per_forward=96, max_rows=4)
+    kernels = Kernels.for_inference("cuda", fused_units=fused_units)
+    engine = DecodeEngine(model, frames_per_forward=96, max_rows=4, kernels=kernels)
     with torch.inference_mode():
         wavs = engine.decode(codes, lengths)
         for i, n in enumerate(lengths):

@@ -46,10 +46,14 @@ class Kernels:
         )
 
     @classmethod
-    def for_inference(cls, device: torch.device | str, fused: bool = True) -> Kernels:
-        """Triton SnakeBeta on CUDA (when Triton is installed and ``fused``), in-place residuals."""
+    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool = False) -> Kernels:
+        """Triton SnakeBeta on CUDA (when Triton is installed and ``fused``), in-place residuals;
+        ``fused_units``: the residual units of up to ``MAX_CHANNELS`` channels as one kernel each
+        (``kernels/residual_unit.py``). Off by default: checked in Triton's interpreter, not yet
+        measured or run on a GPU (``scripts/bench_units.py`` is the A/B that decides)."""
         if fused and torch.device(device).type == "cuda" and triton_available():
-            return cls(snake_beta_triton, inplace=True, name="triton", residual_unit=residual_unit_triton)
+            units = residual_unit_triton if fused_units else None
+            return cls(snake_beta_triton, inplace=True, name="triton" + "-units" * fused_units, residual_unit=units)
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod
