@@ -36,7 +36,13 @@ TRAIN_SMOKE = (*TINY, "--batch", "2", "--steps", "1", "--warmup", "1", "--crop-s
 BF16, MIXED = ("--precision", "bf16-true"), ("--precision", "bf16-mixed")
 LONE = ("--requests", "1", "--batch", "1", "--check", "1")  # one request of --min-s = --max-s seconds
 
+UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
+
 STEPS = (
+    # issues 41-43, first in a short loan: the fused residual units against the layers, stage by stage and
+    # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
+    Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
+    Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
     # issue 35: the predict job, uncapped and at 0.03, and streaming, before and after
     Step("job", "ab", "bench_job", ("--check", "4"), JOB_SMOKE, 45, ab=True, rounds=2),
     Step(
@@ -133,6 +139,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("last batch x real time", lambda r: _get(r, "forward", -1, "ours", "x_realtime"), ",.0f"),
         ("transformers, last batch x", lambda r: _get(r, "forward", -1, "transformers", "x_realtime"), ",.0f"),
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
+    ),
+    "bench_units": (
+        ("fused units, batch x real time", lambda r: _get(r, "forward", 0, "x_realtime"), ",.0f"),
+        ("layers, batch x real time", lambda r: _get(r, "forward", 1, "x_realtime"), ",.0f"),
+        ("fused units, batch 1 ms", lambda r: _get(r, "forward", 3, "ms"), ".2f"),
+        ("layers, batch 1 ms", lambda r: _get(r, "forward", 4, "ms"), ".2f"),
     ),
     "bench_train": (
         ("audio s/s", lambda r: _get(r, "rows", 0, "audio_s_per_s"), ",.1f"),

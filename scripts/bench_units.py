@@ -84,7 +84,7 @@ def bench_unit(unit, stage, channels, rows, layers, args, device, dtype, result)
     return best
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-omni")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -94,7 +94,11 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(CONFIGS))
     parser.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s (H100 3.35e12, H200 4.8e12)")
     parser.add_argument("--out", default="bench_units.json")
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = random_model(args.preset)

@@ -35,7 +35,7 @@ from pathlib import Path
 from battery_plan import FIGURES, PARTS, STEPS, Step
 
 ROOT = Path(__file__).resolve().parents[1]
-BEFORE = "8924dc7"  # main before issue 35's rebuild
+BEFORE = "229e00e"  # main when issues 41-44 were filed (the last GPU-measured tree)
 WHEELS = (
     "soundfile==0.14.0",
     "cffi==2.1.1",

@@ -2,9 +2,9 @@
 Python lines that allocated them (``torch.cuda.memory._snapshot``).
 
     python scripts/profile_memory.py                       # a GPU: the tiny job uncapped, then capped jobs
-    python scripts/profile_memory.py --jobs tiny-uncapped --top 5
+    python scripts/profile_memory.py --jobs tiny --top 5
 
-Jobs: ``tiny-uncapped`` (7 requests, bf16-true, no cap), ``tiny-0.02`` (the GPU test's 41 requests of
+Jobs: ``tiny`` (7 requests, bf16-true, no cap), ``tiny-0.02`` (the GPU test's 41 requests of
 2-160 s, 32-true, share 0.02), ``qwen-0.03`` (24 requests of 2-30 s, bf16-true, share 0.03), and
 ``repeat-fp32`` (two fp32 predicts of one module, TF32 on and off: their largest difference). A job
 that fails prints its error and the segments held at that moment. Writes JSON (``--out``).
@@ -58,20 +58,28 @@ def predict(reqs: dict, precision: str, share: float | None, preset: str = "tiny
 
 def job(name: str, cfg) -> tuple[dict, str, float | None, str]:
     rng = random.Random(0)
-    if name == "tiny-uncapped":
+    if name == "tiny":
         return codes_job(cfg, [12] * 7), "bf16-true", None, "tiny"
     if name == "tiny-0.02":
         return codes_job(cfg, [rng.randint(25, 375) for _ in range(40)] + [2000]), "32-true", 0.02, "tiny"
     return codes_job(cfg, [rng.randint(25, 375) for _ in range(24)]), "bf16-true", 0.03, "qwen3-omni"
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--jobs", nargs="*", default=["tiny-uncapped", "tiny-0.02", "qwen-0.03", "repeat-fp32"])
+    parser.add_argument("--device", default="cuda", help="cuda; cpu: nothing to profile (a dry run)")
+    parser.add_argument("--jobs", nargs="*", default=["tiny", "tiny-0.02", "qwen-0.03", "repeat-fp32"])
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", default="profile_memory.json")
-    args = parser.parse_args()
-    args.device = "cuda"
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.device != "cuda" or not torch.cuda.is_available():  # the battery's dry run: nothing to profile
+        save(args.out, {"skipped": "needs CUDA"}, argparse.Namespace(device="cpu", jobs=args.jobs))
+        print("profile_memory: needs CUDA; nothing profiled")
+        return
     cfg = random_model("tiny").config
     result = {}
     torch.cuda.memory._record_memory_history(max_entries=200_000)

@@ -1,8 +1,27 @@
+import sys
+
 import pytest
 import torch
 from helpers import MICRO, micro_config, random_codes, random_model, reference_model  # noqa: F401  (re-exported)
 
 from omni_lightning import Code2Wav
+
+REPORTED = ("torch", "lightning", "torchaudio", "numpy", "triton", "transformers", "wandb", "soundfile", "jsonargparse")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The versions this run tested, last in its output (CI's log says what a fresh install got)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def found(name):
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device"
+    versions = ", ".join(f"{name} {found(name)}" for name in REPORTED)
+    terminalreporter.write_line(f"tested with {versions}; Python {sys.version.split()[0]}; {device}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -287,6 +287,17 @@ def test_frame_budget_follows_the_memory_budget():
     assert frames_for_budget(0, per_frame) == 16  # never below one small forward
 
 
+def test_a_share_that_cannot_hold_one_frame_is_named_with_its_figures():
+    from omni_lightning.engine.budget import check_room, room
+
+    message = room(0.001, 80 * 2**30, int(0.43 * 2**30), needed=3 * 2**20)
+    assert "gpu_memory_utilization=0.001 allows 0.08 GiB of the GPU's 80.0 GiB" in message, message
+    assert "this process holds 0.43 GiB (weights included); one frame per forward needs 3.0 MiB more" in message
+    assert message.endswith("give it a larger share")
+    assert "other processes hold the rest" in room(None, 80 * 2**30, 2**30)
+    check_room(torch.device("cpu"), 0.001, 0, 10**9)  # no cap on the CPU: nothing to refuse
+
+
 def test_batch_decode_pads_last_frames_to_shapes_it_has_run_and_stays_exact(model):
     """With CUDA's shape costs (a capture or new cuDNN plans per shape), a batch's last frames replay a
     bucket run before, padded in time; every request still equals its whole decode."""

@@ -5,6 +5,7 @@ The default ``omni_lightning.Trainer`` (async host copies on) and ``Code2WavModu
 engine with Triton kernels and CUDA graphs) are tested with nothing changed but the memory cap.
 """
 
+import gc
 import random
 
 import pytest
@@ -24,6 +25,8 @@ def rel_l2(a, b):
 
 @pytest.mark.parametrize(("precision", "share"), [("32-true", 0.02), ("bf16-true", None), ("bf16-true", 0.03)])
 def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, share, no_tf32):
+    gc.collect()  # earlier tests' engines and training graphs, if unreachable, must not count against the share
+    torch.cuda.empty_cache()
     rng = random.Random(precision)
     lengths = [rng.randint(25, 375) for _ in range(40)] + [2000]  # 2-30 s, random; one of 160 s
     reqs = {f"req {i}/x": random_codes(1, n, seed=100 + i)[0] for i, n in enumerate(lengths)}
@@ -109,3 +112,11 @@ def test_a_budget_too_large_for_the_cap_falls_back_and_finishes_exact():
             alone = model(codes[None].cuda())[0].float().cpu()
             # bf16 of other shapes: roundings differ (a misplaced request would be ~100 % off)
             assert got[r].shape == alone.shape and rel_l2(got[r], alone) <= 1e-1, r
+
+
+def test_a_share_too_small_for_one_frame_fails_at_once_with_the_figures():
+    module = Code2WavModule(model=random_model("tiny", seed=5))
+    trainer = Trainer(**trainer_kwargs(accelerator="gpu", gpu_memory_utilization=1e-5))
+    with pytest.raises(torch.OutOfMemoryError, match=r"gpu_memory_utilization=1e-05 leaves no room .* allows 0\.00"):
+        trainer.predict(module, datamodule=CodesDataModule(predict={"a": random_codes(1, 30)[0]}, batch_size=1))
+    assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the cap is lifted after the failure

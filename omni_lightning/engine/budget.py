@@ -64,15 +64,33 @@ def no_room(device: torch.device, fraction: float | None, err: BaseException) ->
     where = f"decoding one frame per forward ran out of memory on {device}"
     if device.type == "cuda":
         total, reserved = _cap_and_held(device, 1.0)
-        held = f"this process holds {reserved / 2**30:.2f} GiB"
-        if fraction is not None:
-            where += (
-                f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of "
-                f"the GPU's {total / 2**30:.1f} GiB and {held} (weights included); give it a larger share"
-            )
-        else:
-            where += f": {held} of the GPU's {total / 2**30:.1f} GiB; other processes hold the rest"
+        where += room(fraction, total, reserved)
     return torch.OutOfMemoryError(f"{where} ({str(err).splitlines()[0][:300]})")
+
+
+def room(fraction: float | None, total: float, reserved: int, needed: int | None = None) -> str:
+    """What a cap allows and what the process holds, in GiB, and what to change: the figures of the
+    out-of-memory errors (``needed``: bytes one forward of one frame needs beyond what is held)."""
+    held = f"this process holds {reserved / 2**30:.2f} GiB"
+    more = f"; one frame per forward needs {needed / 2**20:.1f} MiB more" if needed is not None else ""
+    if fraction is None:
+        return f": {held} of the GPU's {total / 2**30:.1f} GiB{more}; other processes hold the rest"
+    return (
+        f": gpu_memory_utilization={fraction!r} allows {fraction * total / 2**30:.2f} GiB of the GPU's "
+        f"{total / 2**30:.1f} GiB and {held} (weights included){more}; give it a larger share"
+    )
+
+
+def check_room(device: torch.device, fraction: float | None, budget: int, per_frame: int) -> None:
+    """Raises ``torch.OutOfMemoryError`` at once, with the figures, when a cap leaves ``budget`` bytes,
+    too few for a forward of one frame (``per_frame`` bytes, with the allocator's margin): no decode
+    could run, and trying would only fail after every fallback."""
+    needed = int(per_frame * 1.15)
+    if device.type != "cuda" or fraction is None or budget >= needed:
+        return
+    total, reserved = _cap_and_held(device, 1.0)
+    where = f"gpu_memory_utilization={fraction!r} leaves no room to decode on {device}"
+    raise torch.OutOfMemoryError(where + room(fraction, total, reserved, needed - budget))
 
 
 POOL_FACTOR = 3  # the graphs' shared pool, in short forwards' peaks (docs/performance.md)

@@ -99,6 +99,7 @@ class DecodeEngine(EngineStats):
             if budget is None:
                 budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
             per_frame = budgets.activation_bytes_per_frame(model)
+            budgets.check_room(self.device, gpu_memory_utilization, budget, per_frame)  # not one frame: fail now
             if use_graphs:  # the graphs' pool comes out of the budget first (budget.py)
                 self.graph_frames = budgets.graph_frames_for_budget(budget, per_frame, graph_frames, graph_share)
                 budget -= budgets.graph_pool_bytes(self.graph_frames, per_frame)
