@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -209,7 +209,7 @@ def main() -> None:
     if "nothing left to do" not in noop["stdout"]:
         raise SystemExit(f"the rerun did not find the job done:\n{noop['stdout']}")
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": platform.node(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),

@@ -24,7 +24,7 @@ import logging
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -151,7 +151,7 @@ def main() -> None:
             print(f"  done {dtype_name} batch {batch}", file=sys.stderr, flush=True)
         del model
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "lightning": pl.__version__,
         "args": vars(args),

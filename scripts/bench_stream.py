@@ -27,7 +27,7 @@ import platform
 import statistics
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -242,7 +242,7 @@ def main() -> None:
     res = run(args)
     machine = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.machine()
     res["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "machine": machine,
         "threads": torch.get_num_threads(),

@@ -24,7 +24,7 @@ import logging
 import resource
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +164,7 @@ def machine(device: str) -> str:
 
 def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     meta = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(args.device),
         "torch": torch.__version__,
         "args": vars(args),

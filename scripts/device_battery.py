@@ -29,7 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from battery_plan import FIGURES, PARTS, STEPS, Step
@@ -87,7 +87,7 @@ def prepare(args: argparse.Namespace) -> None:
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def before_tree(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:

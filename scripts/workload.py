@@ -12,7 +12,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ def save(path: str | Path, result: dict[str, Any], args: Any) -> None:
 
     device = torch.device(getattr(args, "device", "cpu"))
     result["meta"] = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "lightning": lightning.__version__,
