@@ -218,6 +218,11 @@ class QualityScorer(pl.Callback):
         while pending and sum(s for _, s in pending) > audio_s:
             pending.pop(0)[0].exception()  # waits; its error is raised when the scores are gathered
 
+    @property
+    def pending(self) -> int:
+        """Requests handed to the workers and not gathered yet (scored or not)."""
+        return len(self._futures)
+
     def gather(self) -> None:
         """Waits for every request handed over and adds its scores to :attr:`metrics`; raises a worker's error."""
         waited = time.perf_counter()
