@@ -85,11 +85,12 @@ def test_requests_a_metric_cannot_score_are_nan_and_counted_never_averaged_in():
         "silent output": (speech, torch.zeros_like(speech)),  # PESQ fails on it; STOI scores it 0
         "not finite": (speech, torch.where(torch.arange(len(speech)) == 99, math.nan, generated)),
     }
-    scorer = QualityScorer(("pesq", "stoi"), RATE, workers=1)
+    scorer = QualityScorer(("pesq", "stoi"), RATE, workers=1, pending_audio_s=0.0)  # one request at a time
     try:
         lengths = torch.tensor([len(r) for r, _ in cases.values()])
         futures = scorer.submit(padded([g for _, g in cases.values()])[:, None], padded([r for r, _ in cases.values()]),
                                 lengths)  # fmt: skip
+        assert all(f.done() for f in futures[:-1])  # each waited for the one before: bounded host memory
         got = {name: f.result().values for name, f in zip(cases, futures)}
         run = scorer.results(torch.device("cpu"))
     finally:

@@ -1,10 +1,8 @@
-"""PESQ and STOI beside the spectral distances: the measures vocoder papers report (HiFi-GAN, BigVGAN,
-Vocos), scored per request in worker processes, off the step's path, and reduced over DDP ranks as
-sums and counts.
+"""PESQ and STOI beside the spectral distances (the measures of HiFi-GAN, BigVGAN, Vocos), scored per
+request in worker processes, off the step's path, and reduced over DDP ranks as sums and counts.
 
-- ``pesq``: wide-band PESQ (ITU-T P.862.2, MOS-LQO from 1.04 to 4.64) at 16 kHz, the rate the standard
-  defines it at: both signals are resampled from the model's rate with torchaudio, batched, on the
-  step's device.
+- ``pesq``: wide-band PESQ (ITU-T P.862.2, MOS-LQO 1.04 to 4.64) at 16 kHz, the standard's rate: both
+  signals resampled from the model's rate with torchaudio, batched, on the step's device.
 - ``stoi`` and ``estoi``: STOI and extended STOI (about 0 to 1); pystoi resamples to its 10 kHz itself.
 
 A request a metric cannot score gets NaN for it, counted in ``<name>_unscored`` and left out of that
@@ -22,8 +20,7 @@ Not done, and why:
   would stall the training loop. Worker processes score instead, forked on Linux (they run numpy,
   pesq and pystoi only: no torch, no CUDA), spawned elsewhere.
 - ``estoi`` shares no work with ``stoi``: asked for both, pystoi reads a request twice.
-- No MOS predictor (UTMOS, DNSMOS): they need model weights, and no metric downloads anything at run
-  time.
+- No MOS predictor (UTMOS, DNSMOS): they need model weights; no metric downloads anything at run time.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import sys
 import threading
 import time
 import warnings
+from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, NamedTuple
 
@@ -52,7 +50,6 @@ INSTALL = 'pip install "omni-lightning[quality]" (in a checkout: pip install -e 
 PESQ_RATE = 16000
 PESQ_MIN_S = 0.25  # pesq's BufferTooShortError below this
 STOI_MIN_S = (29 * 128 + 256) / 10000  # pystoi: 30 frames of 256 samples, hop 128, at 10 kHz
-PENDING_AUDIO_S = 600.0  # audio handed to the workers and not scored yet before a batch waits (~200 MB)
 
 
 def check_quality_metrics(names: Any) -> tuple[str, ...]:
@@ -155,27 +152,37 @@ class QualityScorer(pl.Callback):
     goes on; the workers score while the next batches generate. ``validate`` and ``test`` wait for the
     last scores at their epoch's end and log them with the other metrics. A fit's validation waits for
     none: its scores are logged at its own step when the next validation starts or fit ends, so a
-    ``ModelCheckpoint`` cannot monitor them. More than ``PENDING_AUDIO_S`` of audio still unscored makes
-    :meth:`submit` wait for the oldest (bounded memory when scoring is slower than generation).
+    ``ModelCheckpoint`` cannot monitor them. More than ``pending_audio_s`` of audio handed over and not
+    scored (600 s: about 200 MB of host copies) makes :meth:`submit` wait for the oldest, so memory stays
+    bounded when scoring is slower than generation.
 
     As a callback (the module adds it to fit, validate and test) it owns its pool: started at the first
     request, shut down when the run ends (``teardown``) or fails (``on_exception``). A worker's error,
     or a worker's death, is raised where the scores are gathered.
     """
 
-    def __init__(self, names: tuple[str, ...], sample_rate: int = 24000, workers: int | None = None) -> None:
-        self.names, self.sample_rate, self.workers = tuple(names), sample_rate, workers
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        sample_rate: int = 24000,
+        workers: int | None = None,
+        pending_audio_s: float = 600.0,
+    ) -> None:
+        self.names, self.sample_rate = tuple(names), sample_rate
+        self.workers, self.pending_audio_s = workers, pending_audio_s
         self.metrics = QualityMetrics(self.names)
         self._pool: ProcessPoolExecutor | None = None
         self._processes = 1  # training processes of this host (setup)
         self._reset()
 
     def _reset(self) -> None:
-        self._futures: list[tuple[Future, float]] = []  # (scores, audio seconds) in the order handed over
+        self._futures: list[Future] = []  # each request's scores, in the order handed over
+        self._unscored: deque[tuple[Future, float]] = deque()  # (scores, audio seconds) not seen done yet
+        self._unscored_s = 0.0
         self._deferred: tuple[str, int] | None = None  # a fit's validation not logged yet: (stage, step)
 
     def __getstate__(self) -> dict[str, Any]:  # a copy or pickle (ddp_spawn) keeps the settings only
-        return {"names": self.names, "sample_rate": self.sample_rate, "workers": self.workers}
+        return {k: getattr(self, k) for k in ("names", "sample_rate", "workers", "pending_audio_s")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)
@@ -200,9 +207,11 @@ class QualityScorer(pl.Callback):
         for i, length in enumerate(lengths.tolist()):
             rows = [h[i, :length] for h in host[:2]]
             rows += [h[i, : math.ceil(length * PESQ_RATE / self.sample_rate)] for h in host[2:]]
-            self._wait_below(PENDING_AUDIO_S)
+            self._wait_below(self.pending_audio_s)
             future = pool.submit(score_request, self.names, self.sample_rate, *rows)
-            self._futures.append((future, length / self.sample_rate))
+            self._futures.append(future)
+            self._unscored.append((future, length / self.sample_rate))
+            self._unscored_s += length / self.sample_rate
             futures.append(future)
         return futures
 
@@ -214,9 +223,11 @@ class QualityScorer(pl.Callback):
         return self._pool
 
     def _wait_below(self, audio_s: float) -> None:
-        pending = [(f, s) for f, s in self._futures if not f.done()]
-        while pending and sum(s for _, s in pending) > audio_s:
-            pending.pop(0)[0].exception()  # waits; its error is raised when the scores are gathered
+        """Waits for the oldest requests while more than ``audio_s`` of audio is not scored yet."""
+        while self._unscored and (self._unscored[0][0].done() or self._unscored_s > audio_s):
+            future, seconds = self._unscored.popleft()
+            future.exception()  # waits; an error is raised where the scores are gathered
+            self._unscored_s -= seconds
 
     @property
     def pending(self) -> int:
@@ -226,9 +237,9 @@ class QualityScorer(pl.Callback):
     def gather(self) -> None:
         """Waits for every request handed over and adds its scores to :attr:`metrics`; raises a worker's error."""
         waited = time.perf_counter()
-        scores = [f.result() for f, _ in self._futures]
+        scores = [f.result() for f in self._futures]
         self.metrics.update([s.values for s in scores], sum(s.seconds for s in scores), time.perf_counter() - waited)
-        self._futures = []
+        self._futures, self._unscored, self._unscored_s = [], deque(), 0.0
 
     def results(self, device: torch.device) -> dict[str, float]:
         """Gathers, reduces across ranks (every rank must call it) and resets: ``{name: value}``."""
