@@ -210,3 +210,7 @@ def test_a_mistake_naming_the_metrics_or_a_missing_extra_is_one_line(tmp_path, m
         assert main([*job, "--model.quality_metrics", given]) == 2  # before the run: no batch was generated
         err = capsys.readouterr().err
         assert err.startswith("error: quality_metrics") and said in err and err.count("\n") == 1, err
+    with pytest.raises(SystemExit) as exited:  # the parser's own: a name where a list goes
+        main([*job, "--model.quality_metrics", "pesq"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "error: --model.quality_metrics takes list[str] or null, not 'pesq'" in err, err
