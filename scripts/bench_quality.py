@@ -10,13 +10,15 @@ Needs the ``quality`` extra (``pip install -e ".[quality]"``). Signals are speec
   ``--repeats`` (CPU time and wall time); PESQ's 24 to 16 kHz resampling (torchaudio, both signals)
   apart, as the step's thread pays it, not the workers;
 - **a test run** (``--requests``): ``trainer.test`` of the ``tiny`` preset (random weights) on that many
-  pairs of ``--seconds``, without and with ``pesq`` and ``stoi``: wall time, the logged ``quality_s``
-  (the workers' CPU seconds) and ``quality_wait_s`` (how long the run waited after its last batch);
+  pairs of ``--seconds``, without and with ``pesq`` and ``stoi`` (``--rounds`` times each, alternating):
+  wall time, the logged ``quality_s`` (the workers' CPU seconds) and ``quality_wait_s`` (how long the
+  run waited after its last batch);
 - **a fit** (``--fit-steps``): validation (``--val-requests``) after every training step, without and
   with them: each validation's wall time, and the gap from a validation's end to the next training
   batch's start (what the training step waits for).
 
-Prints tables; writes JSON (``--out``).
+``--threads`` sets torch's threads for the runs (on a shared CPU, fewer threads than cores keeps a
+scorer from stalling them). Prints tables; writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -121,6 +123,21 @@ def fit_run(model: Code2Wav, args: argparse.Namespace, quality: list[str] | None
             "gaps_ms": [1000 * g for g in gaps.gaps]}  # fmt: skip
 
 
+def rounds(run, count: int) -> list[dict[str, Any]]:
+    """Without and with ``pesq`` and ``stoi``, alternating ``count`` times: per kind, the medians (and every run)."""
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(count):
+        for quality in (None, ["pesq", "stoi"]):
+            row = run(quality)
+            runs.setdefault(row["quality"], []).append(row)
+    rows = []
+    for kind, rows_of_kind in runs.items():
+        numbers = {k for k, v in rows_of_kind[0].items() if isinstance(v, (int, float))}
+        rows.append({"quality": kind, **{k: statistics.median(r[k] for r in rows_of_kind) for k in numbers},
+                     "runs": rows_of_kind})  # fmt: skip
+    return rows
+
+
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=5.0, help="each request's length")
@@ -129,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--fit-steps", type=int, default=0, help="a fit of this many steps, validating after each")
     parser.add_argument("--val-requests", type=int, default=8)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=0, help="torch's threads in the runs (0: torch's default)")
+    parser.add_argument("--rounds", type=int, default=1, help="runs of each kind, alternating (the table: medians)")
     parser.add_argument("--out", default="bench_quality.json")
     return parser
 
@@ -140,7 +159,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core, as a worker has
     result: dict[str, Any] = {"per_request": per_request(args.seconds, args.repeats), "workers": default_workers()}
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads or threads)
     print(f"\nper {args.seconds:g} s request, one thread (median of {args.repeats})")
     print("| metric | CPU (ms) | wall (ms) |\n|---|---|---|")
     for r in result["per_request"]:
@@ -148,14 +167,14 @@ def main() -> None:
     model = randomize_weights(Code2Wav("tiny")).eval()
     if args.requests:
         test_run(model, argparse.Namespace(**{**vars(args), "requests": 2}), None)  # warm-up, not timed
-        result["test"] = [test_run(model, args, q) for q in (None, ["pesq", "stoi"])]
+        result["test"] = rounds(lambda q: test_run(model, args, q), args.rounds)
         print(f"\ntest run: {args.requests} requests of {args.seconds:g} s, tiny preset, {result['workers']} workers")
         print("| quality metrics | wall (s) | quality_s (workers' CPU s) | quality_wait_s |\n|---|---|---|---|")
         for r in result["test"]:
             quality_s, wait_s = r.get("quality_s", 0), r.get("quality_wait_s", 0)
             print(f"| {r['quality']} | {r['wall_s']:.1f} | {quality_s:.1f} | {wait_s:.2f} |")
     if args.fit_steps:
-        result["fit"] = [fit_run(model, args, q) for q in (None, ["pesq", "stoi"])]
+        result["fit"] = rounds(lambda q: fit_run(model, args, q), args.rounds)
         steps, val = args.fit_steps, args.val_requests
         print(f"\nfit: validation of {val} requests of {args.seconds:g} s after each of {steps} steps (medians)")
         print("| quality metrics | validation (s) | validation end to next step (ms) |\n|---|---|---|")

@@ -135,6 +135,7 @@ def default_workers(processes: int = 1) -> int:
 
 def _start_worker(parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it shuts the pool down
+    os.nice(10)  # a CPU run's generation first: torch's threads stall when a scorer takes one of their cores
 
     def watch() -> None:  # a parent killed outright (kill -9) leaves no one to shut the pool down
         while os.getppid() == parent:
