@@ -100,7 +100,8 @@ def printable(text: Any) -> str:
 def one_line(message: str) -> str:
     """jsonargparse's type error (key, subtypes, each subtype's error, value: ~8 lines) as one line."""
     key = re.match(r'Parser key "([^"]+)":', message)
-    types = re.findall(r"<class '(?:\w+\.)*(\w+)'>", message.split("Errors:")[0])
+    # <class 'x.Name'> as Name, a generic alias (list[str]) as written
+    types = [a or b for a, b in re.findall(r"<class '(?:\w+\.)*(\w+)'>|\b(\w+\[[^\]]*\])", message.split("Errors:")[0])]
     value = re.search(r"(?:Given value|Got value): (.*)", message)
     if key and types and value:
         wanted = " or ".join(dict.fromkeys("null" if t == "NoneType" else t for t in types))

@@ -14,6 +14,7 @@ from omni_lightning.engine import DecodeEngine, StreamingDecoder
 from omni_lightning.errors import check_count
 from omni_lightning.evaluation.media import EvaluationMedia
 from omni_lightning.evaluation.metrics import AudioMetrics
+from omni_lightning.evaluation.quality import QualityScorer, check_quality_metrics
 from omni_lightning.kernels import Kernels
 from omni_lightning.models import Code2Wav, Code2WavConfig
 from omni_lightning.models.codes import validate_batch
@@ -76,6 +77,9 @@ class Code2WavModule(pl.LightningModule):
         feature_matching_weight: weight of the feature-matching loss.
         discriminator_lr: the discriminators' learning rate.
         log_samples: audio samples validation and test log (W&B).
+        quality_metrics: perceptual metrics validation and test score besides the spectral ones, from
+            ``pesq`` (wide-band), ``stoi``, ``estoi``, in worker processes (the ``quality`` extra).
+        quality_workers: processes that score them (None: half the CPUs, shared by the host's ranks).
     """
 
     def __init__(
@@ -107,12 +111,16 @@ class Code2WavModule(pl.LightningModule):
         discriminator_lr: float = 1e-4,
         # evaluation
         log_samples: int = 4,
+        quality_metrics: list[str] | None = None,
+        quality_workers: int | None = None,
     ) -> None:
         super().__init__()
         resolved = Code2Wav.resolve(model, checkpoint, config)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         check_count("graph_frames", graph_frames, minimum=0)  # 0: no CUDA graphs
         check_count("log_samples", log_samples, minimum=0)
+        check_count("quality_workers", quality_workers, none_ok=True)
+        quality = check_quality_metrics(quality_metrics)  # before the run: a missing extra, an unknown name
         self.model = resolved
         self.save_hyperparameters(ignore=["model"])
         check_fine_tuning_settings(self.hparams)
@@ -134,6 +142,7 @@ class Code2WavModule(pl.LightningModule):
         self.automatic_optimization = not adversarial  # GAN: two optimizers, stepped in the training step
         self.ema = EMAWeights(ema_decay) if ema_decay is not None else None
         self.eval_metrics = Unregistered(AudioMetrics(rate))
+        self.quality_scorer = QualityScorer(quality, rate, quality_workers) if quality else None
 
     def setup(self, stage: str) -> None:
         self.session.setup(self, stage)  # refuses a call on another thread during fit; holds or lends weights
@@ -243,15 +252,19 @@ class Code2WavModule(pl.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "hyper_parameters" in checkpoint:  # weights and architecture are in it: no HF folder reread
             checkpoint["hyper_parameters"]["checkpoint"] = None
+            for key in ("quality_metrics", "quality_workers"):  # how a later run scores: loads without the extra
+                checkpoint["hyper_parameters"].pop(key, None)
 
     def configure_callbacks(self) -> list[pl.Callback]:
-        """EMA weights (``ema_decay``) in fit; W&B run config and media in fit, validate and test; in
-        predict, the weights back into their host tensors after an error. One the trainer holds already
-        (a second run on it) is not given again: Lightning would announce that it overrides itself."""
+        """EMA weights (``ema_decay``) in fit; W&B run config and media, and the quality metrics' scorer, in
+        fit, validate and test; in predict, the weights back into their host tensors after an error. One
+        the trainer holds already (a second run on it) is not given again: Lightning would announce that
+        it overrides itself."""
         stage = self.trainer.state.fn
         callbacks: list[pl.Callback] = [self.ema] if self.ema is not None and stage == "fit" else []
         if stage in ("fit", "validate", "test"):
             callbacks.append(EvaluationMedia(self.hparams.log_samples))
+            callbacks += [self.quality_scorer] if self.quality_scorer is not None else []
         if stage == "predict":
             callbacks.append(ReleaseOnException())  # a failed predict's weights back into their host tensors
         return [cb for cb in callbacks if not any(_does(have, cb) for have in self.trainer.callbacks)]
@@ -381,7 +394,10 @@ class Code2WavModule(pl.LightningModule):
         rec = self.reconstruction(wav, audio, lengths)
         # reduced with the metrics at epoch end (evaluation/metrics.py): a rank with no batch joins that too
         self.eval_metrics.on(self.device).update(wav.detach(), audio, lengths, losses=rec)
-        return {"wav": wav.detach()}  # EvaluationMedia logs samples from it
+        out = {"wav": wav.detach()}  # EvaluationMedia logs samples from it
+        if self.quality_scorer is not None and not self.trainer.sanity_checking:  # scored in its workers
+            out["quality"] = self.quality_scorer.submit(wav.detach(), audio, lengths)
+        return out
 
     def on_validation_epoch_end(self) -> None:
         self._eval_end("val")

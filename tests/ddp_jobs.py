@@ -4,7 +4,7 @@ in ``<record>.rank<r>.pt``.
 
     python tests/ddp_jobs.py predict RECORD OUT_DIR --devices 2 --lengths 3 40 7 ... [--limit 0.5] [--decode-all]
     python tests/ddp_jobs.py fit RECORD --devices 2 --batch-size 2 --steps 4 [--gan] [--ema] [--resume CKPT]
-    python tests/ddp_jobs.py validate RECORD --devices 2 --good 3 [--bad]
+    python tests/ddp_jobs.py validate RECORD --devices 2 --good 3 [--bad] [--quality]
 """
 
 import argparse
@@ -86,7 +86,8 @@ def fit(args: argparse.Namespace) -> None:
 
 def validate(args: argparse.Namespace) -> None:
     """``--good`` requests, batches of one; ``--bad``: one more, the longest (so rank 0's first), whose
-    audio holds a NaN: skipped as it is read, so with one good request rank 0 has nothing to score."""
+    audio holds a NaN: skipped as it is read, so with one good request rank 0 has nothing to score;
+    ``--quality``: PESQ and STOI too."""
     import json
 
     import numpy as np
@@ -104,7 +105,8 @@ def validate(args: argparse.Namespace) -> None:
                 f.write(json.dumps({"id": "bad", "codes": "bad.npy", "audio": "bad.wav"}) + "\n")
     trainer = Trainer(**QUIET, devices=args.devices, strategy="ddp" if args.devices > 1 else "auto")
     datamodule = CodesDataModule(val=str(data / "val.jsonl"), batch_size=1, num_workers=0, on_bad_input="skip")
-    trainer.validate(Code2WavModule(model=random_model("tiny", seed=7)), datamodule=datamodule)
+    quality = ["pesq", "stoi"] if args.quality else None
+    trainer.validate(Code2WavModule(model=random_model("tiny", seed=7), quality_metrics=quality), datamodule=datamodule)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     torch.save({"metrics": metrics}, f"{args.record}.rank{trainer.global_rank}.pt")
 
@@ -133,6 +135,7 @@ def main() -> None:
     v.add_argument("--devices", type=int, default=2)
     v.add_argument("--good", type=int, default=3)
     v.add_argument("--bad", action="store_true")
+    v.add_argument("--quality", action="store_true")  # PESQ and STOI too
     args = parser.parse_args()
     {"predict": predict, "fit": fit, "validate": validate}[args.job](args)
 

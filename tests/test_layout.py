@@ -50,7 +50,7 @@ LONG_FILES: dict[str, str] = {
     "collaborator, its documented entry points (engine, streams, training kernels) and the Args the CLI shows",
 }
 # Heavy optional dependencies: imported where they are used, never by `import omni_lightning`.
-HEAVY = ("wandb", "soundfile", "jsonargparse", "transformers", "matplotlib")
+HEAVY = ("wandb", "soundfile", "jsonargparse", "transformers", "matplotlib", "pesq", "pystoi")
 
 
 def module_name(path: Path) -> str:

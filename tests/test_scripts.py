@@ -68,6 +68,7 @@ def test_simulate_plan_prices_every_job():
 NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not run it
     "bench_cli": ("--files 4 --seconds 0.5 1 --model.config tiny", "~30 s: the CLI, its rerun, a fresh process"),
     "bench_predict": ("--preset tiny --device cpu --dtype fp32 --batch 2 --seconds 1 --audio-per-run 4", "~6 s"),
+    "bench_quality": ("--seconds 1 --repeats 1 --requests 4 --fit-steps 2 --batch 2", "~25 s: 3 test runs, 2 fits"),
     "bench_scale": ("--preset tiny --device cpu --devices 1 --requests 4 --fit-steps 1", "~75 s: DDP processes"),
     "measure_predict_rss": ("--audio-mb 2 --min-seconds 0.5 --max-seconds 1", "~20 s: a process per variant"),
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),

@@ -9,6 +9,7 @@ logs, and only to ``WandbLogger``s: without one it does nothing, not even collec
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +81,10 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
 
 
 def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) -> dict[str, Any]:
-    """Generated and reference audio side by side, with spectrograms and per-request metrics, in a
-    ``wandb.Table`` keyed by request id; the media lists (captioned by id) also on their own, since
-    an offline run stores table cells' media only through artifacts."""
+    """Generated and reference audio side by side, with spectrograms and per-request metrics (the quality
+    metrics' too, where a sample holds their ``quality`` future), in a ``wandb.Table`` keyed by request
+    id; the media lists (captioned by id) also on their own, since an offline run stores table cells'
+    media only through artifacts."""
     import matplotlib.pyplot as plt
     import wandb
 
@@ -90,11 +92,13 @@ def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) ->
     from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
     mel, stft = MultiResolutionMelLoss(sample_rate), MultiResolutionSTFTLoss()
+    quality = [s["quality"].result().values if s.get("quality") is not None else {} for s in samples]
+    names = list(dict.fromkeys(name for scores in quality for name in scores))
     columns = ["id", "generated", "reference", "generated_spectrogram", "reference_spectrogram", "mel_distance",
-               "si_sdr"]  # fmt: skip
+               "si_sdr", *names]  # fmt: skip
     table = wandb.Table(columns=columns)
     media: dict[str, list] = {k: [] for k in columns[1:5]}
-    for s in samples:
+    for s, scores in zip(samples, quality):
         gen_fig = spectrogram_figure(s["generated"], sample_rate, f"{s['id']} generated")
         ref_fig = spectrogram_figure(s["reference"], sample_rate, f"{s['id']} reference")
         values = request_metrics(s["generated"], s["reference"], mel, stft)
@@ -106,7 +110,8 @@ def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) ->
         ]
         for key, item in zip(media, row):
             media[key].append(item)
-        table.add_data(s["id"], *row, float(values["mel_distance"]), float(values["si_sdr"]))
+        scores = [scores.get(name, math.nan) for name in names]
+        table.add_data(s["id"], *row, float(values["mel_distance"]), float(values["si_sdr"]), *scores)
         plt.close(gen_fig)
         plt.close(ref_fig)
     return {f"{stage}/samples": table, **{f"{stage}/{k}": v for k, v in media.items()}}
@@ -120,7 +125,8 @@ class EvaluationMedia(pl.Callback):
       the config of the weights it evaluates;
     - media (:func:`media_record`) of the first ``log_samples`` requests of each validation or test
       epoch, from the waveforms the step returns (``{"wav": Float[B, 1, T]}``) and the batch's
-      ``audio``, ``audio_lengths`` and ``req_ids``. Not during the sanity check.
+      ``audio``, ``audio_lengths`` and ``req_ids``, with each request's quality scores where the step
+      returns them (``{"quality": [Future, ...]}``, see ``evaluation/quality.py``). Not during the sanity check.
     """
 
     def __init__(self, log_samples: int = 4) -> None:
@@ -161,14 +167,15 @@ class EvaluationMedia(pl.Callback):
             return
         if not isinstance(outputs, dict) or "wav" not in outputs:  # a step that returns no waveforms
             return
-        wav, audio, lengths = outputs["wav"], batch["audio"], batch["audio_lengths"]
+        wav, audio, lengths, quality = outputs["wav"], batch["audio"], batch["audio_lengths"], outputs.get("quality")
         for i, req_id in enumerate(batch.get("req_ids") or range(wav.shape[0])):
             if len(self._samples) >= self.log_samples:
                 break
             n = int(lengths[i])
             self._samples.append(
-                {"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(), "reference": audio[i, :n].float().cpu()}
-            )
+                {"id": str(req_id), "generated": wav[i, 0, :n].float().cpu(), "reference": audio[i, :n].float().cpu(),
+                 "quality": quality[i] if quality is not None else None}
+            )  # fmt: skip
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         self._collect(trainer, outputs, batch)

@@ -11,10 +11,14 @@ score still joins the reduction.
 A batch is scored on the device with no host sync: spectral distances through the losses' batched
 path (``training/spectrogram.py``), SI-SDR and SNR with samples past each item's length zeroed in
 both signals (the same values as cutting each request).
+
+``QualityMetrics`` holds the sums and counts of the perceptual scores (PESQ, STOI) that
+``evaluation/quality.py`` gathers from its worker processes, reduced the same way.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -121,3 +125,43 @@ class AudioMetrics(Metric):
         out["audio_s"] = self.audio_s
         out["audio_s_per_s"] = self.audio_s / max(time.perf_counter() - self._t0, 1e-9)
         return out
+
+
+class QualityMetrics(Metric):
+    """Means over requests of each metric of ``names``, over the requests it scored (``<name>_unscored``
+    counts the others), reduced across ranks as sums and counts; ``quality_s``, the CPU seconds the
+    workers spent scoring (summed over requests and ranks), and ``quality_wait_s``, how long the run waited for
+    scores after its last batch (the slowest rank's)."""
+
+    full_state_update = False
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        super().__init__()
+        self.names = tuple(names)
+        for name in self.names:
+            self.add_state(f"sum_{name}", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+            self.add_state(f"scored_{name}", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("requests", torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")
+        self.add_state("seconds", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("wait_s", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="max")
+
+    def update(self, scores: list[dict[str, float]], seconds: float = 0.0, wait_s: float = 0.0) -> None:
+        """``scores``: one ``{name: value}`` per request (NaN: not scored); ``seconds`` spent scoring them;
+        ``wait_s`` waited for them."""
+        device = self.requests.device
+        for name in self.names:
+            values = torch.tensor([s[name] for s in scores], dtype=torch.float64, device=device)
+            scored = values.isfinite()
+            setattr(self, f"sum_{name}", getattr(self, f"sum_{name}") + values[scored].sum())
+            setattr(self, f"scored_{name}", getattr(self, f"scored_{name}") + scored.sum())
+        self.requests += len(scores)
+        self.seconds += seconds
+        self.wait_s = torch.maximum(self.wait_s, torch.tensor(wait_s, dtype=torch.float64, device=device))
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in self.names:
+            total, scored = getattr(self, f"sum_{name}"), getattr(self, f"scored_{name}")
+            out[name] = total / scored.double() if scored else torch.tensor(math.nan, dtype=torch.float64)
+            out[f"{name}_unscored"] = (self.requests - scored).double()
+        return {**out, "quality_s": self.seconds, "quality_wait_s": self.wait_s}

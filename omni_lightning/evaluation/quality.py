@@ -1,0 +1,299 @@
+"""PESQ and STOI beside the spectral distances (the measures of HiFi-GAN, BigVGAN, Vocos), scored per
+request in worker processes, off the step's path, and reduced over DDP ranks as sums and counts.
+
+- ``pesq``: wide-band PESQ (ITU-T P.862.2, MOS-LQO 1.04 to 4.64) at 16 kHz, the standard's rate: both
+  signals resampled from the model's rate with torchaudio, batched, on the step's device.
+- ``stoi`` and ``estoi``: STOI and extended STOI (about 0 to 1); pystoi resamples to its 10 kHz itself.
+
+A request a metric cannot score gets NaN for it, counted in ``<name>_unscored`` and left out of that
+metric's mean (never a zero averaged in): shorter than 0.25 s (PESQ) or than 30 STOI frames after
+pystoi drops the silent ones (about 0.4 s of sound), a silent reference, a silent or non-finite
+output (PESQ), or one in which PESQ detects no utterance.
+
+Not done, and why:
+
+- torchmetrics' PESQ and STOI are not used: their metrics score inside ``update``, on the step's
+  thread, and their functions raise for a request PESQ finds no speech in and return pystoi's 1e-5
+  for one too short (a near zero averaged in). The packages' own functions are called here; the
+  tests compare the values with them.
+- No threads: pesq's C code holds the GIL for a whole request (about 0.15 s for 5 s of audio), which
+  would stall the training loop. Worker processes score instead, forked on Linux (they run numpy,
+  pesq and pystoi only: no torch, no CUDA), spawned elsewhere.
+- ``estoi`` shares no work with ``stoi``: asked for both, pystoi reads a request twice.
+- No MOS predictor (UTMOS, DNSMOS): they need model weights; no metric downloads anything at run time.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, NamedTuple
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+
+from omni_lightning.errors import UsageError
+from omni_lightning.evaluation.metrics import QualityMetrics
+
+QUALITY_METRICS = ("pesq", "stoi", "estoi")
+PACKAGES = {"pesq": "pesq", "stoi": "pystoi", "estoi": "pystoi"}
+INSTALL = 'pip install "omni-lightning[quality]" (in a checkout: pip install -e ".[quality]")'
+PESQ_RATE = 16000
+PESQ_MIN_S = 0.25  # pesq's BufferTooShortError below this
+STOI_MIN_S = (29 * 128 + 256) / 10000  # pystoi: 30 frames of 256 samples, hop 128, at 10 kHz
+
+
+def check_quality_metrics(names: Any) -> tuple[str, ...]:
+    """The names asked for (duplicates dropped), or a ``UsageError`` naming the bad value or the install
+    command when the ``quality`` extra is missing; None: none."""
+    if names is None:
+        return ()
+    if isinstance(names, str) or not isinstance(names, (list, tuple)):
+        raise UsageError(f"quality_metrics must be a list of names from {', '.join(QUALITY_METRICS)}, got {names!r}")
+    for name in names:
+        if name not in QUALITY_METRICS:
+            raise UsageError(f"quality_metrics: unknown metric {name!r}; choose from {', '.join(QUALITY_METRICS)}")
+    names = tuple(dict.fromkeys(names))
+    missing = []
+    for package in dict.fromkeys(PACKAGES[n] for n in names):
+        try:
+            __import__(package)  # here, in the parent: forked workers find it imported
+        except ImportError:
+            missing.append(package)
+    if missing:
+        raise UsageError(f"quality_metrics {list(names)} need the {' and '.join(missing)} package: {INSTALL}")
+    return names
+
+
+class RequestScores(NamedTuple):
+    """One request's ``values`` (``{name: score}``, NaN where a metric cannot score it) and the CPU
+    ``seconds`` a worker spent on them (CPU time: other processes on the host do not inflate it)."""
+
+    values: dict[str, float]
+    seconds: float
+
+
+def score_request(
+    names: tuple[str, ...],
+    sample_rate: int,
+    reference: np.ndarray,
+    generated: np.ndarray,
+    reference_16k: np.ndarray | None = None,
+    generated_16k: np.ndarray | None = None,
+) -> RequestScores:
+    """One request's scores; ``*_16k``: both signals at 16 kHz, for PESQ. Runs in a worker process:
+    numpy, pesq and pystoi only."""
+    start = time.process_time()
+    values = dict.fromkeys(names, math.nan)
+    if np.any(reference) and np.isfinite(generated).all():  # else nothing to score against, or no output
+        for name in names:
+            if name == "pesq":
+                values[name] = _pesq(reference_16k, generated_16k)
+            else:
+                values[name] = _stoi(reference, generated, sample_rate, extended=name == "estoi")
+    return RequestScores(values, time.process_time() - start)
+
+
+def _pesq(reference: np.ndarray, generated: np.ndarray) -> float:
+    from pesq import BufferTooShortError, NoUtterancesError, pesq
+
+    if len(reference) < PESQ_MIN_S * PESQ_RATE or not np.any(generated):  # pesq fails on a silent output
+        return math.nan
+    try:
+        return float(pesq(PESQ_RATE, reference, generated, "wb"))
+    except (BufferTooShortError, NoUtterancesError):
+        return math.nan
+
+
+def _stoi(reference: np.ndarray, generated: np.ndarray, sample_rate: int, extended: bool) -> float:
+    from pystoi import stoi
+
+    if len(reference) < STOI_MIN_S * sample_rate:  # shorter than one STOI segment: pystoi fails on it
+        return math.nan
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = float(stoi(reference, generated, sample_rate, extended=extended))
+    if any("Not enough STFT frames" in str(w.message) for w in caught):  # pystoi returned 1e-5
+        return math.nan
+    return value
+
+
+def default_workers(processes: int = 1) -> int:
+    """Half the CPUs this process may use, shared by the ``processes`` training processes of the host; 1 to 8."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return max(1, min(8, cpus // (2 * max(1, processes))))
+
+
+def _start_worker(parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it shuts the pool down
+    os.nice(10)  # a CPU run's generation first: torch's threads stall when a scorer takes one of their cores
+
+    def watch() -> None:  # a parent killed outright (kill -9) leaves no one to shut the pool down
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+class QualityScorer(pl.Callback):
+    """Scores requests in a pool of ``workers`` processes (None: :func:`default_workers` per training
+    process) and logs the means as ``val/<name>`` and ``test/<name>``.
+
+    The module hands each evaluation batch to :meth:`submit` (one host copy: the step's one sync) and
+    goes on; the workers score while the next batches generate. ``validate`` and ``test`` wait for the
+    last scores at their epoch's end and log them with the other metrics. A fit's validation waits for
+    none: its scores are logged at its own step when the next validation starts or fit ends, so a
+    ``ModelCheckpoint`` cannot monitor them. More than ``pending_audio_s`` of audio handed over and not
+    scored (600 s: about 200 MB of host copies) makes :meth:`submit` wait for the oldest, so memory stays
+    bounded when scoring is slower than generation.
+
+    As a callback (the module adds it to fit, validate and test) it owns its pool: started at the first
+    request, shut down when the run ends (``teardown``) or fails (``on_exception``). A worker's error,
+    or a worker's death, is raised where the scores are gathered.
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        sample_rate: int = 24000,
+        workers: int | None = None,
+        pending_audio_s: float = 600.0,
+    ) -> None:
+        self.names, self.sample_rate = tuple(names), sample_rate
+        self.workers, self.pending_audio_s = workers, pending_audio_s
+        self.metrics = QualityMetrics(self.names)
+        self._pool: ProcessPoolExecutor | None = None
+        self._processes = 1  # training processes of this host (setup)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._futures: list[Future] = []  # each request's scores, in the order handed over
+        self._unscored: deque[tuple[Future, float]] = deque()  # (scores, audio seconds) not seen done yet
+        self._unscored_s = 0.0
+        self._deferred: tuple[str, int] | None = None  # a fit's validation not logged yet: (stage, step)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or pickle (ddp_spawn) keeps the settings only
+        return {k: getattr(self, k) for k in ("names", "sample_rate", "workers", "pending_audio_s")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)
+
+    # --- scoring ------------------------------------------------------------------------------------------------
+
+    def submit(self, pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor) -> list[Future]:
+        """Hands each request of a batch to the workers: ``pred`` [B, 1, T] or [B, T], ``target`` [B, N],
+        ``lengths`` real samples per request. One future per request, of its :class:`RequestScores`."""
+        pred, target = pred.reshape(pred.shape[0], -1).float(), target.reshape(target.shape[0], -1).float()
+        n = min(pred.shape[-1], target.shape[-1])
+        lengths = lengths.to(pred.device).clamp(max=n)
+        real = torch.arange(n, device=pred.device)[None] < lengths[:, None]  # a cut request's zeros past its end
+        signals = [target[:, :n] * real, pred[:, :n] * real]
+        if "pesq" in self.names:
+            from torchaudio.functional import resample
+
+            signals += [resample(s, self.sample_rate, PESQ_RATE) for s in signals]
+        host = [s.cpu().numpy() for s in signals]
+        pool = self._start()
+        futures = []
+        for i, length in enumerate(lengths.tolist()):
+            rows = [h[i, :length] for h in host[:2]]
+            rows += [h[i, : math.ceil(length * PESQ_RATE / self.sample_rate)] for h in host[2:]]
+            self._wait_below(self.pending_audio_s)
+            future = pool.submit(score_request, self.names, self.sample_rate, *rows)
+            self._futures.append(future)
+            self._unscored.append((future, length / self.sample_rate))
+            self._unscored_s += length / self.sample_rate
+            futures.append(future)
+        return futures
+
+    def _start(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            workers = self.workers or default_workers(self._processes)
+            context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+            self._pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(os.getpid(),))
+        return self._pool
+
+    def _wait_below(self, audio_s: float) -> None:
+        """Waits for the oldest requests while more than ``audio_s`` of audio is not scored yet."""
+        while self._unscored and (self._unscored[0][0].done() or self._unscored_s > audio_s):
+            future, seconds = self._unscored.popleft()
+            future.exception()  # waits; an error is raised where the scores are gathered
+            self._unscored_s -= seconds
+
+    @property
+    def pending(self) -> int:
+        """Requests handed to the workers and not gathered yet (scored or not)."""
+        return len(self._futures)
+
+    def gather(self) -> None:
+        """Waits for every request handed over and adds its scores to :attr:`metrics`; raises a worker's error."""
+        waited = time.perf_counter()
+        scores = [f.result() for f in self._futures]
+        self.metrics.update([s.values for s in scores], sum(s.seconds for s in scores), time.perf_counter() - waited)
+        self._futures, self._unscored, self._unscored_s = [], deque(), 0.0
+
+    def results(self, device: torch.device) -> dict[str, float]:
+        """Gathers, reduces across ranks (every rank must call it) and resets: ``{name: value}``."""
+        self.metrics.to(device)
+        self.gather()
+        values = {k: float(v) for k, v in self.metrics.compute().items()}
+        self.metrics.reset()
+        return values
+
+    def close(self) -> None:
+        """Shuts the pool down (its running requests finish, queued ones are dropped) and forgets them."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        self._reset()
+        self.metrics.reset()
+
+    # --- Lightning hooks ------------------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.close()  # what a failed run left
+        self._processes = trainer.num_devices
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.close()
+
+    def _epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if trainer.sanity_checking:
+            return
+        if trainer.state.fn == "fit":  # the training goes on: logged when the next validation starts or fit ends
+            self._deferred = (stage, trainer.fit_loop.epoch_loop._batches_that_stepped)  # the step Lightning logs at
+            return
+        pl_module.log_dict({f"{stage}/{k}": v for k, v in self.results(pl_module.device).items()})
+
+    def _log_deferred(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._deferred is None:
+            return
+        (stage, step), self._deferred = self._deferred, None
+        values = {f"{stage}/{k}": v for k, v in self.results(pl_module.device).items()}
+        for logger in trainer.loggers:
+            logger.log_metrics(values, step=step)
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "val")
+
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._epoch_end(trainer, pl_module, "test")
+
+    def on_validation_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_deferred(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._log_deferred(trainer, pl_module)
