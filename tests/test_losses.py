@@ -119,3 +119,22 @@ def test_discriminators_run_channels_last_and_score_as_channels_first():
         for u, v in zip(fa, fb):
             torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(cl_grad, cf_grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_losses_compute_in_fp32_under_autocast():
+    """The mel filterbank's matmul once ran in bf16 under bf16-mixed (outside the spectra's fp32 block):
+    the mel loss moved by ~1e-3. Under autocast both losses give their fp32 values, gradient included."""
+    pred, target, lengths = padded_batch(2)
+    rec = ReconstructionLoss()
+    results = []
+    for mixed in (False, True):
+        p = pred.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16, enabled=mixed):
+            out = rec(p, target, lengths)
+        out["loss"].backward()
+        results.append(({k: v.detach() for k, v in out.items()}, p.grad))
+    (fp32, fp32_grad), (mixed, mixed_grad) = results
+    for key in ("mel", "stft", "loss"):
+        assert mixed[key].dtype == torch.float32
+        torch.testing.assert_close(mixed[key], fp32[key], rtol=1e-6, atol=0)
+    torch.testing.assert_close(mixed_grad, fp32_grad, rtol=1e-5, atol=1e-7)

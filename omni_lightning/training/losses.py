@@ -4,7 +4,8 @@ One STFT per resolution for the whole batch (``training/spectrogram.py``), share
 terms of :class:`ReconstructionLoss`. Every loss takes ``lengths`` (real samples per item), so
 right-padding never enters it, and each item weighs the same whatever its length (mean over items
 of each item's mean over its frames). Losses compute in fp32 with autocast off, whatever the
-model's precision; their windows and filterbanks are built in fp32 even inside a bf16-true step.
+model's precision (the mel filterbank's matmul too); their windows and filterbanks are built in fp32
+even inside a bf16-true step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _fp32_default() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _fp32(spectra: list[Spectrum]) -> contextlib.AbstractContextManager:
+    """Autocast off on the spectra's device: a loss under bf16-mixed still computes in fp32."""
+    return torch.autocast(spectra[0].pred.device.type, enabled=False)
 
 
 def _reduce(per_resolution: list[torch.Tensor], reduction: str) -> torch.Tensor:
@@ -62,9 +68,10 @@ class MultiResolutionMelLoss(nn.Module):
     def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
         """Per resolution, each item's mean L1 between log-mels over its frames: ``[B]`` each."""
         out = []
-        for n, s in zip(self.spectra.n_ffts, spectra):
-            fb = getattr(self, f"filterbank_{n}")
-            out.append(s.mean((torch.log(fb @ s.pred + self.eps) - torch.log(fb @ s.target + self.eps)).abs()))
+        with _fp32(spectra):
+            for n, s in zip(self.spectra.n_ffts, spectra):
+                fb = getattr(self, f"filterbank_{n}")
+                out.append(s.mean((torch.log(fb @ s.pred + self.eps) - torch.log(fb @ s.target + self.eps)).abs()))
         return out
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None, reduction: str = "mean") -> torch.Tensor:
