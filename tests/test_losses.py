@@ -23,6 +23,12 @@ def padded_batch(seed=0):
     return pred, target, torch.tensor(LENGTHS)
 
 
+def two_items(seed):
+    """:func:`padded_batch`'s second and third items (17,001 and 9,000 samples): a shorter test."""
+    pred, target, lengths = padded_batch(seed)
+    return pred[1:3, :, : LENGTHS[1]], target[1:3, : LENGTHS[1]], lengths[1:3]
+
+
 def cut_item_losses(pred, target):
     """The per-item definitions, from torchaudio and torch.stft directly: one item, no padding."""
     import torchaudio
@@ -125,7 +131,7 @@ def test_discriminators_run_channels_last_and_score_as_channels_first():
 def test_the_losses_compute_in_fp32_under_autocast():
     """The mel filterbank's matmul once ran in bf16 under bf16-mixed (outside the spectra's fp32 block):
     the mel loss moved by ~1e-3. Under autocast both losses give their fp32 values, gradient included."""
-    pred, target, lengths = padded_batch(2)
+    pred, target, lengths = two_items(2)
     rec = ReconstructionLoss()
     results = []
     for mixed in (False, True):
@@ -144,9 +150,9 @@ def test_the_losses_compute_in_fp32_under_autocast():
 def test_the_stft_losss_gradient_does_not_hinge_on_rounding():
     """``log|X|`` has gradient ``1/|X|``: a bin passing near zero (frame 0 of a reflect-padded STFT is
     nearly real) carried whole steps, and rounding the prediction to bf16 moved it: its waveform
-    gradient turned (cosine -0.43 to 0.36 over these seeds; at most 0.86 over 8), its norm moved by up
-    to 2.7x (40x over 8 seeds), and bf16 steps raised the loss. Floored at -60 dB under each item's peak, the gradients
-    of a prediction and of its bf16 rounding agree (cosine >= 0.98 here, >= 0.93 over 8 seeds). A
+    gradient turned (cosine 0.07 to 0.46 over these seeds, -0.32 to 0.65 over 8) and its norm moved by
+    up to 2.2x (20x over 8), and bf16 steps raised the loss. Floored at -60 dB under each item's peak,
+    the gradients of a prediction and of its bf16 rounding agree (cosine >= 0.99 over 8 seeds). A
     digitally silent target still gives a finite loss and gradient."""
     loss = MultiResolutionSTFTLoss()
 
@@ -156,12 +162,12 @@ def test_the_stft_losss_gradient_does_not_hinge_on_rounding():
         return pred.grad.flatten()
 
     for seed in range(4):
-        pred, target, lengths = padded_batch(seed)
+        pred, target, lengths = two_items(seed)
         pred = 0.5 * (pred + target[:, None])  # part way to the target
         exact, rounded = gradient(pred, target, lengths), gradient(pred.bfloat16().float(), target, lengths)
         assert F.cosine_similarity(exact, rounded, dim=0) > 0.8, seed
         assert 0.8 < rounded.norm() / exact.norm() < 1.25, seed
-    pred, target, lengths = padded_batch(0)
+    pred, target, lengths = two_items(0)
     target[1] = 0.0
     silent = gradient(pred, target, lengths)
     assert torch.isfinite(silent).all() and silent.abs().sum() > 0
