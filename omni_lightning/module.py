@@ -149,7 +149,8 @@ class Code2WavModule(pl.LightningModule):
         self.skipped_requests.clear()  # each run warns about its own
         trainer = self._trainer  # None when a user calls setup by hand: the weights' device then
         device = trainer.strategy.root_device if trainer is not None else next(self.parameters()).device
-        self.training_run.kernels = self.configure_training_kernels(device) if self.fast_training else Kernels()
+        plain = Kernels.for_training(device, fused=False)  # torch, and on the CPU oneDNN's bf16 bug worked around
+        self.training_run.kernels = self.configure_training_kernels(device) if self.fast_training else plain
         if stage == "fit":  # a new graph each fit: one fit's shapes, weights and trainable set
             self.training_run.graph = self.configure_training_graph(trainer) if self.fast_training else None
             self.unasked_random_weights = False

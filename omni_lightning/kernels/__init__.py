@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_lightning.kernels import snake_beta
+from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
 from omni_lightning.kernels.residual_unit import MAX_CHANNELS, residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
@@ -24,7 +25,8 @@ def triton_available() -> bool:
 
 @dataclass(frozen=True)
 class Kernels:
-    """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature), ``inplace``
+    """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature), the decoder's
+    transposed convolution ``conv_transpose`` (``kernels/conv_transpose.py``'s), ``inplace``
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
     autograd needs the stream's earlier values) and ``residual_unit`` (``kernels/residual_unit.py``:
     a residual unit's convolutions and second SnakeBeta in one pass, in place; None: layer by layer)."""
@@ -32,6 +34,7 @@ class Kernels:
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
     name: str = "reference"
+    conv_transpose: Callable[..., torch.Tensor] = conv_transpose_reference
     residual_unit: Callable[..., torch.Tensor] | None = None
 
     def fused_unit(self, x: torch.Tensor) -> bool:
@@ -63,9 +66,14 @@ class Kernels:
         return cls.for_training(device) if torch.is_grad_enabled() else cls.for_inference(device)
 
     @classmethod
-    def for_training(cls, device: torch.device | str) -> Kernels:
+    def for_training(cls, device: torch.device | str, fused: bool = True) -> Kernels:
         """Triton SnakeBeta forward and backward (one autograd function) on CUDA when Triton is
-        installed, the torch reference elsewhere; residuals out of place (autograd keeps the stream)."""
-        if torch.device(device).type == "cuda" and triton_available():
+        installed (and ``fused``), the torch reference elsewhere; residuals out of place (autograd
+        keeps the stream). On the CPU, whatever ``fused``, transposed convolutions in bf16 take their
+        input's gradient in fp32 (oneDNN's bf16 one is wrong on AMX: ``kernels/conv_transpose.py``)."""
+        device = torch.device(device)
+        if fused and device.type == "cuda" and triton_available():
             return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd")
+        if device.type == "cpu":
+            return cls(conv_transpose=conv_transpose_fp32_input_grad, name="reference, fp32 conv-transpose input grads")
         return cls(snake_beta_reference, inplace=False, name="reference")

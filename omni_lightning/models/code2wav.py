@@ -129,7 +129,7 @@ class Code2Wav(nn.Module):
         h = self.code_embedding(codes + self.code_offset).mean(1)  # [B, T, hidden], time-major
         h = self.pre_transformer(h, step)
         for conv_t, convnext in self.upsample:
-            h = convnext(conv_t(h), step)
+            h = convnext(conv_t(h, step), step)
         first, *blocks, last_act, last_conv = self.decoder
         x = first(step.with_history(first.state_name, first.context, h), h.shape[1], bias=False)
         pending = first.conv.bias.float()

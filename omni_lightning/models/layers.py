@@ -85,15 +85,11 @@ class CausalConvTranspose1d(nn.Module):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         return {self.state_name: (1, self.conv.in_channels)} if self.context else {}
 
-    def forward(self, buf: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        """``buf [B, context + T, C_in]`` to ``[B, T * stride, C_out]``."""
+    def forward(self, buf: torch.Tensor, step: Step, bias: bool = True) -> torch.Tensor:
+        """``buf [B, context + T, C_in]`` to ``[B, T * stride, C_out]``, by the forward's kernels."""
         conv = self.conv
-        y = F.conv_transpose2d(
-            _nhwc(buf),
-            conv.weight.unsqueeze(2),
-            conv.bias if bias else None,
-            stride=(1, conv.stride[0]),
-            padding=(0, self.trim),
+        y = step.kernels.conv_transpose(
+            _nhwc(buf), conv.weight.unsqueeze(2), conv.bias if bias else None, (1, conv.stride[0]), (0, self.trim)
         )
         return _time_major(y)
 
@@ -198,7 +194,7 @@ class DecoderBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, pending: torch.Tensor, step: Step):
         act, upsample, *units = self.block
-        x = upsample(act(x, step, pending, before=upsample), bias=False)
+        x = upsample(act(x, step, pending, before=upsample), step, bias=False)
         pending = upsample.conv.bias.float()
         for unit in units:
             x, pending = unit(x, pending, step, self.junk)

@@ -4,7 +4,8 @@ One STFT per resolution for the whole batch (``training/spectrogram.py``), share
 terms of :class:`ReconstructionLoss`. Every loss takes ``lengths`` (real samples per item), so
 right-padding never enters it, and each item weighs the same whatever its length (mean over items
 of each item's mean over its frames). Losses compute in fp32 with autocast off, whatever the
-model's precision; their windows and filterbanks are built in fp32 even inside a bf16-true step.
+model's precision (the mel filterbank's matmul too); their windows and filterbanks are built in fp32
+even inside a bf16-true step.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ def _fp32_default() -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+def _fp32(spectra: list[Spectrum]) -> contextlib.AbstractContextManager:
+    """Autocast off on the spectra's device: a loss under bf16-mixed still computes in fp32."""
+    return torch.autocast(spectra[0].pred.device.type, enabled=False)
 
 
 def _reduce(per_resolution: list[torch.Tensor], reduction: str) -> torch.Tensor:
@@ -62,9 +68,10 @@ class MultiResolutionMelLoss(nn.Module):
     def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
         """Per resolution, each item's mean L1 between log-mels over its frames: ``[B]`` each."""
         out = []
-        for n, s in zip(self.spectra.n_ffts, spectra):
-            fb = getattr(self, f"filterbank_{n}")
-            out.append(s.mean((torch.log(fb @ s.pred + self.eps) - torch.log(fb @ s.target + self.eps)).abs()))
+        with _fp32(spectra):
+            for n, s in zip(self.spectra.n_ffts, spectra):
+                fb = getattr(self, f"filterbank_{n}")
+                out.append(s.mean((torch.log(fb @ s.pred + self.eps) - torch.log(fb @ s.target + self.eps)).abs()))
         return out
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None, reduction: str = "mean") -> torch.Tensor:
@@ -72,24 +79,37 @@ class MultiResolutionMelLoss(nn.Module):
 
 
 class MultiResolutionSTFTLoss(nn.Module):
-    """Spectral convergence + log-magnitude L1, averaged over STFT resolutions."""
+    """Spectral convergence + log-magnitude L1, averaged over STFT resolutions.
 
-    def __init__(self, n_ffts: Sequence[int] = (512, 1024, 2048), eps: float = 1e-7) -> None:
+    The log magnitudes are of ``hypot(|X|, floor)``, ``floor`` being ``rel_floor`` times the item's
+    largest target magnitude at that resolution (over its own frames; at least ``eps``). ``log|X|``'s
+    gradient is ``1/|X|``: a bin passing near zero (frame 0 of a reflect-padded STFT is nearly real)
+    took over whole steps, and where it lands is decided by rounding, so bf16 steps could raise the
+    loss. The floor bounds a bin's gradient by ``1 / (2 floor)`` and leaves bins well above it
+    unchanged. 1e-3 (-60 dB) is the range of a speech spectrum above its noise floor, and of what bf16
+    (2^-9 relative rounding per sample) resolves: bins below it are noise in the target and rounding
+    in a bf16 prediction."""
+
+    def __init__(self, n_ffts: Sequence[int] = (512, 1024, 2048), eps: float = 1e-7, rel_floor: float = 1e-3) -> None:
         super().__init__()
         with _fp32_default():
             self.spectra = MultiResolutionSTFT(n_ffts)
-        self.eps = eps
+        self.eps, self.rel_floor = eps, rel_floor
 
     def item_losses(self, spectra: list[Spectrum]) -> list[torch.Tensor]:
         """Per resolution, each item's spectral convergence plus mean log-magnitude L1: ``[B]`` each.
         Against a silent target (no bin above ``eps``: digital silence) the convergence, relative to
-        the target's norm, is undefined and left out; the log-magnitude term still pulls towards it."""
+        the target's norm, is undefined and left out; the log-magnitude term (floored at ``eps``)
+        still pulls towards it."""
         out = []
-        for s in spectra:
-            pm, tm = s.pred.clamp_min(self.eps), s.target.clamp_min(self.eps)
-            audible = s.norm(tm - self.eps) > 0  # else pred's norm over 1e-7: a loss of millions
-            convergence = torch.where(audible, s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps), 0.0)
-            out.append(convergence + s.mean((torch.log(pm) - torch.log(tm)).abs()))
+        with _fp32(spectra):
+            for s in spectra:
+                pm, tm = s.pred.clamp_min(self.eps), s.target.clamp_min(self.eps)
+                audible = s.norm(tm - self.eps) > 0  # else pred's norm over 1e-7: a loss of millions
+                convergence = torch.where(audible, s.norm(tm - pm) / s.norm(tm).clamp_min(self.eps), 0.0)
+                floor = (self.rel_floor * s.peak(s.target)).clamp_min(self.eps)[:, None, None]
+                log_ratio = torch.log(torch.hypot(s.pred, floor)) - torch.log(torch.hypot(s.target, floor))
+                out.append(convergence + s.mean(log_ratio.abs()))
         return out
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None, reduction: str = "mean") -> torch.Tensor:

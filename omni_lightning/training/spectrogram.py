@@ -46,6 +46,10 @@ class Spectrum:
         """Per item, the mean of ``values [B, C, frames]`` over its own frames: ``[B]``."""
         return (values.sum(1) * self.mask).sum(1) / (self.frames * values.shape[1])
 
+    def peak(self, values: torch.Tensor) -> torch.Tensor:
+        """Per item, the largest of ``values [B, C, frames]`` over its own frames: ``[B]``."""
+        return torch.where(self.mask[:, None] > 0, values, float("-inf")).amax(dim=(1, 2))
+
     def norm(self, values: torch.Tensor) -> torch.Tensor:
         """Per item, the Frobenius norm of ``values [B, C, frames]`` over its own frames: ``[B]``."""
         return torch.linalg.vector_norm(torch.linalg.vector_norm(values, dim=1) * self.mask, dim=1)
