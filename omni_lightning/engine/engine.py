@@ -96,8 +96,7 @@ class DecodeEngine(EngineStats):
         self.weights = BoundWeights(model, conv_weights_channels_last=True) if use_graphs else None
         self.graph_frames = graph_frames if use_graphs else 0
         if frames_per_forward is None:
-            if budget is None:
-                budget = budgets.budget_bytes(self.device, gpu_memory_utilization)
+            budget = budgets.budget_bytes(self.device, gpu_memory_utilization) if budget is None else budget
             per_frame = budgets.activation_bytes_per_frame(model)
             budgets.check_room(self.device, gpu_memory_utilization, budget, per_frame)  # not one frame: fail now
             if use_graphs:  # the graphs' pool comes out of the budget first (budget.py)
