@@ -124,8 +124,9 @@ def test_ddp_predict_counts_reruns_over_ranks_and_refuses_a_limit_alike_on_every
     job = [sys.executable, str(JOBS), "predict", record, tmp_path / "half", "--lengths", *lengths, "--limit", "0.5"]
     proc = subprocess.run(job, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     said = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "limit_predict_batches=0.5 leaves a process of this 2-process job no batch" in said
-    assert "Connection closed" not in said and "Traceback" in said  # raised on rank 0 too, not lost in gloo
+    refusal = "limit_predict_batches=0.5 leaves a process of this 2-process job no batch"
+    # raised on both ranks, not lost in gloo (whether torch's store then logs a closed connection is timing)
+    assert proc.returncode != 0 and said.count(refusal) == 2, said[-3000:]
 
 
 def test_ddp_fit_has_the_losses_of_one_process_at_the_same_global_batch(tmp_path):

@@ -127,10 +127,22 @@ def test_battery_dry_run_times_the_job_on_a_prepared_before_tree_and_this_one(tm
     with tarfile.open(tar) as t:
         assert "omni_lightning/__init__.py" in t.getnames()
     out = tmp_path / "out"
-    args = ("--dry-run", "--steps", "job", "--before", head, "--before-tar", str(tar), "--out", str(out))
+    args = (
+        "--dry-run",
+        "--parts",
+        "ab",
+        "--steps",
+        "job",
+        "--before",
+        head,
+        "--before-tar",
+        str(tar),
+        "--out",
+        str(out),
+    )
     proc = battery(*args, cwd=ROOT)  # from the repository's root, as on the device
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    result = json.loads((out / "battery_ab-tests-throughput_dry.json").read_text())
+    result = json.loads((out / "battery_ab_dry.json").read_text())
     package = result["meta"]["environment"]["package"]
     assert package["after"] == str(ROOT / "omni_lightning" / "__init__.py")
     assert not package["before"].startswith(str(ROOT))  # the extracted tree, not this one

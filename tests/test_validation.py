@@ -111,8 +111,9 @@ def test_request_ids_must_match_the_batch(ids):
 
 
 def test_a_uint64_code_past_int64_is_reported_as_given():
-    codes = torch.zeros(1, 16, 3, dtype=torch.uint64)
-    codes[0, 2, 1] = 2**63 + 5
+    values = np.zeros((1, 16, 3), dtype=np.uint64)
+    values[0, 2, 1] = 2**63 + 5  # (torch 2.11 cannot set a uint64 element past int64 from a Python int)
+    codes = torch.from_numpy(values)
     bad(codes, match=r"request 0: code 9223372036854775813 at codebook 2, frame 1 is outside")
 
 
