@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         command = check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
         timings["checked"] = time.time()
         done = finished_job(command)
-        if command is not None and command.other_format:
-            print(command.other_format, file=sys.stderr)
         if done is not None:
+            if command.other_format:  # (a job that runs has its writer say it)
+                print(command.other_format, file=sys.stderr)
             print(f"predict: {done}")
             return EXIT_OK
         return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))

@@ -78,7 +78,8 @@ def test_an_interrupted_predict_says_how_many_requests_it_saved_and_the_same_com
 
     rerun = omni_lightning(*args, cwd=tmp_path)
     log = rerun.communicate(timeout=300)[0]
-    assert rerun.returncode == 0 and f"{24 - saved} requests written" in log and f"{saved} already done" in log, log
+    written = f"{24 - saved} request{'s' * (24 - saved != 1)} written"
+    assert rerun.returncode == 0 and written in log and f"{saved} already done" in log, log
     assert (
         f"{24 - saved} request{'s' * (24 - saved != 1)} to decode (" in log and f", {saved} already done" in log
     )  # the start-up line
@@ -101,7 +102,7 @@ def test_requests_finished_in_another_format_are_reported_in_one_line(tmp_path, 
     (line,) = captured.err.splitlines()
     assert line == (
         f"warning: 2 requests in {out} are already written as wav, not flac: they count as done and are "
-        "not decoded again; give another --out_dir to have every request as flac"
+        "not decoded again; use another output folder (--out_dir) to have every request as flac"
     )
     assert main([*job, "--format", "wav"]) == 0 and capsys.readouterr().err == ""  # the same format: nothing said
 

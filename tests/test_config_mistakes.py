@@ -211,7 +211,7 @@ def test_a_rerun_with_another_subtype_says_what_it_leaves_as_it_is(tmp_path):
     command = check_command_line([*base, "--subtype", "PCM_24"])
     assert finished_job(command) is not None and command.other_format == (
         f"warning: 2 requests in {out} are already written as wav PCM_16, not wav PCM_24: they count as done "
-        "and are not decoded again; give another --out_dir to have every request as wav PCM_24"
+        "and are not decoded again; use another output folder (--out_dir) to have every request as wav PCM_24"
     )
     command = check_command_line([*base, "--format", "flac"])  # another format: named alone, as before
     assert finished_job(command) is not None and "already written as wav, not flac:" in command.other_format

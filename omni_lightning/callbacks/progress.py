@@ -152,13 +152,18 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     hparams = getattr(pl_module, "hparams", {})
     checkpoint, ckpt_path = hparams.get("checkpoint"), getattr(trainer, "ckpt_path", None)
     model = f"checkpoint {checkpoint}" if checkpoint else f"{config.name} preset"
-    if ckpt_path or checkpoint:
-        weights = f"weights from {ckpt_path or checkpoint}"
-    else:
-        weights = "random weights" if hparams.get("random_weights") else "the module's own weights (no checkpoint)"
+    # the module's own account (its constructor's, a fit's or a load's) unless the trainer loaded a checkpoint
+    origin = getattr(pl_module, "weights_origin", None)
+    origin = origin or (f"weights from {checkpoint}" if checkpoint else "its weights")
+    weights = f"weights from {ckpt_path}" if ckpt_path else origin
     device = trainer.strategy.root_device
     cap = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    memory = f"memory cap {cap:.0%} of the GPU" if cap is not None else "no memory cap"
+    if cap is None:
+        memory = "no memory cap"
+    elif device.type == "cuda":
+        memory = f"memory cap {cap:.0%} of the GPU"
+    else:  # torch caps the memory of a CUDA device only
+        memory = f"no memory cap (gpu_memory_utilization {cap:g} applies on a GPU)"
     engine = getattr(pl_module, "engine", None)
     frames = getattr(engine, "frames_per_forward", None) or getattr(pl_module, "frames_per_forward", None)
     budget = f"{frames} frames per forward" if frames else "frames per forward from the memory budget"

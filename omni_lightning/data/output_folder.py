@@ -267,11 +267,18 @@ def other_format_line(
     if not counts:
         return None
     wanted = f"{audio_format} {subtype}" if any(" " in written for written in counts) else audio_format
+    n = sum(counts.values())
+    are, they = ("is", "it counts") if n == 1 else ("are", "they count")
     return (
-        f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
-        f"{' and '.join(sorted(counts))}, not {wanted}: they count as done and are not decoded again; "
-        f"give another --out_dir to have every request as {wanted}"
+        f"warning: {counted(n, 'request')} in {finished.out_dir} {are} already written as "
+        f"{' and '.join(sorted(counts))}, not {wanted}: {they} as done and {are} not decoded again; "
+        f"use another output folder (--out_dir) to have every request as {wanted}"
     )
+
+
+def counted(n: int, noun: str) -> str:
+    """``1 request``, ``2 requests``: a count and its noun, plural unless one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
@@ -279,14 +286,18 @@ def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None
     s = stats
     rate = s.get("audio_s", 0.0) / s["seconds"] if s.get("seconds") else 0.0
     text = (
-        f"{s.get('ok', 0)} requests written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
+        f"{counted(s.get('ok', 0), 'request')} written ({s.get('audio_s', 0.0):.1f} s of audio, "
+        f"{rate:.1f} audio s/s), "
         f"{s.get('skipped', 0)} already done, {s.get('error', 0)} failed -> {out_dir.resolve()}"
     )
     if s.get("missing") and s.get("limited"):
-        text += f"; {s['missing']} requests not run (the trainer limits predict batches: limit_predict_batches)"
+        text += (
+            f"; {counted(s['missing'], 'request')} not run (the trainer limits predict batches: limit_predict_batches)"
+        )
     elif s.get("missing"):
-        text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
+        text += f"; {counted(s['missing'], 'request')} neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        text += f"; {len(unread)} input files not read (not code files, hidden, or links to folders): {names}"
+        unread_files = counted(len(unread), "input file")
+        text += f"; {unread_files} not read (not code files, hidden, or links to folders): {names}"
     return text
