@@ -6,7 +6,8 @@ printed before torch loads) lists the subcommands, the options read here, exampl
 traceback is printed); 2 a usage error (one ``error:`` line); 3 predict finished but some requests failed
 (each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM: stopped after the batch in progress, or the step in fit). Interrupted or terminated, predict
-writes the batches already decoded first and says how many requests are saved.
+writes the batches already decoded first and says how many requests are saved; a fit that checkpoints
+saves interrupted.ckpt beside its checkpoints and says how to resume from it.
 """
 
 from __future__ import annotations
@@ -103,23 +104,25 @@ def main(argv: list[str] | None = None) -> int:
             print(f"predict: {done}")
             return EXIT_OK
         return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))
-    except KeyboardInterrupt:
-        print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
+    except KeyboardInterrupt as stop:
+        print(INTERRUPTED + saved_so_far(command, stop), file=sys.stderr)
         return EXIT_INTERRUPTED
-    except SystemExit:
+    except SystemExit as stop:
         if interrupted:  # Lightning turns Ctrl-C into exit(1) after its graceful shutdown
-            print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
+            print(INTERRUPTED + saved_so_far(command, stop), file=sys.stderr)
             return EXIT_INTERRUPTED
         if terminated:  # Lightning's loops stop after a batch with an exception that would exit 0
-            print(TERMINATED + saved_so_far(command), file=sys.stderr)
+            print(TERMINATED + saved_so_far(command, stop), file=sys.stderr)
             return EXIT_TERMINATED
         raise
     except Exception as err:
         if terminated or _workers_terminated(err):  # a stop sent to the process group: workers died of it first
-            print(TERMINATED + saved_so_far(command), file=sys.stderr)
+            print(TERMINATED + saved_so_far(command, err), file=sys.stderr)
             return EXIT_TERMINATED
         if not _is_usage_error(err):
             traceback.print_exc()
+            if getattr(err, "fit_stopped", None):  # the fit saved where it was before the error ended it
+                print(f"fit stopped by the error above{err.fit_stopped}", file=sys.stderr)
             return EXIT_BUG
         if debug:
             traceback.print_exc()
@@ -161,8 +164,11 @@ def _wants_top_level_help(argv: list[str]) -> bool:
     return False
 
 
-def saved_so_far(command: Any) -> str:
-    """For a predict stopped early: how many requests this run saved in ``--out_dir``, and how to resume."""
+def saved_so_far(command: Any, stop: BaseException | None = None) -> str:
+    """For a job stopped early, what it saved and how to resume: a fit's checkpoint (``stop.fit_stopped``,
+    set by ``lightning_cli``), or how many requests a predict saved in ``--out_dir``."""
+    if getattr(stop, "fit_stopped", None):
+        return stop.fit_stopped
     out_dir = command.values.get("out_dir") if command is not None and command.sub == "predict" else None
     if not isinstance(out_dir, str) or not os.path.isdir(out_dir):
         return ""
@@ -234,14 +240,21 @@ def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) 
     # LightningCLI reads sys.argv (passing args as well makes it warn), and DDP starts the other
     # ranks from sys.argv: both see exactly these arguments
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    # wandb's ~30 lines (run history and summary) after the metrics line: the line names the run's folder
+    # and the command that uploads it instead (WANDB_SILENT=false keeps wandb's own)
+    silenced = "WANDB_SILENT" not in os.environ
+    if silenced:
+        os.environ["WANDB_SILENT"] = "true"
     try:
         cli = run_cli(None, timings, finished)
+        _finish_wandb(0)
     except BaseException:
         _finish_wandb(1)
         raise
     finally:
         sys.argv = saved
-    _finish_wandb(0)
+        if silenced:
+            os.environ.pop("WANDB_SILENT", None)
     writer = getattr(cli, "writer", None)
     return EXIT_FAILED_REQUESTS if cli.subcommand == "predict" and writer is not None and writer.any_failed else EXIT_OK
 

@@ -14,8 +14,10 @@ summary, and phase timings when asked. What it leaves out: LightningCLI's ``--op
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +33,7 @@ from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.preflight import check_weights, set_by_user
 from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning, quiet_cli_trainer
+from omni_lightning.training.interrupted import InterruptedFitCheckpoint
 
 SUBTYPES = tuple(dict.fromkeys(s for subtypes in FORMATS.values() for s in subtypes))
 
@@ -166,12 +169,35 @@ class OmniCLI(LightningCLI):
         for key in set_by_user(self._argv, [f"model.{k}" for k in RUN_SETTINGS]):
             model[key.split(".", 1)[1]] = given.get(key.split(".", 1)[1])
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Runs it; a fit stopped by an exception (Ctrl-C, SIGTERM, an error) carries, as the exception's
+        ``fit_stopped``, what ``cli.main`` adds to its last line: where it saved and how to resume."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException as stop:
+            saver = next((cb for cb in self.trainer.callbacks if isinstance(cb, InterruptedFitCheckpoint)), None)
+            if subcommand == "fit" and saver is not None:
+                stop.fit_stopped = (  # type: ignore[attr-defined]
+                    f" at step {saver.saved_step}: saved {saver.saved}; the same command with --ckpt_path "
+                    f"{saver.saved} resumes it"
+                    if saver.saved is not None
+                    else " before the first step: nothing to save"
+                )
+            raise
+
     def before_fit(self) -> None:
-        """``--ckpt_path last`` resumes from a ModelCheckpoint's ``last.ckpt``. Lightning only looks in a
-        ``dirpath`` given to the callback: with the folder the logger makes per run
-        (``configs/finetune.yaml``: a new ``version_N`` each time) it finds none, warns, and trains from
-        scratch. That is refused here, listing the ``last.ckpt`` files there are to resume from."""
+        """A fit that checkpoints also saves when it is stopped (:class:`InterruptedFitCheckpoint`, in the
+        ModelCheckpoint's folder, unless the trainer has one). ``--ckpt_path last`` resumes from a
+        ModelCheckpoint's ``last.ckpt``. Lightning only looks in a ``dirpath`` given to the callback: with
+        the folder the logger makes per run (``configs/finetune.yaml``: a new ``version_N`` each time) it
+        finds none, warns, and trains from scratch. That is refused here, listing the ``last.ckpt`` files
+        there are to resume from."""
         trainer = self.trainer
+        # a fit resumed with configs/finetune.yaml checkpoints into a new version_N folder: by design, not news
+        warnings.filterwarnings("ignore", message="The dirpath has changed from .* won't be reloaded")
+        saves = trainer.checkpoint_callback is not None
+        if saves and not any(isinstance(cb, InterruptedFitCheckpoint) for cb in trainer.callbacks):
+            trainer.callbacks.append(InterruptedFitCheckpoint())
         if self.config[self.subcommand].get("ckpt_path") != "last" or not trainer.checkpoint_callbacks:
             return
         root = Path(trainer.default_root_dir)
@@ -232,11 +258,36 @@ class OmniCLI(LightningCLI):
     def after_validate(self) -> None:
         if self.trainer.is_global_zero and self._verbose:
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-            logs = [d for d in (getattr(x, "log_dir", None) for x in self.trainer.loggers) if d and Path(d).is_dir()]
+            logs = log_places(self.trainer)
             where = f"; logs in {', '.join(logs)}" if logs else ""
             print(f"{self.subcommand}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) + where)
 
     before_test, after_test = before_validate, after_validate
+
+
+def log_places(trainer: Any) -> list[str]:
+    """Where the trainer's loggers wrote: a CSV or TensorBoard logger's folder; a W&B run's folder with the
+    command that uploads it (offline) or its page (online). wandb's own closing lines are silenced by the
+    command line (``WANDB_SILENT``): this is what of them a user acts on."""
+    places = []
+    for logger in trainer.loggers:
+        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+        if run is not None and getattr(run, "dir", None):
+            folder = _shown(Path(run.dir).parent)  # the run's folder (run.dir is its files/)
+            places.append(f"{folder} (`wandb sync {folder}` uploads it)" if run.offline else f"{folder} ({run.url})")
+            continue
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir and Path(log_dir).is_dir():
+            places.append(str(log_dir))
+    return places
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it is inside it, else as it is."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _drop_callbacks_turned_off(trainer: Any) -> None:
@@ -279,6 +330,9 @@ def run_lightning_cli(
     ``timings`` and ``finished``: see :class:`OmniCLI`."""
     if timings is not None:
         timings["imported"] = time.time()  # torch and Lightning are loaded once this module is
+    signals = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
+    if _drop_sigterm_note not in signals.filters:  # the command's own last line says it was terminated
+        signals.addFilter(_drop_sigterm_note)
     return OmniCLI(
         Code2WavModule,
         CodesDataModule,
@@ -297,3 +351,7 @@ def run_lightning_cli(
         timings=timings,
         finished=finished,
     )
+
+
+def _drop_sigterm_note(record: logging.LogRecord) -> bool:
+    return "Received SIGTERM" not in str(record.msg)

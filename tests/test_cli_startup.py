@@ -216,3 +216,31 @@ def test_fit_without_val_and_validate_without_a_logger_config_warn_of_neither(tm
     assert main(["validate", *common, "--data.val", str(pairs)]) == 0
     said = [str(w.message) for w in recwarn] + capsys.readouterr().err.splitlines()
     assert not [s for s in said if "tensorboardX" in s or "across ranks is zero" in s], said
+
+
+def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_there(tmp_path, monkeypatch, capsys):
+    """Ctrl-C before configs/finetune.yaml's first checkpoint (every 200 steps) left nothing to resume from,
+    and the command said only "error: interrupted"."""
+    import torch
+
+    from omni_lightning.cli import main
+
+    pairs = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="pairs.jsonl")
+    monkeypatch.chdir(tmp_path)  # configs/finetune.yaml checkpoints into runs/finetune/version_N/
+    fit = ["fit", "--config", str(ROOT / "configs/finetune.yaml"), "--data.train", str(pairs), "--trainer.max_steps",
+           "2", "--trainer.precision", "32-true", "--data.num_workers", "0", "--data.batch_size", "2",
+           "--data.crop_frames", "12", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    assert main([*fit, "--trainer.callbacks+=helpers.CtrlCAfterFirstStep"]) == 130
+    saved = "runs/finetune/version_0/checkpoints/interrupted.ckpt"
+    err = capsys.readouterr().err.splitlines()
+    said = f"error: interrupted at step 1: saved {saved}; the same command with --ckpt_path {saved} resumes it"
+    assert err[-1] == said, err
+    assert torch.load(saved, weights_only=False)["global_step"] == 1
+
+    assert main([*fit, "--ckpt_path", saved]) == 0
+    out = capsys.readouterr().out
+    assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in out, out
+    last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
+    assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
+    for noise in ("Total Flops", "FLOPs", "weights_only", "current_model_state", "dirpath has changed"):
+        assert noise not in out, noise

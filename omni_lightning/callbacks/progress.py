@@ -71,6 +71,13 @@ class AudioProgressBar(TQDMProgressBar):
         if (last_step or last_epoch) and self._train_progress_bar is not None:
             self.train_progress_bar.close()
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Closes the open bars, so that what the stop prints next (the command's last line) starts a line."""
+        for name in ("_train_progress_bar", "_val_progress_bar", "_test_progress_bar", "_predict_progress_bar"):
+            bar = getattr(self, name, None)
+            if bar is not None and not bar.disable:
+                bar.close()
+
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dataloader_idx: int) -> bool:
         """Total audio seconds and requests of this rank's share of the dataloader, when known."""
         config = getattr(pl_module, "config", None)
