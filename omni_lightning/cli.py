@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import signal
 import sys
@@ -23,7 +22,7 @@ import time
 import traceback
 from typing import Any
 
-from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, top_level_help
+from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, top_level_help, write_timings
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
@@ -63,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    full_help = "--help-all" in argv  # a subcommand's every option, not only those it uses
+    argv = ["--help" if a == "--help-all" else a for a in argv]
     timings_path, argv = _option(argv, "--timings")
     if debug:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
@@ -103,7 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(command.other_format, file=sys.stderr)
             print(f"predict: {done}")
             return EXIT_OK
-        return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))
+        finished = command.finished if command else None
+        return _ended(terminated, _run(argv, timings if timings_path else None, finished, full_help))
     except KeyboardInterrupt as stop:
         print(INTERRUPTED + saved_so_far(command, stop), file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -137,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if timings_ok:
             timings["end"] = time.time()
             try:
-                _write_timings(timings_path, timings)
+                write_timings(timings_path, timings)
             except OSError as err:  # checked at the start; the job's own exit status stands
                 print(f"warning: --timings {timings_path} was not written: {err}", file=sys.stderr)
         if program:
@@ -157,7 +159,7 @@ def _escaping_output() -> Any:
 def _wants_top_level_help(argv: list[str]) -> bool:
     """``-h``/``--help`` with no subcommand before it: this command's own help, not a subcommand's."""
     for arg in argv:
-        if arg in ("-h", "--help"):
+        if arg in ("-h", "--help", "--help-all"):
             return True
         if arg in SUBCOMMAND_HELP:
             return False
@@ -236,7 +238,7 @@ def _catch_terminate() -> tuple[list[bool], Any]:
     return terminated, lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) -> int:
+def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None, full_help: bool = False) -> int:
     # LightningCLI reads sys.argv (passing args as well makes it warn), and DDP starts the other
     # ranks from sys.argv: both see exactly these arguments
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
@@ -246,7 +248,7 @@ def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) 
     if silenced:
         os.environ["WANDB_SILENT"] = "true"
     try:
-        cli = run_cli(None, timings, finished)
+        cli = run_cli(None, timings, finished, full_help)
         _finish_wandb(0)
     except BaseException:
         _finish_wandb(1)
@@ -267,13 +269,16 @@ def _finish_wandb(exit_code: int) -> None:
         wandb.finish(exit_code=exit_code)
 
 
-def run_cli(argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None) -> Any:
+def run_cli(
+    argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None, full_help: bool = False
+) -> Any:
     """Builds and runs the LightningCLI (this imports torch and Lightning); ``finished``: the output
-    folder's finished requests as the checks read them (not read again)."""
+    folder's finished requests as the checks read them (not read again); ``full_help``: ``--help`` lists
+    every option (``--help-all``), not only those the subcommand uses."""
     from omni_lightning.lightning_cli import run_lightning_cli
 
     compact_warnings()  # again: importing Lightning replaced the format
-    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished)
+    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished, full_help=full_help)
 
 
 def process_start_time() -> float:
@@ -286,27 +291,6 @@ def process_start_time() -> float:
         return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time()
-
-
-def _write_timings(path: str, timings: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(timings, f, indent=1, default=str)
-    start = timings["process_start"]
-    steps = [("arguments checked", "checked"), ("Lightning loaded", "imported"), ("built", "built"),
-             ("first batch", "first_batch"), ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
-    line = ", ".join(f"{label} {timings[key] - start:.2f} s" for label, key in steps if timings.get(key))
-    extra = []
-    if "data_wait_s" in timings:
-        extra.append(f"loader waits {timings['data_wait_s']:.2f} s")
-    if timings.get("writer"):
-        extra.append(
-            f"writer queue waits {timings['writer']['queue_wait_s']:.2f} s, "
-            f"drained {timings['writer']['drain_s']:.2f} s after the last batch"
-        )
-    print(
-        f"timings (since process start): {line}" + (f"; {'; '.join(extra)}" if extra else "") + f" -> {path}",
-        file=sys.stderr,
-    )
 
 
 if __name__ == "__main__":

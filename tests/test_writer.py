@@ -341,7 +341,7 @@ def test_requests_left_out_as_finished_in_another_folder_are_not_left_out_silent
     (done / "manifest.jsonl").write_text(json.dumps({"id": "r0", "path": "r0.wav", "status": "ok"}) + "\n")
     data = CodesDataModule(predict={f"r{i}": random_codes(1, 3, seed=i)[0] for i in range(2)}, skip_done=done)
     trainer = Trainer(**trainer_kwargs(callbacks=[WaveformWriter(tmp_path / "b")]))
-    with pytest.warns(UserWarning, match=r"1 request finished in skip_done=.*a is not written here"):
+    with pytest.warns(UserWarning, match=r"1 request finished in skip_done=.*a: not written here"):
         trainer.predict(Code2WavModule(config="tiny", random_weights=True), datamodule=data, return_predictions=False)
     # FLAC into a folder of finished WAVs: those count as done, and the writer says so (it wrote only r1)
     flac = WaveformWriter(done, audio_format="flac")

@@ -277,27 +277,22 @@ def other_format_line(
 
 
 def counted(n: int, noun: str) -> str:
-    """``1 request``, ``2 requests``: a count and its noun, plural unless one."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    return f"{n} {noun}{'s' * (n != 1)}"  # 1 request, 2 requests
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
     """The end-of-job line: written, already done, failed (and any request neither, or unread files)."""
-    s = stats
+    s, n = stats, counted
     rate = s.get("audio_s", 0.0) / s["seconds"] if s.get("seconds") else 0.0
     text = (
-        f"{counted(s.get('ok', 0), 'request')} written ({s.get('audio_s', 0.0):.1f} s of audio, "
-        f"{rate:.1f} audio s/s), "
+        f"{n(s.get('ok', 0), 'request')} written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
         f"{s.get('skipped', 0)} already done, {s.get('error', 0)} failed -> {out_dir.resolve()}"
     )
     if s.get("missing") and s.get("limited"):
-        text += (
-            f"; {counted(s['missing'], 'request')} not run (the trainer limits predict batches: limit_predict_batches)"
-        )
+        text += f"; {n(s['missing'], 'request')} not run (the trainer limits predict batches: limit_predict_batches)"
     elif s.get("missing"):
-        text += f"; {counted(s['missing'], 'request')} neither written nor failed (a bug: please report it)"
+        text += f"; {n(s['missing'], 'request')} neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        unread_files = counted(len(unread), "input file")
-        text += f"; {unread_files} not read (not code files, hidden, or links to folders): {names}"
+        text += f"; {n(len(unread), 'input file')} not read (not code files, hidden, or links to folders): {names}"
     return text
