@@ -111,13 +111,17 @@ def test_the_trainers_default_bar_writes_no_ansi_codes_into_a_log(tmp_path, caps
     """Lightning's default bar (rich) showed "Epoch 4/-2" for a fit bounded by steps; TQDM's validation bar
     moves the cursor with ANSI codes, which a log file keeps."""
     train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
-    kw = {**trainer_kwargs(max_steps=2, val_check_interval=1, num_sanity_val_steps=0), "enable_progress_bar": True}
+    kw = {**trainer_kwargs(max_steps=2, val_check_interval=1, num_sanity_val_steps=1), "enable_progress_bar": True}
     trainer = Trainer(**kw)
     assert isinstance(trainer.progress_bar_callback, AudioProgressBar)
     data = CodesDataModule(train=str(train), val=str(train), batch_size=2, crop_frames=12)
     trainer.fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
     out = capsys.readouterr().out
     assert "Validation" in out and "Epoch 1" in out and "\x1b" not in out and "/-" not in out, out
+    assert "Sanity Checking" in out  # a batch of its validation data
+    data = CodesDataModule(train=str(train), batch_size=2, crop_frames=12)  # no validation data: no sanity bar
+    Trainer(**{**kw, "max_steps": 1}).fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
+    assert "Sanity Checking" not in capsys.readouterr().out
 
 
 def test_a_large_model_on_the_cpu_is_said_before_starting(tmp_path, capsys):

@@ -43,6 +43,16 @@ class AudioProgressBar(TQDMProgressBar):
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
+    def on_sanity_check_start(self, *_: Any) -> None:
+        """No bar yet: it is made at the sanity check's first batch, so a fit without validation data shows
+        none (Lightning's stood at "0/?")."""
+        self.val_progress_bar = self.train_progress_bar = Tqdm(disable=True)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx=0) -> None:
+        if trainer.sanity_checking and self.val_progress_bar.disable and not self.is_disabled:
+            self.val_progress_bar = self.init_sanity_tqdm()
+        super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         return Tqdm(
             desc=desc,
