@@ -1,6 +1,7 @@
 """What the command line prints besides its jobs' output: warnings as one line, the top-level help and
-the subcommands' one-line descriptions, help group headers, a predict's failed requests. Shared by
-``cli``, ``lightning_cli`` and ``demo``; standard library only (it runs before torch loads).
+the subcommands' one-line descriptions, help group headers, a predict's failed requests, where the
+loggers wrote, the ``--timings`` line. Shared by ``cli``, ``cli_help``, ``lightning_cli`` and ``demo``;
+standard library only (it runs before torch loads).
 Third-party noise is silenced where it starts: ``omni_lightning.Trainer`` and ``lightning_cli``."""
 
 from __future__ import annotations

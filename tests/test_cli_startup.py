@@ -2,6 +2,7 @@
 without a config file, an interrupted job's count of what it saved, requests finished in another format."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -222,7 +223,9 @@ def test_fit_without_val_and_validate_without_a_logger_config_warn_of_neither(tm
     assert not [s for s in said if "tensorboardX" in s or "across ranks is zero" in s], said
 
 
-def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_there(tmp_path, monkeypatch, capsys):
+def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_there(
+    tmp_path, monkeypatch, capsys, caplog, recwarn
+):
     """Ctrl-C before configs/finetune.yaml's first checkpoint (every 200 steps) left nothing to resume from,
     and the command said only "error: interrupted"."""
     import torch
@@ -234,17 +237,22 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
     fit = ["fit", "--config", str(ROOT / "configs/finetune.yaml"), "--data.train", str(pairs), "--trainer.max_steps",
            "2", "--trainer.precision", "32-true", "--data.num_workers", "0", "--data.batch_size", "2",
            "--data.crop_frames", "12", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    caplog.set_level(logging.INFO)  # Lightning's info lines (under pytest they go to the root logger's handlers)
     assert main([*fit, "--trainer.callbacks+=helpers.CtrlCAfterFirstStep"]) == 130
     saved = "runs/finetune/version_0/checkpoints/interrupted.ckpt"
-    err = capsys.readouterr().err.splitlines()
+    first = capsys.readouterr()
+    err = first.err.splitlines()
     said = f"error: interrupted at step 1: saved {saved}; the same command with --ckpt_path {saved} resumes it"
     assert err[-1] == said, err
     assert torch.load(saved, weights_only=False)["global_step"] == 1
 
     assert main([*fit, "--ckpt_path", saved]) == 0
-    out = capsys.readouterr().out
-    assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in out, out
+    captured = capsys.readouterr()
+    assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in captured.out, captured.out
     last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
     assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
+    said = first.out + first.err + captured.out + captured.err + caplog.text
+    assert "Restored all states from the checkpoint" in said and "Trainable params" in said  # the log is seen
+    said += "\n".join(str(w.message) for w in recwarn)
     for noise in ("Total Flops", "FLOPs", "weights_only", "current_model_state", "dirpath has changed"):
-        assert noise not in out, noise
+        assert noise not in said, noise
