@@ -111,10 +111,10 @@ def one_line(message: str) -> str:
     return " ".join(message.split())
 
 
-def log_places(trainer: Any) -> list[str]:
-    """Where the trainer's loggers wrote: a CSV or TensorBoard logger's folder; a W&B run's folder with the
-    command that uploads it (offline) or its page (online). wandb's own closing lines are silenced by the
-    command line (``WANDB_SILENT``): this is what of them a user acts on."""
+def log_places(trainer: Any, wandb_only: bool = False) -> list[str]:
+    """Where the trainer's loggers wrote: a CSV or TensorBoard logger's folder (not with ``wandb_only``); a
+    W&B run's folder with the command that uploads it (offline) or its page (online). wandb's own closing
+    lines are silenced by the command line (``WANDB_SILENT``): this is what of them a user acts on."""
     places = []
     for logger in trainer.loggers:
         run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
@@ -123,7 +123,7 @@ def log_places(trainer: Any) -> list[str]:
             places.append(f"{folder} (`wandb sync {folder}` uploads it)" if run.offline else f"{folder} ({run.url})")
             continue
         log_dir = getattr(logger, "log_dir", None)
-        if log_dir and Path(log_dir).is_dir():
+        if log_dir and Path(log_dir).is_dir() and not wandb_only:
             places.append(str(log_dir))
     return places
 

@@ -233,11 +233,16 @@ class OmniCLI(LightningCLI):
             )
 
     def after_fit(self) -> None:
-        ckpt = self.trainer.checkpoint_callback
-        if self.trainer.is_global_zero and ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
+        """One line: the checkpoints written, and a W&B run's folder (wandb's own lines are silenced)."""
+        ckpt, parts = self.trainer.checkpoint_callback, []
+        if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
             score = f" ({ckpt.monitor} {float(ckpt.best_model_score):.4g})" if ckpt.best_model_score is not None else ""
             saved = {"best": ckpt.best_model_path and ckpt.best_model_path + score, "last": ckpt.last_model_path}
-            print("fit: " + "; ".join(f"{which} checkpoint {path}" for which, path in saved.items() if path))
+            parts = [f"{which} checkpoint {path}" for which, path in saved.items() if path]
+        runs = log_places(self.trainer, wandb_only=True)
+        parts += [f"W&B run in {', '.join(runs)}"] if runs else []
+        if self.trainer.is_global_zero and parts:
+            print("fit: " + "; ".join(parts))
 
     def after_validate(self) -> None:
         if self.trainer.is_global_zero and self._verbose:
