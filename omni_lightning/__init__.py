@@ -27,6 +27,7 @@ _EXPORTS = {
     "DecodeState": "omni_lightning.models",
     "DecodeEngine": "omni_lightning.engine",
     "StreamingDecoder": "omni_lightning.engine",
+    "InterruptedFitCheckpoint": "omni_lightning.training.interrupted",
     "Code2WavModule": "omni_lightning.module",
     "MultimodalOutputs": "omni_lightning.runner",
     "OmniModelRunnerOutput": "omni_lightning.runner",
@@ -59,3 +60,4 @@ if TYPE_CHECKING:
     from omni_lightning.module import Code2WavModule
     from omni_lightning.runner import MultimodalOutputs, OmniModelRunnerOutput, OmniPredictionLoop, build_pooler_output
     from omni_lightning.trainer import Trainer
+    from omni_lightning.training.interrupted import InterruptedFitCheckpoint

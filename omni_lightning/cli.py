@@ -6,14 +6,14 @@ printed before torch loads) lists the subcommands, the options read here, exampl
 traceback is printed); 2 a usage error (one ``error:`` line); 3 predict finished but some requests failed
 (each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C); 143 terminated
 (SIGTERM: stopped after the batch in progress, or the step in fit). Interrupted or terminated, predict
-writes the batches already decoded first and says how many requests are saved.
+writes the batches already decoded first and says how many requests are saved; a fit that checkpoints
+saves interrupted.ckpt beside its checkpoints and says how to resume from it.
 """
 
 from __future__ import annotations
 
 import gc
 import io
-import json
 import os
 import signal
 import sys
@@ -22,7 +22,7 @@ import time
 import traceback
 from typing import Any
 
-from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, top_level_help
+from omni_lightning.console import SUBCOMMAND_HELP, compact_warnings, top_level_help, write_timings
 
 EXIT_OK, EXIT_BUG, EXIT_USAGE, EXIT_FAILED_REQUESTS, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 3, 130, 143
 DEBUG_ENV = "OMNI_LIGHTNING_DEBUG"
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv or os.environ.get(DEBUG_ENV, "") not in ("", "0")
     argv = [a for a in argv if a != "--debug"]
+    full_help = "--help-all" in argv  # a subcommand's every option, not only those it uses
+    argv = ["--help" if a == "--help-all" else a for a in argv]
     timings_path, argv = _option(argv, "--timings")
     if debug:
         os.environ[DEBUG_ENV] = "1"  # DDP ranks, started from sys.argv, inherit it
@@ -97,29 +99,32 @@ def main(argv: list[str] | None = None) -> int:
         command = check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
         timings["checked"] = time.time()
         done = finished_job(command)
-        if command is not None and command.other_format:
-            print(command.other_format, file=sys.stderr)
         if done is not None:
+            if command.other_format:  # (a job that runs has its writer say it)
+                print(command.other_format, file=sys.stderr)
             print(f"predict: {done}")
             return EXIT_OK
-        return _ended(terminated, _run(argv, timings if timings_path else None, command.finished if command else None))
-    except KeyboardInterrupt:
-        print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
+        finished = command.finished if command else None
+        return _ended(terminated, _run(argv, timings if timings_path else None, finished, full_help))
+    except KeyboardInterrupt as stop:
+        print(INTERRUPTED + saved_so_far(command, stop), file=sys.stderr)
         return EXIT_INTERRUPTED
-    except SystemExit:
+    except SystemExit as stop:
         if interrupted:  # Lightning turns Ctrl-C into exit(1) after its graceful shutdown
-            print(INTERRUPTED + saved_so_far(command), file=sys.stderr)
+            print(INTERRUPTED + saved_so_far(command, stop), file=sys.stderr)
             return EXIT_INTERRUPTED
         if terminated:  # Lightning's loops stop after a batch with an exception that would exit 0
-            print(TERMINATED + saved_so_far(command), file=sys.stderr)
+            print(TERMINATED + saved_so_far(command, stop), file=sys.stderr)
             return EXIT_TERMINATED
         raise
     except Exception as err:
         if terminated or _workers_terminated(err):  # a stop sent to the process group: workers died of it first
-            print(TERMINATED + saved_so_far(command), file=sys.stderr)
+            print(TERMINATED + saved_so_far(command, err), file=sys.stderr)
             return EXIT_TERMINATED
         if not _is_usage_error(err):
             traceback.print_exc()
+            if getattr(err, "fit_stopped", None):  # the fit saved where it was before the error ended it
+                print(f"fit stopped by the error above{err.fit_stopped}", file=sys.stderr)
             return EXIT_BUG
         if debug:
             traceback.print_exc()
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if timings_ok:
             timings["end"] = time.time()
             try:
-                _write_timings(timings_path, timings)
+                write_timings(timings_path, timings)
             except OSError as err:  # checked at the start; the job's own exit status stands
                 print(f"warning: --timings {timings_path} was not written: {err}", file=sys.stderr)
         if program:
@@ -154,15 +159,18 @@ def _escaping_output() -> Any:
 def _wants_top_level_help(argv: list[str]) -> bool:
     """``-h``/``--help`` with no subcommand before it: this command's own help, not a subcommand's."""
     for arg in argv:
-        if arg in ("-h", "--help"):
+        if arg in ("-h", "--help", "--help-all"):
             return True
         if arg in SUBCOMMAND_HELP:
             return False
     return False
 
 
-def saved_so_far(command: Any) -> str:
-    """For a predict stopped early: how many requests this run saved in ``--out_dir``, and how to resume."""
+def saved_so_far(command: Any, stop: BaseException | None = None) -> str:
+    """For a job stopped early, what it saved and how to resume: a fit's checkpoint (``stop.fit_stopped``,
+    set by ``lightning_cli``), or how many requests a predict saved in ``--out_dir``."""
+    if getattr(stop, "fit_stopped", None):
+        return stop.fit_stopped
     out_dir = command.values.get("out_dir") if command is not None and command.sub == "predict" else None
     if not isinstance(out_dir, str) or not os.path.isdir(out_dir):
         return ""
@@ -230,18 +238,25 @@ def _catch_terminate() -> tuple[list[bool], Any]:
     return terminated, lambda: signal.signal(signal.SIGTERM, previous)
 
 
-def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None) -> int:
+def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None, full_help: bool = False) -> int:
     # LightningCLI reads sys.argv (passing args as well makes it warn), and DDP starts the other
     # ranks from sys.argv: both see exactly these arguments
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]
+    # wandb's ~30 lines (run history and summary) after the metrics line: the line names the run's folder
+    # and the command that uploads it instead (WANDB_SILENT=false keeps wandb's own)
+    silenced = "WANDB_SILENT" not in os.environ
+    if silenced:
+        os.environ["WANDB_SILENT"] = "true"
     try:
-        cli = run_cli(None, timings, finished)
+        cli = run_cli(None, timings, finished, full_help)
+        _finish_wandb(0)
     except BaseException:
         _finish_wandb(1)
         raise
     finally:
         sys.argv = saved
-    _finish_wandb(0)
+        if silenced:
+            os.environ.pop("WANDB_SILENT", None)
     writer = getattr(cli, "writer", None)
     return EXIT_FAILED_REQUESTS if cli.subcommand == "predict" and writer is not None and writer.any_failed else EXIT_OK
 
@@ -254,13 +269,16 @@ def _finish_wandb(exit_code: int) -> None:
         wandb.finish(exit_code=exit_code)
 
 
-def run_cli(argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None) -> Any:
+def run_cli(
+    argv: list[str] | None, timings: dict[str, Any] | None = None, finished: Any = None, full_help: bool = False
+) -> Any:
     """Builds and runs the LightningCLI (this imports torch and Lightning); ``finished``: the output
-    folder's finished requests as the checks read them (not read again)."""
+    folder's finished requests as the checks read them (not read again); ``full_help``: ``--help`` lists
+    every option (``--help-all``), not only those the subcommand uses."""
     from omni_lightning.lightning_cli import run_lightning_cli
 
     compact_warnings()  # again: importing Lightning replaced the format
-    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished)
+    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished, full_help=full_help)
 
 
 def process_start_time() -> float:
@@ -273,27 +291,6 @@ def process_start_time() -> float:
         return time.time() - (uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
     except (OSError, ValueError, IndexError):
         return time.time()
-
-
-def _write_timings(path: str, timings: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        json.dump(timings, f, indent=1, default=str)
-    start = timings["process_start"]
-    steps = [("arguments checked", "checked"), ("Lightning loaded", "imported"), ("built", "built"),
-             ("first batch", "first_batch"), ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
-    line = ", ".join(f"{label} {timings[key] - start:.2f} s" for label, key in steps if timings.get(key))
-    extra = []
-    if "data_wait_s" in timings:
-        extra.append(f"loader waits {timings['data_wait_s']:.2f} s")
-    if timings.get("writer"):
-        extra.append(
-            f"writer queue waits {timings['writer']['queue_wait_s']:.2f} s, "
-            f"drained {timings['writer']['drain_s']:.2f} s after the last batch"
-        )
-    print(
-        f"timings (since process start): {line}" + (f"; {'; '.join(extra)}" if extra else "") + f" -> {path}",
-        file=sys.stderr,
-    )
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """What the command line prints besides its jobs' output: warnings as one line, the top-level help and
-the subcommands' one-line descriptions, help group headers, a predict's failed requests. Shared by
-``cli``, ``lightning_cli`` and ``demo``; standard library only (it runs before torch loads).
+the subcommands' one-line descriptions, help group headers, a predict's failed requests, where the
+loggers wrote, the ``--timings`` line. Shared by ``cli``, ``cli_help``, ``lightning_cli`` and ``demo``;
+standard library only (it runs before torch loads).
 Third-party noise is silenced where it starts: ``omni_lightning.Trainer`` and ``lightning_cli``."""
 
 from __future__ import annotations
 
+import json
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -52,7 +55,7 @@ HELP = """usage: omni-lightning [-h] [--version] [--debug] [--timings FILE] [-c 
 The Code2Wav stage of omni speech models (Qwen3-Omni) in PyTorch Lightning: batch inference to audio
 files, fine-tuning and evaluation.
 
-subcommands (omni-lightning <subcommand> --help lists its options):
+subcommands (omni-lightning <subcommand> --help lists the options it uses, --help-all every option):
 {subcommands}
 
 options:
@@ -107,3 +110,50 @@ def one_line(message: str) -> str:
         wanted = " or ".join(dict.fromkeys("null" if t == "NoneType" else t for t in types))
         return f"--{key[1]} takes {wanted}, not {value[1].strip()!r}"
     return " ".join(message.split())
+
+
+def log_places(trainer: Any, wandb_only: bool = False) -> list[str]:
+    """Where the trainer's loggers wrote: a CSV or TensorBoard logger's folder (not with ``wandb_only``); a
+    W&B run's folder with the command that uploads it (offline) or its page (online). wandb's own closing
+    lines are silenced by the command line (``WANDB_SILENT``): this is what of them a user acts on."""
+    places = []
+    for logger in trainer.loggers:
+        run = getattr(logger, "_experiment", None) if type(logger).__name__ == "WandbLogger" else None
+        if run is not None and getattr(run, "dir", None):
+            folder = _shown(Path(run.dir).parent)  # the run's folder (run.dir is its files/)
+            places.append(f"{folder} (`wandb sync {folder}` uploads it)" if run.offline else f"{folder} ({run.url})")
+            continue
+        log_dir = getattr(logger, "log_dir", None)
+        if log_dir and Path(log_dir).is_dir() and not wandb_only:
+            places.append(str(log_dir))
+    return places
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the working folder when it is inside it, else as it is."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def write_timings(path: str, timings: dict[str, Any]) -> None:
+    """``--timings FILE``: the phase times as JSON into ``path``, and one line saying them."""
+    with open(path, "w") as f:
+        json.dump(timings, f, indent=1, default=str)
+    start = timings["process_start"]
+    steps = [("arguments checked", "checked"), ("Lightning loaded", "imported"), ("built", "built"),
+             ("first batch", "first_batch"), ("last batch", "last_batch_end"), ("end", "end")]  # fmt: skip
+    line = ", ".join(f"{label} {timings[key] - start:.2f} s" for label, key in steps if timings.get(key))
+    extra = []
+    if "data_wait_s" in timings:
+        extra.append(f"loader waits {timings['data_wait_s']:.2f} s")
+    if timings.get("writer"):
+        extra.append(
+            f"writer queue waits {timings['writer']['queue_wait_s']:.2f} s, "
+            f"drained {timings['writer']['drain_s']:.2f} s after the last batch"
+        )
+    print(
+        f"timings (since process start): {line}" + (f"; {'; '.join(extra)}" if extra else "") + f" -> {path}",
+        file=sys.stderr,
+    )

@@ -93,17 +93,26 @@ def run_demo(
         torch.set_num_threads(saved_threads)
 
 
-def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
+def demo_data(folder: Path, n_requests: int = 12) -> tuple[Path, Path]:
+    """The demo's data in ``folder``: ``codes/``, ``audio/`` and the manifests ``train.jsonl`` (``n_requests``
+    pairs) and ``val.jsonl`` (a third as many, at least 4), audio from a fixed teacher. Returns the manifests."""
     import torch
-    from lightning.pytorch.loggers import CSVLogger
 
-    from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
     from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
     torch.manual_seed(0)
     teacher = make_teacher("tiny")
-    train = make_demo_data(work / "data", n_requests, 1.0, 3.0, teacher=teacher, seed=0, name="train.jsonl")
-    val = make_demo_data(work / "data", max(4, n_requests // 3), 1.0, 3.0, teacher=teacher, seed=1, name="val.jsonl")
+    train = make_demo_data(folder, n_requests, 1.0, 3.0, teacher=teacher, seed=0, name="train.jsonl")
+    val = make_demo_data(folder, max(4, n_requests // 3), 1.0, 3.0, teacher=teacher, seed=1, name="val.jsonl")
+    return train, val
+
+
+def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
+    from lightning.pytorch.loggers import CSVLogger
+
+    from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, WaveformWriter, randomize_weights
+
+    train, val = demo_data(work / "data", n_requests)
     print(f"[1/4] synthetic data (random codes, audio from a fixed teacher Code2Wav): {train.parent.resolve()}")
 
     module = Code2WavModule(model=randomize_weights(Code2Wav("tiny"), seed=7), learning_rate=3e-3, warmup_steps=4)

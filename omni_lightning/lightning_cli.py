@@ -14,8 +14,10 @@ summary, and phase timings when asked. What it leaves out: LightningCLI's ``--op
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,7 +26,9 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
-from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading, one_line
+from omni_lightning.cli_fit import check_resume_last, drop_callbacks_turned_off, save_on_stop, stopped_fit_note
+from omni_lightning.cli_help import HELP_OPTIONS, short_help
+from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading, log_places, one_line
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
@@ -45,13 +49,19 @@ class SaveConfigWithLogger(SaveConfigCallback):
 
 class OneLineErrorParser(LightningArgumentParser):
     """Its errors are the parser's tip (``--help``) and one ``error:`` line, not the ~100 lines of
-    usage argparse prints above them (the usage of every trainer, model and data option)."""
+    usage argparse prints above them (the usage of every trainer, model and data option). A subcommand's
+    parser given ``short_help`` (its name) shows in ``--help`` only what that subcommand uses."""
+
+    short_help: str | None = None
 
     def print_usage(self, file: Any = None) -> None:  # argparse calls it only from error()
         pass
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
         super().error(one_line(message), ex)
+
+    def format_help(self, *args: Any) -> str:
+        return short_help(self, self.short_help) if self.short_help else super().format_help(*args)
 
 
 # model arguments that set how a run computes, not what a checkpoint holds (see OmniCLI._parse_ckpt_path)
@@ -66,10 +76,16 @@ class OmniCLI(LightningCLI):
     writer: WaveformWriter | None = None
 
     def __init__(
-        self, *args: Any, timings: dict[str, Any] | None = None, finished: Finished | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        timings: dict[str, Any] | None = None,
+        finished: Finished | None = None,
+        full_help: bool = False,
+        **kwargs: Any,
     ) -> None:
         self.timings = timings
         self.finished = finished
+        self.full_help = full_help  # --help lists every option (--help-all), not only the subcommand's
         self.profiler: PhaseProfiler | None = None
         given = kwargs.get("args")
         self._argv = list(given) if isinstance(given, (list, tuple)) else sys.argv[1:]  # what the user typed
@@ -112,6 +128,8 @@ class OmniCLI(LightningCLI):
             parser.groups[subcommand].title = METHOD_GROUP[subcommand]
         if subcommand == "predict":
             parser.set_defaults({"trainer.logger": False})
+        if isinstance(parser, OneLineErrorParser) and not self.full_help and subcommand in HELP_OPTIONS:
+            parser.short_help = subcommand
         return parser
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
@@ -124,7 +142,7 @@ class OmniCLI(LightningCLI):
         if self.subcommand is None:
             return  # run=False (benchmarks): the caller decides what runs
         config = self.config[self.subcommand]
-        _drop_callbacks_turned_off(config.get("trainer"))
+        drop_callbacks_turned_off(config.get("trainer"))
         model = config.get("model")
         if model is None or "random_weights" not in model:
             return  # another model class: its own rules
@@ -166,32 +184,24 @@ class OmniCLI(LightningCLI):
         for key in set_by_user(self._argv, [f"model.{k}" for k in RUN_SETTINGS]):
             model[key.split(".", 1)[1]] = given.get(key.split(".", 1)[1])
 
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Runs it; a fit stopped by an exception (Ctrl-C, SIGTERM, an error) carries, as the exception's
+        ``fit_stopped``, what ``cli.main`` adds to its last line: where it saved and how to resume."""
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException as stop:
+            if subcommand == "fit":
+                stop.fit_stopped = stopped_fit_note(self.trainer)  # type: ignore[attr-defined]
+            raise
+
     def before_fit(self) -> None:
-        """``--ckpt_path last`` resumes from a ModelCheckpoint's ``last.ckpt``. Lightning only looks in a
-        ``dirpath`` given to the callback: with the folder the logger makes per run
-        (``configs/finetune.yaml``: a new ``version_N`` each time) it finds none, warns, and trains from
-        scratch. That is refused here, listing the ``last.ckpt`` files there are to resume from."""
-        trainer = self.trainer
-        if self.config[self.subcommand].get("ckpt_path") != "last" or not trainer.checkpoint_callbacks:
-            return
-        root = Path(trainer.default_root_dir)
-        folder = root / "checkpoints"  # where a ModelCheckpoint without dirpath will write (as Lightning works it out)
-        if trainer.loggers:
-            logger = trainer.loggers[0]
-            root = Path(logger.save_dir or root)
-            version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-            folder = root / str(logger.name) / version / "checkpoints"
-        if trainer.loggers and trainer.loggers[0].version is None:
-            return  # a logger that names its folder once it runs (W&B): nothing to mirror; Lightning decides
-        folders = [Path(cb.dirpath) if cb.dirpath else folder for cb in trainer.checkpoint_callbacks]
-        if any(f.is_dir() and any(f.glob("last*.ckpt")) for f in folders):  # last.ckpt, last-v1.ckpt, ...
-            return
-        found = sorted(root.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)[-3:] if root.is_dir() else []
-        hint = f" ({', '.join(str(p) for p in reversed(found))}, newest first)" if found else ""
-        raise UsageError(
-            f"--ckpt_path last finds no last checkpoint in {folders[0]}: this run checkpoints into a "
-            f"new folder; give the checkpoint to resume from by its path{hint}"
-        )
+        """Saves on a stop (:func:`save_on_stop`); refuses a ``--ckpt_path last`` that would find nothing
+        (:func:`check_resume_last`); and drops Lightning's warning that a resumed fit checkpoints into
+        another folder (``configs/finetune.yaml`` makes a new ``version_N`` per run, by design)."""
+        warnings.filterwarnings("ignore", message="The dirpath has changed from .* won't be reloaded")
+        save_on_stop(self.trainer)
+        if self.config[self.subcommand].get("ckpt_path") == "last":
+            check_resume_last(self.trainer)
 
     def before_validate(self) -> None:
         """Lightning's metrics table (``--verbose``) becomes one line, printed after the run."""
@@ -223,50 +233,25 @@ class OmniCLI(LightningCLI):
             )
 
     def after_fit(self) -> None:
-        ckpt = self.trainer.checkpoint_callback
-        if self.trainer.is_global_zero and ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
+        """One line: the checkpoints written, and a W&B run's folder (wandb's own lines are silenced)."""
+        ckpt, parts = self.trainer.checkpoint_callback, []
+        if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
             score = f" ({ckpt.monitor} {float(ckpt.best_model_score):.4g})" if ckpt.best_model_score is not None else ""
             saved = {"best": ckpt.best_model_path and ckpt.best_model_path + score, "last": ckpt.last_model_path}
-            print("fit: " + "; ".join(f"{which} checkpoint {path}" for which, path in saved.items() if path))
+            parts = [f"{which} checkpoint {path}" for which, path in saved.items() if path]
+        runs = log_places(self.trainer, wandb_only=True)
+        parts += [f"W&B run in {', '.join(runs)}"] if runs else []
+        if self.trainer.is_global_zero and parts:
+            print("fit: " + "; ".join(parts))
 
     def after_validate(self) -> None:
         if self.trainer.is_global_zero and self._verbose:
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
-            logs = [d for d in (getattr(x, "log_dir", None) for x in self.trainer.loggers) if d and Path(d).is_dir()]
+            logs = log_places(self.trainer)
             where = f"; logs in {', '.join(logs)}" if logs else ""
             print(f"{self.subcommand}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) + where)
 
     before_test, after_test = before_validate, after_validate
-
-
-def _drop_callbacks_turned_off(trainer: Any) -> None:
-    """A flag that turns a feature off wins over the config's callbacks for it, which Lightning would
-    refuse beside the flag: ``--trainer.enable_progress_bar false`` drops a progress bar
-    (``configs/predict.yaml`` lists ``AudioProgressBar``), ``--trainer.logger false`` a
-    ``LearningRateMonitor`` (``configs/finetune.yaml`` lists one; with no logger it has nowhere to log)."""
-    if trainer is None or not trainer.get("callbacks"):
-        return
-    import importlib
-
-    from lightning.pytorch.callbacks import LearningRateMonitor, ProgressBar
-
-    flags = ((ProgressBar, "enable_progress_bar"), (LearningRateMonitor, "logger"))
-    off = tuple(cls for cls, flag in flags if trainer.get(flag) is False)
-    if not off:
-        return
-
-    def turned_off(callback: Any) -> bool:
-        path = callback.get("class_path") if hasattr(callback, "get") else None
-        if not isinstance(path, str) or "." not in path:
-            return isinstance(callback, off)
-        module, name = path.rsplit(".", 1)
-        cls = getattr(importlib.import_module(module), name, None)
-        return isinstance(cls, type) and issubclass(cls, off)
-
-    callbacks = trainer.callbacks
-    one = not isinstance(callbacks, (list, tuple))  # a single callback given as one mapping, not a list
-    kept = [c for c in ([callbacks] if one else callbacks) if not turned_off(c)]
-    trainer.callbacks = (kept[0] if kept else None) if one else kept
 
 
 def run_lightning_cli(
@@ -274,11 +259,15 @@ def run_lightning_cli(
     description: str | None = None,
     timings: dict[str, Any] | None = None,
     finished: Finished | None = None,
+    full_help: bool = False,
 ) -> OmniCLI:
     """Parses ``argv`` (None: ``sys.argv``), builds model, data and trainer, runs the subcommand;
-    ``timings`` and ``finished``: see :class:`OmniCLI`."""
+    ``timings``, ``finished`` and ``full_help``: see :class:`OmniCLI`."""
     if timings is not None:
         timings["imported"] = time.time()  # torch and Lightning are loaded once this module is
+    signals = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
+    if _drop_sigterm_note not in signals.filters:  # the command's own last line says it was terminated
+        signals.addFilter(_drop_sigterm_note)
     return OmniCLI(
         Code2WavModule,
         CodesDataModule,
@@ -296,4 +285,9 @@ def run_lightning_cli(
         },
         timings=timings,
         finished=finished,
+        full_help=full_help,
     )
+
+
+def _drop_sigterm_note(record: logging.LogRecord) -> bool:
+    return "Received SIGTERM" not in str(record.msg)

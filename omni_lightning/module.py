@@ -132,6 +132,14 @@ class Code2WavModule(pl.LightningModule):
         self.skipped_requests = SkippedRequests()  # bad requests fit and evaluation left out, each warned once
         # random weights nobody asked for: predict warns once (a fit, a load or random_weights=True says otherwise)
         self.unasked_random_weights = model is None and checkpoint is None and not random_weights
+        # what predict's start-up line says of the weights; a fit or a loaded checkpoint replaces it
+        self.weights_origin = (
+            "the given model's weights"
+            if model is not None
+            else f"weights from {checkpoint}"
+            if checkpoint
+            else "random weights"
+        )
         self.register_load_state_dict_post_hook(_weights_loaded)
         freeze_parameters(self.model, freeze or [], train_only)
         rate = resolved.config.sample_rate
@@ -160,6 +168,12 @@ class Code2WavModule(pl.LightningModule):
     def teardown(self, stage: str) -> None:
         if stage == "fit":  # its graph's pool holds a step's activations, which predict must not pay for
             self.training_run.graph = None
+
+    def on_train_start(self) -> None:
+        self.weights_origin = "weights fine-tuned in this process"  # from the first step on (an interrupted fit too)
+
+    def on_train_end(self) -> None:
+        self.weights_origin = f"weights fine-tuned in this process ({self.trainer.global_step} steps)"
 
     # --- the inference session's entry points (runner/session.py) ---------------------------------
 
@@ -249,6 +263,9 @@ class Code2WavModule(pl.LightningModule):
     @property
     def config(self) -> Code2WavConfig:
         return self.model.config
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.weights_origin = f"weights from a Lightning checkpoint (step {checkpoint.get('global_step', '?')})"
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "hyper_parameters" in checkpoint:  # weights and architecture are in it: no HF folder reread

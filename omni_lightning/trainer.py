@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 
+from omni_lightning.callbacks.model_summary import ParameterSummary
 from omni_lightning.callbacks.progress import AudioProgressBar, PredictStartLine
 from omni_lightning.runner.loop import OmniPredictionLoop
 
@@ -23,9 +24,11 @@ class Trainer(pl.Trainer):
     Every argument of ``lightning.Trainer`` means what it means there (``inference_mode`` included);
     a ``predict_step`` that does not return ``MultimodalOutputs`` runs exactly as on a stock trainer.
     Besides the loop it installs, unless given, an ``AudioProgressBar`` (predict counts audio seconds;
-    none with ``enable_progress_bar=False``) and a ``PredictStartLine`` (one line before predict's first
-    batch saying what runs). It does not change Lightning's logger or checkpointing defaults. It silences,
-    each by its one message, what a user cannot act on (:func:`quiet_known_noise`).
+    none with ``enable_progress_bar=False``), a ``PredictStartLine`` (one line before predict's first
+    batch saying what runs) and a ``ParameterSummary`` (Lightning's model summary less its FLOPs column
+    of zeros; none with ``enable_model_summary=False``). It does not change Lightning's logger or
+    checkpointing defaults. It silences, each by its one message, what a user cannot act on
+    (:func:`quiet_known_noise`).
 
     Args:
         gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1]
@@ -63,21 +66,34 @@ def _with_defaults(kwargs: dict[str, Any], async_d2h: bool) -> list[Any]:
         callbacks.append(AudioProgressBar())
     if not any(isinstance(cb, PredictStartLine) for cb in callbacks):
         callbacks.append(PredictStartLine())
+    wants_summary = kwargs.get("enable_model_summary", not kwargs.get("barebones")) is not False
+    if wants_summary and not any(isinstance(cb, ModelSummary) for cb in callbacks):
+        callbacks.append(ParameterSummary())  # Lightning's table less its FLOPs column of zeros
     return callbacks
 
 
 def quiet_known_noise() -> None:
     """Silences, each by its one message, what a user can do nothing about: torch's deprecation of
-    ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls, Lightning's
-    advertisements for the litlogger and litmodels packages, printed by every trainer, and its warning
-    that a ``*_dataloader`` returned an empty list (``CodesDataModule``'s fit without ``val``: no validation)."""
+    ``isinstance(x, LeafSpec)``, which Lightning's own ``_pytree`` still calls; Lightning's
+    advertisements for the litlogger and litmodels packages, printed by every trainer (and two notes
+    :func:`_drop_lightning_tips` names); its warning
+    that a ``*_dataloader`` returned an empty list (``CodesDataModule``'s fit without ``val``: no
+    validation); its warning that an epoch has fewer batches than ``log_every_n_steps`` (it counts the
+    interval over the whole fit, so such a fit logs all the same); its warning that the model summary
+    sizes a mixed precision's weights at 32 bits (which they are); and its note that ``save_checkpoint``
+    was not told ``weights_only`` (it writes the whole checkpoint, as a resumed fit needs)."""
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero\.")
+    warnings.filterwarnings("ignore", message=r"The number of training batches \(\d+\) is smaller than the logging")
+    warnings.filterwarnings("ignore", message=r"Precision (bf)?16-mixed is not supported by the model summary")
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logger = logging.getLogger(name)
         if _drop_lightning_tips not in logger.filters:
             logger.addFilter(_drop_lightning_tips)
+    checkpoints = logging.getLogger("lightning.pytorch.trainer.connectors.checkpoint_connector")
+    if _drop_weights_only_note not in checkpoints.filters:
+        checkpoints.addFilter(_drop_weights_only_note)
 
 
 def quiet_checkpoint_callbacks_warning() -> None:
@@ -118,8 +134,18 @@ def _drop_device_lines(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(("GPU available: ", "TPU available: "))
 
 
+def _drop_weights_only_note(record: logging.LogRecord) -> bool:
+    return not str(record.msg).startswith("`weights_only` was not set")
+
+
 def _drop_lightning_tips(record: logging.LogRecord) -> bool:
+    """Lightning's package advertisements; its note that it adds no summary beside this trainer's own; and
+    WeightAveraging's note, on every resume, that the checkpoint's raw weights initialize the model."""
     message = str(record.msg)
+    if message.startswith("Trainer already configured with model summary callbacks"):
+        return "ParameterSummary" not in message
+    if message.startswith("Found current_model_state in the checkpoint"):
+        return False
     return not message.startswith("💡 Tip") or ("litlogger" not in message and "litmodels" not in message)
 
 

@@ -168,6 +168,6 @@ def test_predict_with_the_progress_bar_turned_off_drops_the_configs_bar(tmp_path
     log = run("predict", "--config", "configs/predict.yaml", "--data.predict", str(codes), "--out_dir", str(out),
               "--model.random_weights", "true", "--trainer.accelerator", "cpu", "--trainer.enable_progress_bar",
               "false")  # fmt: skip
-    assert "Predicting" not in log and "1 requests written" in log, log
+    assert "Predicting" not in log and "1 request written" in log, log
     (line,) = [json.loads(x) for x in (out / "manifest.jsonl").read_text().splitlines()]
     assert line["id"] == "one request" and sf.info(str(out / line["path"])).frames == line["n_samples"] > 0

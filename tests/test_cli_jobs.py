@@ -32,7 +32,7 @@ def test_cli_job_accounts_for_every_file_and_exits_3_when_a_request_failed(tmp_p
     assert proc.returncode == 3, log
     assert "predict: 3 requests written" in log and "0 already done, 1 failed" in log, log
     assert "failed float: request 'float': codes have dtype float64" in log
-    assert "1 input files not read (not code files, hidden, or links to folders)" in log and "notes.txt" in log
+    assert "1 input file not read (not code files, hidden, or links to folders)" in log and "notes.txt" in log
     got = rows(out)
     assert {k: v["status"] for k, v in got.items()} == {"good": "ok", "x/a": "ok", "x_a": "ok", "float": "error"}
     assert got["x_a"]["path"] == "x_a.wav" != got["x/a"]["path"]
@@ -181,7 +181,7 @@ def test_a_rerun_with_nothing_left_to_do_ends_before_torch_is_imported(tmp_path)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["rc"] == 0 and not report["torch_imported"], proc.stderr
     assert "0 requests written" in report["out"] and "2 already done, 0 failed" in report["out"]
-    assert "nothing left to do" in report["out"] and "1 input files not read" in report["out"]
+    assert "nothing left to do" in report["out"] and "1 input file not read" in report["out"]
     assert not (out / ".a.wav.tmp").exists()  # the folder tidied as a run's start tidies it
     assert (out / ".draft.tmp").is_file()  # only the writer's own temp files go
     assert [json.loads(x)["id"] for x in (out / "manifest.jsonl").read_text().splitlines()] == ["a", "x/b"]

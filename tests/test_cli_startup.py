@@ -2,6 +2,7 @@
 without a config file, an interrupted job's count of what it saved, requests finished in another format."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -78,7 +79,8 @@ def test_an_interrupted_predict_says_how_many_requests_it_saved_and_the_same_com
 
     rerun = omni_lightning(*args, cwd=tmp_path)
     log = rerun.communicate(timeout=300)[0]
-    assert rerun.returncode == 0 and f"{24 - saved} requests written" in log and f"{saved} already done" in log, log
+    written = f"{24 - saved} request{'s' * (24 - saved != 1)} written"
+    assert rerun.returncode == 0 and written in log and f"{saved} already done" in log, log
     assert (
         f"{24 - saved} request{'s' * (24 - saved != 1)} to decode (" in log and f", {saved} already done" in log
     )  # the start-up line
@@ -101,7 +103,7 @@ def test_requests_finished_in_another_format_are_reported_in_one_line(tmp_path, 
     (line,) = captured.err.splitlines()
     assert line == (
         f"warning: 2 requests in {out} are already written as wav, not flac: they count as done and are "
-        "not decoded again; give another --out_dir to have every request as flac"
+        "not decoded again; use another output folder (--out_dir) to have every request as flac"
     )
     assert main([*job, "--format", "wav"]) == 0 and capsys.readouterr().err == ""  # the same format: nothing said
 
@@ -110,13 +112,17 @@ def test_the_trainers_default_bar_writes_no_ansi_codes_into_a_log(tmp_path, caps
     """Lightning's default bar (rich) showed "Epoch 4/-2" for a fit bounded by steps; TQDM's validation bar
     moves the cursor with ANSI codes, which a log file keeps."""
     train = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="train.jsonl")
-    kw = {**trainer_kwargs(max_steps=2, val_check_interval=1, num_sanity_val_steps=0), "enable_progress_bar": True}
+    kw = {**trainer_kwargs(max_steps=2, val_check_interval=1, num_sanity_val_steps=1), "enable_progress_bar": True}
     trainer = Trainer(**kw)
     assert isinstance(trainer.progress_bar_callback, AudioProgressBar)
     data = CodesDataModule(train=str(train), val=str(train), batch_size=2, crop_frames=12)
     trainer.fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
     out = capsys.readouterr().out
     assert "Validation" in out and "Epoch 1" in out and "\x1b" not in out and "/-" not in out, out
+    assert "Sanity Checking" in out  # a batch of its validation data
+    data = CodesDataModule(train=str(train), batch_size=2, crop_frames=12)  # no validation data: no sanity bar
+    Trainer(**{**kw, "max_steps": 1}).fit(Code2WavModule(config="tiny", random_weights=True), datamodule=data)
+    assert "Sanity Checking" not in capsys.readouterr().out
 
 
 def test_a_large_model_on_the_cpu_is_said_before_starting(tmp_path, capsys):
@@ -215,3 +221,38 @@ def test_fit_without_val_and_validate_without_a_logger_config_warn_of_neither(tm
     assert main(["validate", *common, "--data.val", str(pairs)]) == 0
     said = [str(w.message) for w in recwarn] + capsys.readouterr().err.splitlines()
     assert not [s for s in said if "tensorboardX" in s or "across ranks is zero" in s], said
+
+
+def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_there(
+    tmp_path, monkeypatch, capsys, caplog, recwarn
+):
+    """Ctrl-C before configs/finetune.yaml's first checkpoint (every 200 steps) left nothing to resume from,
+    and the command said only "error: interrupted"."""
+    import torch
+
+    from omni_lightning.cli import main
+
+    pairs = make_demo_data(tmp_path / "data", 2, 1.0, 1.2, teacher=make_teacher(), seed=0, name="pairs.jsonl")
+    monkeypatch.chdir(tmp_path)  # configs/finetune.yaml checkpoints into runs/finetune/version_N/
+    fit = ["fit", "--config", str(ROOT / "configs/finetune.yaml"), "--data.train", str(pairs), "--trainer.max_steps",
+           "2", "--trainer.precision", "32-true", "--data.num_workers", "0", "--data.batch_size", "2",
+           "--data.crop_frames", "12", "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    caplog.set_level(logging.INFO)  # Lightning's info lines (under pytest they go to the root logger's handlers)
+    assert main([*fit, "--trainer.callbacks+=helpers.CtrlCAfterFirstStep"]) == 130
+    saved = "runs/finetune/version_0/checkpoints/interrupted.ckpt"
+    first = capsys.readouterr()
+    err = first.err.splitlines()
+    said = f"error: interrupted at step 1: saved {saved}; the same command with --ckpt_path {saved} resumes it"
+    assert err[-1] == said, err
+    assert torch.load(saved, weights_only=False)["global_step"] == 1
+
+    assert main([*fit, "--ckpt_path", saved]) == 0
+    captured = capsys.readouterr()
+    assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in captured.out, captured.out
+    last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
+    assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
+    said = first.out + first.err + captured.out + captured.err + caplog.text
+    assert "Restored all states from the checkpoint" in said and "Trainable params" in said  # the log is seen
+    said += "\n".join(str(w.message) for w in recwarn)
+    for noise in ("Total Flops", "FLOPs", "weights_only", "current_model_state", "dirpath has changed"):
+        assert noise not in said, noise

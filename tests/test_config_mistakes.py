@@ -12,11 +12,11 @@ from helpers import cli
 from jsonargparse import Namespace
 
 from omni_lightning import Code2WavModule, CodesDataModule
+from omni_lightning.cli_fit import drop_callbacks_turned_off
 from omni_lightning.data import folder_lock
 from omni_lightning.data.output_folder import file_name
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.errors import UsageError
-from omni_lightning.lightning_cli import _drop_callbacks_turned_off
 from omni_lightning.preflight import check_command_line, finished_job
 
 PREDICT = ["predict", "--config", "configs/predict.yaml", "--model.random_weights", "true"]
@@ -85,11 +85,11 @@ def test_a_single_callback_mapping_with_its_feature_turned_off():
     """``trainer.callbacks`` given as one mapping, not a list, crashed beside ``--trainer.logger false``."""
     monitor = Namespace(class_path="lightning.pytorch.callbacks.LearningRateMonitor")
     trainer = Namespace(callbacks=monitor, logger=False)
-    _drop_callbacks_turned_off(trainer)
+    drop_callbacks_turned_off(trainer)
     assert trainer.callbacks is None
     bar = Namespace(class_path="omni_lightning.callbacks.progress.AudioProgressBar")
     trainer = Namespace(callbacks=bar, logger=False)
-    _drop_callbacks_turned_off(trainer)
+    drop_callbacks_turned_off(trainer)
     assert trainer.callbacks is bar
 
 
@@ -211,7 +211,7 @@ def test_a_rerun_with_another_subtype_says_what_it_leaves_as_it_is(tmp_path):
     command = check_command_line([*base, "--subtype", "PCM_24"])
     assert finished_job(command) is not None and command.other_format == (
         f"warning: 2 requests in {out} are already written as wav PCM_16, not wav PCM_24: they count as done "
-        "and are not decoded again; give another --out_dir to have every request as wav PCM_24"
+        "and are not decoded again; use another output folder (--out_dir) to have every request as wav PCM_24"
     )
     command = check_command_line([*base, "--format", "flac"])  # another format: named alone, as before
     assert finished_job(command) is not None and "already written as wav, not flac:" in command.other_format

@@ -13,6 +13,7 @@ from conftest import random_model
 from helpers import trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
+from omni_lightning.callbacks.progress import start_lines
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.errors import UsageError
 from omni_lightning.training.losses import MultiResolutionMelLoss
@@ -77,6 +78,10 @@ def test_fit_lowers_the_loss_and_moves_predictions_toward_the_targets(pairs):
     after = mel_distance(module, pairs[1])  # the same in-memory module, no reload
     assert after < 0.9 * before
     assert module.training
+    # predict's start-up line says so (it said "random weights" for a module fine-tuned a moment before)
+    (line,) = start_lines(Trainer(**trainer_kwargs(gpu_memory_utilization=0.1)), module, module.config, 2_400_000)
+    assert "weights fine-tuned in this process (40 steps); cpu 32-true" in line, line
+    assert "no memory cap (gpu_memory_utilization 0.1 applies on a GPU)" in line, line  # on the CPU: no cap
 
 
 class WeightLog(pl.Callback):
@@ -301,6 +306,7 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
     assert_weights(resumed, ema_of(weight_log.steps, 0.9, start=average))
     restored = Code2WavModule.load_from_checkpoint(str(last))  # the checkpoint's weights are the EMA weights
     assert_weights(restored, weights(first))
+    assert restored.weights_origin == "weights from a Lightning checkpoint (step 4)"  # not "random weights"
     first.use_ema(False)  # and its raw weights are the ones fit ended with
     assert_weights(first, {n: saved["current_model_state"][f"model.{n}"] for n in weights(first)})
 

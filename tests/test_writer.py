@@ -285,7 +285,7 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     (out / "r004.wav").unlink()
     proc = cli(*args)
     log = proc.communicate(timeout=300)[0]
-    assert proc.returncode == 0 and "predict: 1 requests written" in log and "12 already done" in log, log
+    assert proc.returncode == 0 and "predict: 1 request written" in log and "12 already done" in log, log
     assert sorted(r["id"] for r in manifest_rows(out)) == [f"r{i:03d}" for i in range(13)]
 
 
@@ -341,5 +341,13 @@ def test_requests_left_out_as_finished_in_another_folder_are_not_left_out_silent
     (done / "manifest.jsonl").write_text(json.dumps({"id": "r0", "path": "r0.wav", "status": "ok"}) + "\n")
     data = CodesDataModule(predict={f"r{i}": random_codes(1, 3, seed=i)[0] for i in range(2)}, skip_done=done)
     trainer = Trainer(**trainer_kwargs(callbacks=[WaveformWriter(tmp_path / "b")]))
-    with pytest.warns(UserWarning, match=r"1 requests finished in skip_done=.*a are not written here"):
+    with pytest.warns(UserWarning, match=r"1 request finished in skip_done=.*a: not written here"):
         trainer.predict(Code2WavModule(config="tiny", random_weights=True), datamodule=data, return_predictions=False)
+    # FLAC into a folder of finished WAVs: those count as done, and the writer says so (it wrote only r1)
+    flac = WaveformWriter(done, audio_format="flac")
+    data = CodesDataModule(predict={f"r{i}": random_codes(1, 3, seed=i)[0] for i in range(2)}, skip_done=done)
+    with pytest.warns(UserWarning, match=r"1 request in .*a is already written as wav, not flac: it counts as done"):
+        Trainer(**trainer_kwargs(callbacks=[flac])).predict(
+            Code2WavModule(config="tiny", random_weights=True), datamodule=data, return_predictions=False
+        )
+    assert flac.stats["ok"] == 1 and (done / "r1.flac").is_file()

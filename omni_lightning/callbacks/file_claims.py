@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omni_lightning.data.output_folder import Finished, file_name, file_stem
+from omni_lightning.data.output_folder import Finished, PredictPlan, counted, file_name, file_stem, other_format_line
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 DUPLICATE = "duplicate id: a request with this id was already written in this run"
@@ -84,3 +84,17 @@ def written_line(req_id: str, path: str, audio_format: str, subtype: str, n_samp
         "sr": sr,
         "status": "ok",
     }
+
+
+def unwritten_warnings(listed: PredictPlan | None, writes_here: bool, finished: Finished, audio_format: str,
+                       subtype: str) -> list[str]:  # fmt: skip
+    """What a writer says at set-up of the listed requests it will not write: those finished in its folder
+    in another format (they count as done), or, when the data skipped another folder's finished requests
+    (``writes_here`` False), those."""
+    if listed is None:
+        return []
+    other_format = other_format_line(finished, listed.ids, audio_format, subtype)
+    said = [other_format.removeprefix("warning: ")] if other_format else []
+    if not writes_here and listed.skipped:  # finished in another folder: never written to this one
+        said.append(f"{counted(listed.skipped, 'request')} finished in skip_done={listed.out_dir}: not written here")
+    return said

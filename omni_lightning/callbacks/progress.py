@@ -44,6 +44,16 @@ class AudioProgressBar(TQDMProgressBar):
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
+    def on_sanity_check_start(self, *_: Any) -> None:
+        """No bar yet: it is made at the sanity check's first batch, so a fit without validation data shows
+        none (Lightning's stood at "0/?")."""
+        self.val_progress_bar = self.train_progress_bar = Tqdm(disable=True)
+
+    def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx=0) -> None:
+        if trainer.sanity_checking and self.val_progress_bar.disable and not self.is_disabled:
+            self.val_progress_bar = self.init_sanity_tqdm()
+        super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
+
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
         return tqdm_progress.Tqdm(
@@ -72,6 +82,13 @@ class AudioProgressBar(TQDMProgressBar):
         last_epoch = loop.max_epochs is not None and 0 <= loop.max_epochs <= loop.epoch_progress.current.processed
         if (last_step or last_epoch) and self._train_progress_bar is not None:
             self.train_progress_bar.close()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Closes the open bars, so that what the stop prints next (the command's last line) starts a line."""
+        for name in ("_train_progress_bar", "_val_progress_bar", "_test_progress_bar", "_predict_progress_bar"):
+            bar = getattr(self, name, None)
+            if bar is not None and not bar.disable:
+                bar.close()
 
     def _plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule, dataloader_idx: int) -> bool:
         """Total audio seconds and requests of this rank's share of the dataloader, when known."""
@@ -159,13 +176,18 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     hparams = getattr(pl_module, "hparams", {})
     checkpoint, ckpt_path = hparams.get("checkpoint"), getattr(trainer, "ckpt_path", None)
     model = f"checkpoint {checkpoint}" if checkpoint else f"{config.name} preset"
-    if ckpt_path or checkpoint:
-        weights = f"weights from {ckpt_path or checkpoint}"
-    else:
-        weights = "random weights" if hparams.get("random_weights") else "the module's own weights (no checkpoint)"
+    # the module's own account (its constructor's, a fit's or a load's) unless the trainer loaded a checkpoint
+    origin = getattr(pl_module, "weights_origin", None)
+    origin = origin or (f"weights from {checkpoint}" if checkpoint else "its weights")
+    weights = f"weights from {ckpt_path}" if ckpt_path else origin
     device = trainer.strategy.root_device
     cap = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    memory = f"memory cap {cap:.0%} of the GPU" if cap is not None else "no memory cap"
+    if cap is None:
+        memory = "no memory cap"
+    elif device.type == "cuda":
+        memory = f"memory cap {cap:.0%} of the GPU"
+    else:  # torch caps the memory of a CUDA device only
+        memory = f"no memory cap (gpu_memory_utilization {cap:g} applies on a GPU)"
     engine = getattr(pl_module, "engine", None)
     frames = getattr(engine, "frames_per_forward", None) or getattr(pl_module, "frames_per_forward", None)
     budget = f"{frames} frames per forward" if frames else "frames per forward from the memory budget"

@@ -40,7 +40,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 
 from omni_lightning.callbacks.audio_files import discard, encode_durably
-from omni_lightning.callbacks.file_claims import FileClaims, error_line, written_line
+from omni_lightning.callbacks.file_claims import FileClaims, error_line, unwritten_warnings, written_line
 from omni_lightning.callbacks.write_queue import WriteQueue
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
@@ -147,11 +147,11 @@ class WaveformWriter(BasePredictionWriter):
         self._expected, self.unread = set(), []
         if listed is not None:  # before anything is decoded, on every rank alike
             check_names(listed.ids, fold)
+        for warning in unwritten_warnings(listed, plan is not None, self._finished, self.audio_format, self.subtype):
+            rank_zero_warn(warning)
         if plan is not None:
             self._expected, self.unread = set(plan.ids), plan.unread
             self.stats["skipped"] = plan.skipped
-        elif listed is not None and listed.skipped:  # finished in another folder: never written to this one
-            rank_zero_warn(f"{listed.skipped} requests finished in skip_done={listed.out_dir} are not written here")
         limit = trainer.limit_predict_batches  # 0 runs no predict hook after this one: the counts stand as set here
         limited = isinstance(limit, int) or (limit if limit is not None else 1.0) < 1.0
         self.stats["limited"] = bool(trainer.fast_dev_run) or limited

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,12 @@ class CodesDataModule(pl.LightningDataModule):
         return self.datasets[stage]
 
     def predict_dataloader(self) -> list[DataLoader]:
-        return [self._loader(ds) for ds in self._require("predict")]
+        loaders = [self._loader(ds) for ds in self._require("predict")]
+        if self.predict_plan is not None and not self.predict_plan.pending:
+            # every request finished in skip_done (a rerun): the writer's summary says so; Lightning's
+            # warning that the loaders are empty ("make sure this was your intention") is not for the user
+            warnings.filterwarnings("ignore", message=r"Total length of `DataLoader` across ranks is zero\.")
+        return loaders
 
     def train_dataloader(self) -> DataLoader:
         dataset = self._require("fit")

@@ -267,26 +267,32 @@ def other_format_line(
     if not counts:
         return None
     wanted = f"{audio_format} {subtype}" if any(" " in written for written in counts) else audio_format
+    n = sum(counts.values())
+    are, they = ("is", "it counts") if n == 1 else ("are", "they count")
     return (
-        f"warning: {sum(counts.values())} requests in {finished.out_dir} are already written as "
-        f"{' and '.join(sorted(counts))}, not {wanted}: they count as done and are not decoded again; "
-        f"give another --out_dir to have every request as {wanted}"
+        f"warning: {counted(n, 'request')} in {finished.out_dir} {are} already written as "
+        f"{' and '.join(sorted(counts))}, not {wanted}: {they} as done and {are} not decoded again; "
+        f"use another output folder (--out_dir) to have every request as {wanted}"
     )
+
+
+def counted(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"  # 1 request, 2 requests
 
 
 def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
     """The end-of-job line: written, already done, failed (and any request neither, or unread files)."""
-    s = stats
+    s, n = stats, counted
     rate = s.get("audio_s", 0.0) / s["seconds"] if s.get("seconds") else 0.0
     text = (
-        f"{s.get('ok', 0)} requests written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
+        f"{n(s.get('ok', 0), 'request')} written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
         f"{s.get('skipped', 0)} already done, {s.get('error', 0)} failed -> {out_dir.resolve()}"
     )
     if s.get("missing") and s.get("limited"):
-        text += f"; {s['missing']} requests not run (the trainer limits predict batches: limit_predict_batches)"
+        text += f"; {n(s['missing'], 'request')} not run (the trainer limits predict batches: limit_predict_batches)"
     elif s.get("missing"):
-        text += f"; {s['missing']} requests neither written nor failed (a bug: please report it)"
+        text += f"; {n(s['missing'], 'request')} neither written nor failed (a bug: please report it)"
     if unread:
         names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        text += f"; {len(unread)} input files not read (not code files, hidden, or links to folders): {names}"
+        text += f"; {n(len(unread), 'input file')} not read (not code files, hidden, or links to folders): {names}"
     return text

@@ -103,6 +103,14 @@ class EMAWeights(WeightAveraging):
         _swap(self._average_model.module, pl_module)
         self._held, self._average_model, self._average_in = self._average_model.module, None, True
 
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        """During fit, Lightning's (the average as ``state_dict``, the raw weights beside it). Outside fit
+        (``trainer.save_checkpoint`` after it), the checkpoint holds the weights the module holds, the
+        average unless ``use_ema(False)``, with no averaging state to resume: said here, not in Lightning's
+        note on every such save."""
+        if self._average_model is not None:
+            super().on_save_checkpoint(trainer, pl_module, checkpoint)
+
     def use_average(self, pl_module: pl.LightningModule, on: bool) -> bool:
         """After fit: the averaged weights (``on``) or the raw ones into ``pl_module``; before, nothing.
         Returns whether the averaged weights were in before."""
