@@ -21,6 +21,7 @@ def run(*args, timeout=600):
     return log
 
 
+@pytest.mark.slow
 def test_fit_then_predict_with_the_checkpoint_then_validate_and_test(tmp_path):
     teacher = make_teacher()
     train = make_demo_data(tmp_path / "data", 6, 1.0, 2.0, teacher=teacher, seed=0, name="train.jsonl")

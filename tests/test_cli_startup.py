@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from conftest import random_codes
 from helpers import ROOT, TINY, read_until, trainer_kwargs
 
@@ -61,6 +62,7 @@ def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio
     assert "\x1b" not in log  # stdout is not a terminal: no ANSI codes
 
 
+@pytest.mark.slow
 def test_an_interrupted_predict_says_how_many_requests_it_saved_and_the_same_command_resumes(tmp_path):
     code_folder(tmp_path / "codes", [30 + 5 * i for i in range(24)])
     args = ["predict", "--data.predict", "codes", "--out_dir", "wavs", "--model.config", "tiny",

@@ -111,6 +111,7 @@ def test_ckpt_path_last_without_a_last_checkpoint_is_refused(tmp_path):
     assert proc.returncode == 2 and "--ckpt_path last finds no last checkpoint in" in log, log
 
 
+@pytest.mark.slow
 def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_path):
     """Stock LightningCLI lays the checkpoint's hyperparameters over the parsed ones: a bad run setting
     (log_samples -1) was accepted and ignored beside --ckpt_path (the fit's value ran), while the

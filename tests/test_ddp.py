@@ -108,6 +108,7 @@ def test_ddp_predict_deals_requests_by_length_and_writes_each_once(tmp_path):
     assert not list(out.glob("manifest.rank*.jsonl"))  # one manifest: rank 0 merged the ranks' parts
 
 
+@pytest.mark.slow
 def test_ddp_predict_counts_reruns_over_ranks_and_refuses_a_limit_alike_on_every_rank(tmp_path):
     """Found by a sweep: "already done" counted rank 0's share only when the data was not told what is
     finished; limit_predict_batches=0 failed on an assertion in Lightning's loop; a fraction that left
@@ -129,12 +130,14 @@ def test_ddp_predict_counts_reruns_over_ranks_and_refuses_a_limit_alike_on_every
     assert proc.returncode != 0 and said.count(refusal) == 2, said[-3000:]
 
 
+@pytest.mark.slow
 def test_ddp_fit_has_the_losses_of_one_process_at_the_same_global_batch(tmp_path):
     run_job("fit", tmp_path / "one", "--devices", "1", "--batch-size", "4", "--steps", "4")
     run_job("fit", tmp_path / "two", "--devices", "2", "--batch-size", "2", "--steps", "4")
     assert_same_training(records(tmp_path / "one", 1)[0], records(tmp_path / "two"))
 
 
+@pytest.mark.slow
 def test_ddp_validation_has_one_process_metrics_on_uneven_splits_and_a_rank_with_nothing_to_score(tmp_path):
     """3 requests on 2 ranks (2 and 1 batches): the metrics of one process, PESQ and STOI too (means
     of sums and counts; the scoring times are each run's own). Then a rank whose only request is

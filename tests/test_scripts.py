@@ -116,6 +116,7 @@ def test_battery_without_a_before_tree_says_how_to_make_one(tmp_path):
     assert proc.returncode == 2 and "error: no before tree" in proc.stderr and "--prepare" in proc.stderr
 
 
+@pytest.mark.slow
 def test_battery_dry_run_times_the_job_on_a_prepared_before_tree_and_this_one(tmp_path):
     tar = tmp_path / "bench" / "before.tar"
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

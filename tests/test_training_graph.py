@@ -88,7 +88,7 @@ def weights(module):
     return {n: p.detach().clone() for n, p in module.model.named_parameters()}
 
 
-@pytest.mark.parametrize("adversarial", [False, True], ids=["rec", "gan"])
+@pytest.mark.parametrize("adversarial", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["rec", "gan"])
 def test_fit_replays_one_shape_and_trains_as_the_eager_fit_does(long_pairs, adversarial):
     capture = EagerCapture()
     graphed, eager = Graphed(capture, adversarial=adversarial), Graphed(None, adversarial=adversarial)

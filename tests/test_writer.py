@@ -177,6 +177,7 @@ def test_write_queue_runs_items_in_order_and_never_hangs_on_a_failed_worker():
     assert not queue._thread.is_alive()
 
 
+@pytest.mark.slow
 def test_kill_9_while_the_background_writer_is_mid_batch_then_rerun_writes_every_request_once(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
     lengths = [20 + (i * 7) % 30 for i in range(16)]
@@ -265,6 +266,7 @@ def test_cli_predict_with_bad_entries_and_summary(tmp_path):
     assert "timings (since process start): arguments checked" in log and "Lightning loaded" in log
 
 
+@pytest.mark.slow
 def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
     ckpt = save_model(tmp_path / "ckpt")
     manifest = write_codes(tmp_path / "data", [3 + (i * 5) % 17 for i in range(13)])
@@ -291,7 +293,10 @@ def test_ddp_predict_on_two_cpu_processes_covers_every_request_once(tmp_path):
 
 @pytest.mark.parametrize(
     "sig, status, said",
-    [(signal.SIGINT, 130, "error: interrupted"), (signal.SIGTERM, 143, "error: terminated (SIGTERM)")],
+    [
+        (signal.SIGINT, 130, "error: interrupted"),
+        pytest.param(signal.SIGTERM, 143, "error: terminated (SIGTERM)", marks=pytest.mark.slow),
+    ],
 )
 def test_ctrl_c_or_sigterm_writes_what_was_decoded_then_exits(tmp_path, sig, status, said):
     """SIGTERM (a scheduler's stop): stock Lightning's predict loop records it and decodes every request.

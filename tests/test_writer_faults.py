@@ -212,6 +212,7 @@ def try_lock(folder, answers):
         answers.put(str(err))
 
 
+@pytest.mark.slow
 def test_a_rank_the_holder_started_goes_on_and_a_file_system_without_locks_locks_nothing(tmp_path, monkeypatch):
     """ddp_spawn's rank 0 is a child of the command that took the lock: it was refused as a rival job.
     Any other program the holder runs on that folder is a rival. A file system without locks (NFS
@@ -250,6 +251,7 @@ def test_a_rank_the_holder_started_goes_on_and_a_file_system_without_locks_locks
     assert folder_lock.lock_output_folder(tmp_path) is False and tmp_path.resolve() not in folder_lock._held
 
 
+@pytest.mark.slow
 def test_a_ddp_rank_finding_every_request_done_leaves_the_folder_to_rank_0(tmp_path):
     """A rank process found the job finished and tidied the folder (another job's temp files removed)."""
     ckpt = save_model(tmp_path / "ckpt")
@@ -266,6 +268,7 @@ def test_a_ddp_rank_finding_every_request_done_leaves_the_folder_to_rank_0(tmp_p
     assert (out / ".r000.wav.tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_sigterm_in_the_last_batch_still_exits_143_with_every_file_written(tmp_path):
     """Lightning's loops stop after a batch but not after the last one: the job ended with exit 0."""
     ckpt = save_model(tmp_path / "ckpt")
