@@ -107,7 +107,8 @@ def one_line(message: str) -> str:
     types = [a or b for a, b in re.findall(r"<class '(?:\w+\.)*(\w+)'>|\b(\w+\[[^\]]*\])", message.split("Errors:")[0])]
     value = re.search(r"(?:Given value|Got value): (.*)", message)
     if key and types and value:
-        wanted = " or ".join(dict.fromkeys("null" if t == "NoneType" else t for t in types))
+        named = dict.fromkeys("null" if t == "NoneType" else t for t in types)  # null last, in every release's order
+        wanted = " or ".join(sorted(named, key=lambda t: t == "null"))
         return f"--{key[1]} takes {wanted}, not {value[1].strip()!r}"
     return " ".join(message.split())
 

@@ -17,6 +17,8 @@ BLOCK = 32768
 
 def records(path: Path) -> list:
     data = Path(path).read_bytes()
+    if len(data) < 7:  # created, its header not yet written (seen with wandb 0.19): no records yet
+        return []
     assert data[:4] == b":W&B", "not a W&B record file"
     out, pos, pending = [], 7, b""
     while pos + 7 <= len(data):
