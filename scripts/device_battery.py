@@ -116,6 +116,8 @@ def before_tree(args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
 
 
 def install_wheels(work: Path, log) -> Path | None:
+    """The device's missing packages (``--prepare --wheels``); a dry run skips them: they are built for
+    the device's Python and may not install here."""
     wheels = sorted((ROOT / ".whl").glob("*.whl"))
     if not wheels:
         say("no wheels in .whl/: the packages python has", log)
@@ -256,7 +258,7 @@ def main() -> None:
     stem = "battery_" + "-".join(parts) + ("_dry" if args.dry_run else "")
     with tempfile.TemporaryDirectory(prefix="battery-") as tmp, (out / f"{stem}.log").open("w") as log:
         work = Path(tmp)
-        site = install_wheels(work, log)
+        site = None if args.dry_run else install_wheels(work, log)  # the device's wheels may not fit this machine
         roots = {"after": ROOT}
         manifest = {}
         if any(s.ab for s, _, _ in plan):

@@ -8,8 +8,9 @@ Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), with libdevice's
 Triton calls of each path, so a module that ignored its kernels fails rather than comparing the
 reference with itself. The CUDA twin of this test is in ``test_gpu_model.py``.
 
-The objective is the mel loss alone (``stft_weight=0``): the STFT loss's clamped log magnitudes make
-its fp32 gradient chaotic, so any two implementations part after a step or two. Tolerances allow
+The objective is the mel loss alone (``stft_weight=0``): the STFT loss's log magnitudes amplify fp32
+rounding, so any two implementations part over ten steps (with the floored log of issue 41 the losses
+still part by 1.5e-3 at step 10, measured on the CPU; with the old clamped log, after a step or two). Tolerances allow
 fp32 rounding carried by AdamW through ten steps: loss <= 1e-5; all gradients <= 1e-5 at step 1 and
 <= 2e-4 at every step; any parameter's <= 1e-3 at step 1 and <= 2e-2 at every step. A wrong
 gradient of any one input of the op misses these by orders of magnitude.
