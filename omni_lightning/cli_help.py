@@ -23,7 +23,8 @@ _RUN = ("--trainer.strategy", "--trainer.num_nodes", "--trainer.callbacks", "--t
         "--seed_everything", "--print_config", "--debug")  # fmt: skip
 _EVALUATE_DATA = ("--data.batch_size", "--data.num_workers", "--data.on_bad_input", "--data.max_frames",
                   "--data.duplicate_ids", "--data.config")  # fmt: skip
-_EVALUATE = (*_EVALUATE_DATA, "--model.log_samples", "--model.mel_weight", "--model.stft_weight",
+_QUALITY = ("--model.quality_metrics", "--model.quality_workers")
+_EVALUATE = (*_EVALUATE_DATA, *_QUALITY, "--model.log_samples", "--model.mel_weight", "--model.stft_weight",
              "--model.fast_training", "--trainer.logger", "--trainer.enable_progress_bar", "--verbose",
              *_RUN)  # fmt: skip
 # descriptions in a subcommand's --help where the parser's (Lightning's docstrings) would mislead or run long;
@@ -43,6 +44,8 @@ HELP_TEXT = {
     "--trainer.callbacks": "callbacks to add, by class path (--trainer.callbacks+=... appends one)",
     "--config": "a YAML file of options (configs/ has one for each job); later options override it",
     "--seed_everything": "the seed set before anything is built (true: a random one)",
+    "--model.quality_metrics": "perceptual scores beside the spectral ones: [pesq,stoi,estoi] (the quality extra)",
+    "--model.quality_workers": "processes that score them (default: half the CPUs)",
 }
 # fmt: off
 HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -59,7 +62,7 @@ HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("--model.warmup_steps", "--model.min_lr_ratio", "--model.total_steps", "--model.betas", "--model.weight_decay",
          "--model.grad_clip", "--model.mel_weight", "--model.stft_weight", "--model.freeze", "--model.train_only",
          "--model.ema_decay", "--model.adversarial", "--model.adversarial_weight", "--model.feature_matching_weight",
-         "--model.discriminator_lr", "--model.fast_training", "--model.log_samples", "--data.num_workers",
+         "--model.discriminator_lr", "--model.fast_training", "--model.log_samples", *_QUALITY, "--data.num_workers",
          "--data.on_bad_input", "--data.seed", "--data.max_frames", "--data.duplicate_ids", "--data.config",
          "--trainer.max_epochs", "--trainer.max_time", "--trainer.val_check_interval",
          "--trainer.check_val_every_n_epoch", "--trainer.limit_train_batches", "--trainer.limit_val_batches",

@@ -22,7 +22,10 @@ def compact_warnings() -> None:
 # one line each, for `omni-lightning --help` and each subcommand's own help
 SUBCOMMAND_HELP = {
     "fit": "Fine-tunes Code2Wav on (codes, audio) pairs: --data.train, and --data.val to validate.",
-    "validate": "Evaluates a model on --data.val (mel distance, SI-SDR, SNR), logged to the configured logger.",
+    "validate": (
+        "Evaluates a model on --data.val (mel distance, SI-SDR, SNR; PESQ and STOI with "
+        "--model.quality_metrics), logged to the configured logger."
+    ),
     "test": "Evaluates a model on --data.test, as validate does.",
     "predict": "Decodes code files to audio files in --out_dir; the same command again resumes an unfinished job.",
     "demo": "Predicts, fine-tunes and evaluates on the tiny preset on the CPU (no downloads).",

@@ -82,7 +82,7 @@ def test_requests_a_metric_cannot_score_are_nan_and_counted_never_averaged_in():
         "0.2 s": (speech[:4800], generated[:4800]),  # too short for PESQ (0.25 s) and for STOI (~0.4 s)
         "0.3 s": (speech[:7200], generated[:7200]),  # long enough for PESQ only
         "silent reference": (torch.zeros_like(speech), generated),
-        "silent output": (speech, torch.zeros_like(speech)),  # PESQ fails on it; STOI scores it 0
+        "silent output": (speech, torch.zeros_like(speech)),  # scored: the floor of each scale
         "not finite": (speech, torch.where(torch.arange(len(speech)) == 99, math.nan, generated)),
     }
     scorer = QualityScorer(("pesq", "stoi"), RATE, workers=1, pending_audio_s=0.0)  # one request at a time
@@ -97,11 +97,50 @@ def test_requests_a_metric_cannot_score_are_nan_and_counted_never_averaged_in():
         scorer.close()
     nan = {name: [m for m, v in values.items() if math.isnan(v)] for name, values in got.items()}
     assert nan == {"good": [], "0.2 s": ["pesq", "stoi"], "0.3 s": ["stoi"], "silent reference": ["pesq", "stoi"],
-                   "silent output": ["pesq"], "not finite": ["pesq", "stoi"]}  # fmt: skip
+                   "silent output": [], "not finite": ["pesq", "stoi"]}  # fmt: skip
     assert got["silent output"]["stoi"] == pytest.approx(0.0, abs=1e-6)
-    assert run["pesq"] == pytest.approx((got["good"]["pesq"] + got["0.3 s"]["pesq"]) / 2)
+    # a model that falls silent scores PESQ's floor: about loud noise's, below the 10 dB noisy copy (1.38)
+    from torchaudio.functional import resample
+
+    loud_noise = 0.1 * torch.randn(len(speech), generator=torch.Generator().manual_seed(9))
+    noise = pesq.pesq(16000, *(resample(x, RATE, 16000).numpy() for x in (speech, loud_noise)), "wb")
+    assert 0.99 < got["silent output"]["pesq"] < min(1.1, noise + 0.05) < got["good"]["pesq"] - 0.2
+    pesqs = [got[k]["pesq"] for k in ("good", "0.3 s", "silent output")]
+    assert run["pesq"] == pytest.approx(sum(pesqs) / 3)  # the silent output's floor is averaged in
     assert run["stoi"] == pytest.approx(got["good"]["stoi"] / 2)  # the silent output's 0 is a score
-    assert run["pesq_unscored"] == run["stoi_unscored"] == 4
+    assert run["pesq_unscored"] == 3 and run["stoi_unscored"] == 4
+
+
+def test_the_wait_for_the_media_tables_scores_counts_and_workers_stop_at_the_cpus():
+    """The W&B table waits for the scores it shows through ``QualityScorer.wait``: that time is in
+    ``quality_wait_s`` (it was lost when the media waited first). Asked for more workers than CPUs, the
+    scorer says so and starts one per CPU."""
+    import time
+
+    from omni_lightning.evaluation.quality import usable_cpus
+
+    speech = speech_like(3.0, RATE, seed=1)
+    scorer = QualityScorer(("pesq",), RATE, workers=1)
+    try:
+        futures = scorer.submit(with_noise(speech, 10, 2)[None, None], speech[None], torch.tensor([len(speech)]))
+        start = time.perf_counter()
+        scores = scorer.wait([futures[0], None])
+        waited = time.perf_counter() - start
+        assert scores == [futures[0].result().values, {}] and waited > 0.01  # 3 s of PESQ: a real wait
+        run = scorer.results(torch.device("cpu"))
+        assert run["quality_wait_s"] >= 0.9 * waited and run["pesq"] == scores[0]["pesq"]
+    finally:
+        scorer.close()
+    many = QualityScorer(("stoi",), RATE, workers=usable_cpus() + 7)
+    try:
+        with pytest.warns(
+            UserWarning, match=f"quality_workers={usable_cpus() + 7}: this machine has {usable_cpus()} CPUs"
+        ):
+            many.submit(speech[None, None], speech[None], torch.tensor([len(speech)]))
+        assert len(multiprocessing.active_children()) == usable_cpus()
+        assert many.results(torch.device("cpu"))["stoi"] == pytest.approx(1.0, abs=1e-3)
+    finally:
+        many.close()
 
 
 def speech_pairs(module, frames=(14, 10), seed=0):

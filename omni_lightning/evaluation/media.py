@@ -16,6 +16,8 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from omni_lightning.evaluation.quality import QualityScorer
+
 
 def content_hash(model: torch.nn.Module) -> str:
     """sha256 over the state dict (names, shapes, dtypes, bytes): which weights were evaluated."""
@@ -82,8 +84,8 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
 
 def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) -> dict[str, Any]:
     """Generated and reference audio side by side, with spectrograms and per-request metrics (the quality
-    metrics' too, where a sample holds their ``quality`` future), in a ``wandb.Table`` keyed by request
-    id; the media lists (captioned by id) also on their own, since an offline run stores table cells'
+    metrics' too, where a sample holds their ``quality`` scores, ``{name: value}``), in a ``wandb.Table``
+    keyed by request id; the media lists (captioned by id) also on their own, since an offline run stores table cells'
     media only through artifacts."""
     import matplotlib.pyplot as plt
     import wandb
@@ -92,7 +94,7 @@ def media_record(stage: str, samples: list[dict[str, Any]], sample_rate: int) ->
     from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
     mel, stft = MultiResolutionMelLoss(sample_rate), MultiResolutionSTFTLoss()
-    quality = [s["quality"].result().values if s.get("quality") is not None else {} for s in samples]
+    quality = [s.get("quality") or {} for s in samples]
     names = list(dict.fromkeys(name for scores in quality for name in scores))
     columns = ["id", "generated", "reference", "generated_spectrogram", "reference_spectrogram", "mel_distance",
                "si_sdr", *names]  # fmt: skip
@@ -186,6 +188,11 @@ class EvaluationMedia(pl.Callback):
     def _log_media(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if trainer.sanity_checking or not self._samples:
             return
+        futures = [s.pop("quality", None) for s in self._samples]
+        if any(f is not None for f in futures):  # only a QualityScorer's requests carry scores
+            scorer = next(cb for cb in trainer.callbacks if isinstance(cb, QualityScorer))
+            for s, scores in zip(self._samples, scorer.wait(futures)):
+                s["quality"] = scores
         record = media_record(stage, self._samples, pl_module.config.sample_rate)
         for lg in wandb_loggers(trainer):
             lg.experiment.log({**record, "trainer/global_step": trainer.global_step})

@@ -1,14 +1,18 @@
 """PESQ and STOI beside the spectral distances (the measures of HiFi-GAN, BigVGAN, Vocos), scored per
 request in worker processes, off the step's path, and reduced over DDP ranks as sums and counts.
 
-- ``pesq``: wide-band PESQ (ITU-T P.862.2, MOS-LQO 1.04 to 4.64) at 16 kHz, the standard's rate: both
-  signals resampled from the model's rate with torchaudio, batched, on the step's device.
+- ``pesq``: wide-band PESQ (ITU-T P.862.2, MOS-LQO about 1.0 to 4.64) at 16 kHz, the standard's rate:
+  both signals resampled from the model's rate with torchaudio, batched, on the step's device. A silent
+  output is scored, not dropped: pesq cannot take exact zeros, so it scores a -180 dB dither in its
+  place (about 1.03, the scale's floor), and a model that falls silent cannot raise its mean.
+- Both ignore level: an output scaled by 1e-12 or 1e6 scores as the output itself. Read them beside
+  ``snr`` and the spectral distances.
 - ``stoi`` and ``estoi``: STOI and extended STOI (about 0 to 1); pystoi resamples to its 10 kHz itself.
 
 A request a metric cannot score gets NaN for it, counted in ``<name>_unscored`` and left out of that
 metric's mean (never a zero averaged in): shorter than 0.25 s (PESQ) or than 30 STOI frames after
-pystoi drops the silent ones (about 0.4 s of sound), a silent reference, a silent or non-finite
-output (PESQ), or one in which PESQ detects no utterance.
+pystoi drops the silent ones (about 0.4 s of sound), a silent reference, a non-finite output, or one
+in which PESQ detects no utterance.
 
 Not done, and why:
 
@@ -40,6 +44,7 @@ from typing import Any, NamedTuple
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 
 from omni_lightning.errors import UsageError
 from omni_lightning.evaluation.metrics import QualityMetrics
@@ -50,6 +55,7 @@ INSTALL = 'pip install "omni-lightning[quality]" (in a checkout: pip install -e 
 PESQ_RATE = 16000
 PESQ_MIN_S = 0.25  # pesq's BufferTooShortError below this
 STOI_MIN_S = (29 * 128 + 256) / 10000  # pystoi: 30 frames of 256 samples, hop 128, at 10 kHz
+SILENCE_DITHER = 1e-9  # a silent output's stand-in for PESQ (module docstring)
 
 
 def check_quality_metrics(names: Any) -> tuple[str, ...]:
@@ -106,8 +112,10 @@ def score_request(
 def _pesq(reference: np.ndarray, generated: np.ndarray) -> float:
     from pesq import BufferTooShortError, NoUtterancesError, pesq
 
-    if len(reference) < PESQ_MIN_S * PESQ_RATE or not np.any(generated):  # pesq fails on a silent output
+    if len(reference) < PESQ_MIN_S * PESQ_RATE:
         return math.nan
+    if not np.any(generated):  # pesq fails on exact zeros: a silent output scores as a -180 dB dither
+        generated = SILENCE_DITHER * np.random.default_rng(0).standard_normal(len(generated)).astype(generated.dtype)
     try:
         return float(pesq(PESQ_RATE, reference, generated, "wb"))
     except (BufferTooShortError, NoUtterancesError):
@@ -127,10 +135,14 @@ def _stoi(reference: np.ndarray, generated: np.ndarray, sample_rate: int, extend
     return value
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may use."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+
+
 def default_workers(processes: int = 1) -> int:
     """Half the CPUs this process may use, shared by the ``processes`` training processes of the host; 1 to 8."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return max(1, min(8, cpus // (2 * max(1, processes))))
+    return max(1, min(8, usable_cpus() // (2 * max(1, processes))))
 
 
 def _start_worker(parent: int) -> None:
@@ -151,11 +163,11 @@ class QualityScorer(pl.Callback):
 
     The module hands each evaluation batch to :meth:`submit` (one host copy: the step's one sync) and
     goes on; the workers score while the next batches generate. ``validate`` and ``test`` wait for the
-    last scores at their epoch's end and log them with the other metrics. A fit's validation waits for
-    none: its scores are logged at its own step when the next validation starts or fit ends, so a
-    ``ModelCheckpoint`` cannot monitor them. More than ``pending_audio_s`` of audio handed over and not
-    scored (600 s: about 200 MB of host copies) makes :meth:`submit` wait for the oldest, so memory stays
-    bounded when scoring is slower than generation.
+    last scores at their epoch's end and log them with the other metrics. A fit's validation waits only
+    for those its W&B samples table shows (:meth:`wait`); the rest are logged at its own step when the
+    next validation starts or fit ends, so a ``ModelCheckpoint`` cannot monitor them. More than
+    ``pending_audio_s`` of audio handed over and not scored (600 s: about 200 MB of host copies) makes
+    :meth:`submit` wait for the oldest, so memory stays bounded when scoring is slower than generation.
 
     As a callback (the module adds it to fit, validate and test) it owns its pool: started at the first
     request, shut down when the run ends (``teardown``) or fails (``on_exception``). A worker's error,
@@ -181,6 +193,7 @@ class QualityScorer(pl.Callback):
         self._unscored: deque[tuple[Future, float]] = deque()  # (scores, audio seconds) not seen done yet
         self._unscored_s = 0.0
         self._deferred: tuple[str, int] | None = None  # a fit's validation not logged yet: (stage, step)
+        self._waited = 0.0  # seconds waited for scores outside gather (wait), not yet in the metrics
 
     def __getstate__(self) -> dict[str, Any]:  # a copy or pickle (ddp_spawn) keeps the settings only
         return {k: getattr(self, k) for k in ("names", "sample_rate", "workers", "pending_audio_s")}
@@ -219,6 +232,10 @@ class QualityScorer(pl.Callback):
     def _start(self) -> ProcessPoolExecutor:
         if self._pool is None:
             workers = self.workers or default_workers(self._processes)
+            cpus = usable_cpus()
+            if workers > cpus:
+                rank_zero_warn(f"quality_workers={workers}: this machine has {cpus} CPUs; scoring in {cpus} processes")
+                workers = cpus
             context = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
             self._pool = ProcessPoolExecutor(workers, context, initializer=_start_worker, initargs=(os.getpid(),))
         return self._pool
@@ -235,12 +252,21 @@ class QualityScorer(pl.Callback):
         """Requests handed to the workers and not gathered yet (scored or not)."""
         return len(self._futures)
 
+    def wait(self, futures: list[Future | None]) -> list[dict[str, float]]:
+        """The scores of requests handed over (``{}`` for None), waiting for them: the time counts in
+        ``quality_wait_s`` (the W&B media's table waits here for the requests it shows)."""
+        start = time.perf_counter()
+        scores = [f.result().values if f is not None else {} for f in futures]
+        self._waited += time.perf_counter() - start
+        return scores
+
     def gather(self) -> None:
         """Waits for every request handed over and adds its scores to :attr:`metrics`; raises a worker's error."""
         waited = time.perf_counter()
         scores = [f.result() for f in self._futures]
-        self.metrics.update([s.values for s in scores], sum(s.seconds for s in scores), time.perf_counter() - waited)
-        self._futures, self._unscored, self._unscored_s = [], deque(), 0.0
+        waited = self._waited + time.perf_counter() - waited
+        self.metrics.update([s.values for s in scores], sum(s.seconds for s in scores), waited)
+        self._futures, self._unscored, self._unscored_s, self._waited = [], deque(), 0.0, 0.0
 
     def results(self, device: torch.device) -> dict[str, float]:
         """Gathers, reduces across ranks (every rank must call it) and resets: ``{name: value}``."""
