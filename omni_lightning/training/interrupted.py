@@ -7,6 +7,13 @@ unknown before). It acts in fit only, and not before the first optimizer step (n
 And it is not an ``OnExceptionCheckpoint``: Lightning turns a fit given one and no ``ckpt_path`` into
 ``ckpt_path="last"``, with two warnings on every fresh run; here resuming is explicit (``ckpt_path=`` the
 saved file, which the command line prints). A fit that reaches its end removes the file, as Lightning's does.
+
+A stop inside a training step leaves Lightning's progress counters counting that batch as begun, and its
+restart logic (2.6) resets only the current epoch's: the fit resumed from such a file ran every later
+step-based check one step early (a validation at step 7 of 8, the last step never checkpointed). The
+file saved here holds the loops as they were after the last finished batch (:func:`unfinished_batch_undone`),
+so the resumed fit redoes that batch and checks on the steps an uninterrupted fit does. Not done: a
+resumable training loader; the resumed epoch sees its batches again from the start (Lightning warns).
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ class InterruptedFitCheckpoint(Callback):
         self.dirpath, self.filename = dirpath, filename
         self.saved: Path | None = None  # the file this callback wrote at the last stop, if any
         self.saved_step = 0
+        self._validated_step: int | None = None  # the optimizer step the fit's last validation followed
+        self._saving = False
 
     def path(self, trainer: pl.Trainer) -> Path:
         """Where the file goes for ``trainer``'s fit."""
@@ -49,16 +58,52 @@ class InterruptedFitCheckpoint(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.saved, self.saved_step = None, 0
+            self.saved, self.saved_step, self._validated_step = None, 0, None
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.state.fn == "fit" and not trainer.sanity_checking:
+            self._validated_step = trainer.global_step
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         if trainer.state.fn != "fit" or trainer.global_step == 0:
             return
         path = self.path(trainer)
-        trainer.save_checkpoint(path)
+        self._saving = True
+        try:
+            trainer.save_checkpoint(path)
+        finally:
+            self._saving = False
         self.saved, self.saved_step = path, trainer.global_step
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if self._saving:
+            validated = self._validated_step == trainer.global_step
+            unfinished_batch_undone(checkpoint.get("loops", {}).get("fit_loop", {}), validated)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # only after a fit that ended normally (Lightning calls no teardown hook after an exception)
         if stage == "fit":
             trainer.strategy.remove_checkpoint(self.path(trainer))
+
+
+def unfinished_batch_undone(fit_loop: dict, validated: bool) -> None:
+    """``fit_loop``'s saved state (a checkpoint's ``loops.fit_loop``), in place, as it was after the last
+    training batch that finished: the training batches' and optimizer steps' counters (total and this
+    epoch's) that count a batch begun and not completed count it no more. A state saved between batches,
+    or in a validation, is left as it is (Lightning's restart logic handles those).
+
+    ``validated``: a validation followed that last batch. Lightning then takes the state for one saved at
+    that validation's end, before it counted the batch for its loggers, and counts it on restart: the
+    loggers' count is saved one lower so that they log at an uninterrupted fit's steps."""
+    batches = fit_loop.get("epoch_loop.batch_progress", {}).get("total", {})
+    if not batches or batches.get("ready", 0) <= batches.get("processed", 0):
+        return  # no batch was inside its step
+    optimizer = fit_loop.get("epoch_loop.automatic_optimization.optim_progress", {}).get("optimizer", {})
+    progresses = [fit_loop["epoch_loop.batch_progress"], *optimizer.values()]
+    for tracker in (p[k] for p in progresses for k in ("total", "current") if k in p):
+        for key in ("ready", "started", "processed"):
+            if key in tracker:
+                tracker[key] = tracker["completed"]
+    state = fit_loop.get("epoch_loop.state_dict", {})
+    if validated and "_batches_that_stepped" in state:
+        state["_batches_that_stepped"] -= 1
