@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         timings["checked"] = time.time()
         done = finished_job(command)
         if done is not None:
-            if command.other_format:  # (a job that runs has its writer say it)
-                print(command.other_format, file=sys.stderr)
+            for warning in (command.other_format, command.other_weights):  # (a job that runs has its writer say it)
+                if warning:
+                    print(warning, file=sys.stderr)
             print(f"predict: {done}")
             return EXIT_OK
         finished = command.finished if command else None

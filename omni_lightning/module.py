@@ -431,6 +431,8 @@ class Code2WavModule(pl.LightningModule):
 def _weights_loaded(module: Code2WavModule, incompatible_keys: Any) -> None:
     """A state dict loaded into the module (a Lightning checkpoint too): its weights are no longer random."""
     module.unasked_random_weights = False
+    if module.weights_origin == "random weights":  # load_from_checkpoint builds from the config, then loads
+        module.weights_origin = "weights loaded from a state dict"
 
 
 def _does(have: pl.Callback, want: pl.Callback) -> bool:

@@ -31,8 +31,10 @@ from omni_lightning.data.output_folder import (
     check_format,
     check_names,
     other_format_line,
+    other_weights_line,
     remove_temp_files,
     summary_line,
+    weights_label,
 )
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
@@ -67,6 +69,7 @@ class CommandLine:
     finished: Finished | None = None  # --out_dir's finished requests, as finished_job read them
     unchecked: list[str] = field(default_factory=list)  # options only the parser can check
     other_format: str | None = None  # a warning: requests finished in --out_dir in another format
+    other_weights: str | None = None  # a warning: requests finished in --out_dir from other weights
 
 
 def check_command_line(argv: list[str]) -> CommandLine | None:
@@ -227,10 +230,24 @@ def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any
         )
 
 
+def _weights_named(values: dict[str, Any]) -> str | None:
+    """The weights label (``output_folder.weights_label``) of the weights the command line names, as the
+    writer would record them; None where it cannot tell without loading anything."""
+    ckpt_path, model = values.get("ckpt_path"), _group(values, "model") or {}
+    if isinstance(ckpt_path, str) and ckpt_path and "://" not in ckpt_path and Path(ckpt_path).exists():
+        return weights_label(ckpt_path, ckpt_path)
+    checkpoint = model.get("checkpoint")
+    if not ckpt_path and isinstance(checkpoint, str) and checkpoint and Path(checkpoint).exists():
+        return weights_label(f"weights from {checkpoint}", checkpoint)
+    if not ckpt_path and not checkpoint and str(model.get("random_weights")).lower() == "true":
+        return "random weights"
+    return None
+
+
 def finished_job(command: CommandLine | None) -> str | None:
     """The summary line of a predict job with nothing left to do (every request finished in
     ``--out_dir``), or None. The folder is tidied as a run's start would tidy it. Sets the command's
-    ``finished`` (the folder as read) and ``other_format`` (a warning line, or None)."""
+    ``finished`` (the folder as read) and ``other_format`` and ``other_weights`` (warning lines, or None)."""
     if command is None or command.sub != "predict" or command.predict_ids is None:
         return None
     out_dir = command.values.get("out_dir")
@@ -239,6 +256,7 @@ def finished_job(command: CommandLine | None) -> str | None:
     finished = command.finished = Finished.read(out_dir)
     audio_format, subtype = str(command.values.get("format") or "wav"), str(command.values.get("subtype") or "PCM_16")
     command.other_format = other_format_line(finished, command.predict_ids, audio_format, subtype)
+    command.other_weights = other_weights_line(finished, command.predict_ids, _weights_named(command.values))
     if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)

@@ -110,6 +110,39 @@ def test_requests_finished_in_another_format_are_reported_in_one_line(tmp_path, 
     assert main([*job, "--format", "wav"]) == 0 and capsys.readouterr().err == ""  # the same format: nothing said
 
 
+def test_requests_finished_from_other_weights_are_reported_in_one_line_and_recorded(tmp_path, capsys):
+    """A rerun into the same folder with other weights kept the old audio and said nothing (as one with
+    another --format once did): the manifest names each file's weights, and a rerun says what it keeps."""
+    from helpers import save_model
+
+    from omni_lightning.cli import main
+    from omni_lightning.data.output_folder import weights_label
+
+    codes = code_folder(tmp_path / "codes", [3, 4])
+    out = tmp_path / "wavs"
+    job = ["predict", "--data.predict", str(codes), "--out_dir", str(out), "--trainer.accelerator", "cpu",
+           "--trainer.enable_progress_bar", "false"]  # fmt: skip
+    assert main([*job, "--model.config", "tiny", "--model.random_weights", "true"]) == 0
+    assert main([*job, "--model.config", "tiny", "--model.random_weights", "true"]) == 0  # the same: nothing said
+    assert "weights" not in capsys.readouterr().err
+    folder = save_model(tmp_path / "hf")
+    label = weights_label("", folder)
+    assert main([*job, "--model.checkpoint", str(folder)]) == 0  # nothing left to do: said before loading
+    said = (
+        f"warning: 2 requests in {out} are written with other weights (random weights), not {label}: they count "
+        "as done and are not decoded again; use another output folder (--out_dir) to have every request from "
+        "these weights"
+    )
+    assert capsys.readouterr().err.splitlines() == [said]
+    np.save(codes / "r02.npy", random_codes(1, 5, seed=9)[0].numpy())  # a job that runs: its writer says it
+    with pytest.warns(UserWarning) as warned:  # (printed as a "warning:" line on the command line)
+        assert main([*job, "--model.checkpoint", str(folder)]) == 0
+    assert said.removeprefix("warning: ") in [str(w.message) for w in warned]
+    rows = {r["id"]: r["weights"] for r in map(json.loads, (out / "manifest.jsonl").read_text().splitlines())}
+    assert rows == {"r00": "random weights", "r01": "random weights", "r02": label}
+    assert str(folder.resolve()) in label and "(modified 20" in label
+
+
 def test_the_trainers_default_bar_writes_no_ansi_codes_into_a_log(tmp_path, capsys):
     """Lightning's default bar (rich) showed "Epoch 4/-2" for a fit bounded by steps; TQDM's validation bar
     moves the cursor with ANSI codes, which a log file keeps."""

@@ -13,9 +13,18 @@ What it does not do: name files or read the folder (``data/output_folder.py``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from omni_lightning.data.output_folder import Finished, PredictPlan, counted, file_name, file_stem, other_format_line
+from omni_lightning.data.output_folder import (
+    Finished,
+    PredictPlan,
+    counted,
+    file_name,
+    file_stem,
+    other_format_line,
+    weights_label,
+)
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 DUPLICATE = "duplicate id: a request with this id was already written in this run"
@@ -72,8 +81,11 @@ def error_line(req_id: str, reason: str) -> dict[str, Any]:
     return {"id": req_id, "status": "error", "reason": reason}
 
 
-def written_line(req_id: str, path: str, audio_format: str, subtype: str, n_samples: int, sr: int) -> dict[str, Any]:
-    """A manifest line for a request whose file ``path`` (relative to the folder) is durable."""
+def written_line(
+    req_id: str, path: str, audio_format: str, subtype: str, n_samples: int, sr: int, weights: str | None = None
+) -> dict[str, Any]:
+    """A manifest line for a request whose file ``path`` (relative to the folder) is durable, made by
+    ``weights`` (a :func:`~omni_lightning.data.output_folder.weights_label`; None: not recorded)."""
     return {
         "id": req_id,
         "path": path,
@@ -83,7 +95,23 @@ def written_line(req_id: str, path: str, audio_format: str, subtype: str, n_samp
         "duration_s": n_samples / sr,
         "sr": sr,
         "status": "ok",
+        **({"weights": weights} if weights is not None else {}),
     }
+
+
+def weights_in_use(trainer: Any, pl_module: Any) -> str | None:
+    """The :func:`~omni_lightning.data.output_folder.weights_label` of the weights a predict runs on: the
+    checkpoint the trainer loaded, else the module's own account of them (``weights_origin``: its
+    checkpoint folder, random weights, a fit in this process); None where the module gives none."""
+    ckpt_path = getattr(trainer, "ckpt_path", None)
+    if ckpt_path:
+        local = "://" not in str(ckpt_path) and Path(ckpt_path).exists()
+        return weights_label(str(ckpt_path), ckpt_path if local else None)
+    origin = getattr(pl_module, "weights_origin", None)
+    checkpoint = getattr(pl_module, "hparams", {}).get("checkpoint")
+    if checkpoint and origin == f"weights from {checkpoint}" and Path(checkpoint).exists():
+        return weights_label(origin, checkpoint)
+    return origin
 
 
 def unwritten_warnings(listed: PredictPlan | None, writes_here: bool, finished: Finished, audio_format: str,

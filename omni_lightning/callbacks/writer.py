@@ -40,7 +40,13 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from lightning.pytorch.utilities import rank_zero_warn
 
 from omni_lightning.callbacks.audio_files import discard, encode_durably
-from omni_lightning.callbacks.file_claims import FileClaims, error_line, unwritten_warnings, written_line
+from omni_lightning.callbacks.file_claims import (
+    FileClaims,
+    error_line,
+    unwritten_warnings,
+    weights_in_use,
+    written_line,
+)
 from omni_lightning.callbacks.write_queue import WriteQueue
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.output_folder import (
@@ -55,6 +61,7 @@ from omni_lightning.data.output_folder import (
     fsync_write,
     manifest_text,
     merge_manifests,
+    other_weights_line,
     remove_temp_files,
     summary_line,
 )
@@ -100,6 +107,7 @@ class WaveformWriter(BasePredictionWriter):
         self._queue: WriteQueue | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._start = 0.0
+        self._weights: str | None = None  # what the manifest lines name as the weights (on_predict_start)
 
     @staticmethod
     def _zero_stats() -> dict[str, Any]:
@@ -162,6 +170,13 @@ class WaveformWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
+        # here, not in setup: the trainer has loaded its checkpoint (ckpt_path) by now
+        self._weights = weights_in_use(trainer, pl_module)
+        listed = getattr(trainer.datamodule, "predict_plan", None)
+        if isinstance(listed, PredictPlan):
+            said = other_weights_line(self._finished, listed.ids, self._weights)
+            if said:
+                rank_zero_warn(said.removeprefix("warning: "))
 
     # --- per batch, one batch behind: decided here, written on the background thread -------------------
 
@@ -216,7 +231,7 @@ class WaveformWriter(BasePredictionWriter):
                 lines.append(error_line(req_id, problem))
                 continue
             committed.append(req_id)
-            lines.append(written_line(req_id, name, self.audio_format, self.subtype, n_samples, sr))
+            lines.append(written_line(req_id, name, self.audio_format, self.subtype, n_samples, sr, self._weights))
             self.stats["audio_s"] += n_samples / sr
         if committed:
             fsync_folder(self.out_dir)  # the renames are durable before any line names their files
