@@ -233,15 +233,20 @@ class OmniCLI(LightningCLI):
             )
 
     def after_fit(self) -> None:
-        """One line: the checkpoints written, and a W&B run's folder (wandb's own lines are silenced)."""
+        """One line: the checkpoints written (or that none was), and a W&B run's folder (wandb's own lines
+        are silenced)."""
         ckpt, parts = self.trainer.checkpoint_callback, []
         if ckpt is not None and (ckpt.best_model_path or ckpt.last_model_path):
             score = f" ({ckpt.monitor} {float(ckpt.best_model_score):.4g})" if ckpt.best_model_score is not None else ""
             saved = {"best": ckpt.best_model_path and ckpt.best_model_path + score, "last": ckpt.last_model_path}
             parts = [f"{which} checkpoint {path}" for which, path in saved.items() if path]
+        elif self.trainer.global_step == 0:  # max_steps 0, or no training batch: nothing to checkpoint
+            parts = ["no optimizer step was taken, no checkpoint written"]
+        else:
+            parts = [f"{self.trainer.global_step} steps, no checkpoint written"]
         runs = log_places(self.trainer, wandb_only=True)
         parts += [f"W&B run in {', '.join(runs)}"] if runs else []
-        if self.trainer.is_global_zero and parts:
+        if self.trainer.is_global_zero:
             print("fit: " + "; ".join(parts))
 
     def after_validate(self) -> None:

@@ -240,6 +240,9 @@ def test_fit_then_validate_say_where_their_files_are_and_validate_prints_its_met
     assert line.startswith("validate: val/audio_s=") and line.endswith("; logs in runs/finetune/version_1"), out
     assert (tmp_path / "runs/finetune/version_1/metrics.csv").is_file()
     assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
+    assert main([*fit, "--data.crop_frames", "12", "--trainer.max_steps", "0"]) == 0  # ends with its line too
+    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fit: ")]
+    assert line == "fit: no optimizer step was taken, no checkpoint written"
 
 
 def test_fit_without_val_and_validate_without_a_logger_config_warn_of_neither(tmp_path, monkeypatch, capsys, recwarn):
