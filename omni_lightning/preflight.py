@@ -26,16 +26,8 @@ from typing import Any
 from omni_lightning.arguments import first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
-from omni_lightning.data.output_folder import (
-    Finished,
-    check_format,
-    check_names,
-    other_format_line,
-    other_weights_line,
-    remove_temp_files,
-    summary_line,
-    weights_label,
-)
+from omni_lightning.data.job_lines import other_format_line, other_weights_line, summary_line, weights_named
+from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
@@ -230,20 +222,6 @@ def check_weights(sub: str, checkpoint: Any, ckpt_path: Any, random_weights: Any
         )
 
 
-def _weights_named(values: dict[str, Any]) -> str | None:
-    """The weights label (``output_folder.weights_label``) of the weights the command line names, as the
-    writer would record them; None where it cannot tell without loading anything."""
-    ckpt_path, model = values.get("ckpt_path"), _group(values, "model") or {}
-    if isinstance(ckpt_path, str) and ckpt_path and "://" not in ckpt_path and Path(ckpt_path).exists():
-        return weights_label(ckpt_path, ckpt_path)
-    checkpoint = model.get("checkpoint")
-    if not ckpt_path and isinstance(checkpoint, str) and checkpoint and Path(checkpoint).exists():
-        return weights_label(f"weights from {checkpoint}", checkpoint)
-    if not ckpt_path and not checkpoint and str(model.get("random_weights")).lower() == "true":
-        return "random weights"
-    return None
-
-
 def finished_job(command: CommandLine | None) -> str | None:
     """The summary line of a predict job with nothing left to do (every request finished in
     ``--out_dir``), or None. The folder is tidied as a run's start would tidy it. Sets the command's
@@ -256,7 +234,8 @@ def finished_job(command: CommandLine | None) -> str | None:
     finished = command.finished = Finished.read(out_dir)
     audio_format, subtype = str(command.values.get("format") or "wav"), str(command.values.get("subtype") or "PCM_16")
     command.other_format = other_format_line(finished, command.predict_ids, audio_format, subtype)
-    command.other_weights = other_weights_line(finished, command.predict_ids, _weights_named(command.values))
+    weights = weights_named(command.values.get("ckpt_path"), _group(command.values, "model") or {})
+    command.other_weights = other_weights_line(finished, command.predict_ids, weights)
     if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)
     if _first_process():  # it tidies the folder, holding its lock where it could take it (not a DDP rank)

@@ -35,7 +35,8 @@ from workload import save
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer, randomize_weights
 from omni_lightning.data.synthetic import speech_like
-from omni_lightning.evaluation.quality import PESQ_RATE, check_quality_metrics, default_workers, score_request
+from omni_lightning.evaluation.quality import check_quality_metrics
+from omni_lightning.evaluation.scoring import PESQ_RATE, default_workers, score_request
 
 RATE = 24000
 QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -116,7 +116,7 @@ def test_requests_finished_from_other_weights_are_reported_in_one_line_and_recor
     from helpers import save_model
 
     from omni_lightning.cli import main
-    from omni_lightning.data.output_folder import weights_label
+    from omni_lightning.data.job_lines import weights_label
 
     codes = code_folder(tmp_path / "codes", [3, 4])
     out = tmp_path / "wavs"

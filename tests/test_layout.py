@@ -47,6 +47,8 @@ LONG_FILES: dict[str, str] = {
     "kernels, their launchers, the autograd function and the torch reference together",
     "omni_lightning/runner/session.py": "the one owner of the device weights: every place that points a "
     "parameter elsewhere (host weights held, lent, restored; layouts for graphs) and the session that decides when",
+    "omni_lightning/callbacks/writer.py": "the one writer of a job's folder, start to end (what is finished, "
+    "decisions one batch behind, the background thread, the end's merge and counts); its parts are their own files",
     "omni_lightning/module.py": "the LightningModule: Lightning's hooks of every stage, each a few lines calling a "
     "collaborator, its documented entry points (engine, streams, training kernels) and the Args the CLI shows",
 }

@@ -117,7 +117,7 @@ def test_the_wait_for_the_media_tables_scores_counts_and_workers_stop_at_the_cpu
     scorer says so and starts one per CPU."""
     import time
 
-    from omni_lightning.evaluation.quality import usable_cpus
+    from omni_lightning.evaluation.scoring import usable_cpus
 
     speech = speech_like(3.0, RATE, seed=1)
     scorer = QualityScorer(("pesq",), RATE, workers=1)

@@ -16,15 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.data.output_folder import (
-    Finished,
-    PredictPlan,
-    counted,
-    file_name,
-    file_stem,
-    other_format_line,
-    weights_label,
-)
+from lightning.pytorch.utilities import rank_zero_warn
+
+from omni_lightning.data.job_lines import counted, other_format_line, other_weights_line, weights_label
+from omni_lightning.data.output_folder import Finished, PredictPlan, file_name, file_stem
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
 DUPLICATE = "duplicate id: a request with this id was already written in this run"
@@ -85,7 +80,7 @@ def written_line(
     req_id: str, path: str, audio_format: str, subtype: str, n_samples: int, sr: int, weights: str | None = None
 ) -> dict[str, Any]:
     """A manifest line for a request whose file ``path`` (relative to the folder) is durable, made by
-    ``weights`` (a :func:`~omni_lightning.data.output_folder.weights_label`; None: not recorded)."""
+    ``weights`` (a :func:`~omni_lightning.data.job_lines.weights_label`; None: not recorded)."""
     return {
         "id": req_id,
         "path": path,
@@ -99,8 +94,19 @@ def written_line(
     }
 
 
+def weights_at_start(trainer: Any, pl_module: Any, finished: Finished) -> str | None:
+    """At predict start (the trainer has loaded its checkpoint): the :func:`weights_in_use`, and a warning
+    (rank zero) for the job's requests ``finished`` from other weights (:func:`other_weights_line`)."""
+    weights = weights_in_use(trainer, pl_module)
+    listed = getattr(trainer.datamodule, "predict_plan", None)
+    said = other_weights_line(finished, listed.ids, weights) if isinstance(listed, PredictPlan) else None
+    if said:
+        rank_zero_warn(said.removeprefix("warning: "))
+    return weights
+
+
 def weights_in_use(trainer: Any, pl_module: Any) -> str | None:
-    """The :func:`~omni_lightning.data.output_folder.weights_label` of the weights a predict runs on: the
+    """The :func:`~omni_lightning.data.job_lines.weights_label` of the weights a predict runs on: the
     checkpoint the trainer loaded, else the module's own account of them (``weights_origin``: its
     checkpoint folder, random weights, a fit in this process); None where the module gives none."""
     ckpt_path = getattr(trainer, "ckpt_path", None)

@@ -44,11 +44,12 @@ from omni_lightning.callbacks.file_claims import (
     FileClaims,
     error_line,
     unwritten_warnings,
-    weights_in_use,
+    weights_at_start,
     written_line,
 )
 from omni_lightning.callbacks.write_queue import WriteQueue
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
+from omni_lightning.data.job_lines import summary_line
 from omni_lightning.data.output_folder import (
     MANIFEST,
     Finished,
@@ -61,9 +62,7 @@ from omni_lightning.data.output_folder import (
     fsync_write,
     manifest_text,
     merge_manifests,
-    other_weights_line,
     remove_temp_files,
-    summary_line,
 )
 from omni_lightning.errors import UsageError, check_count
 from omni_lightning.runner.output import OmniModelRunnerOutput
@@ -170,13 +169,7 @@ class WaveformWriter(BasePredictionWriter):
 
     def on_predict_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
-        # here, not in setup: the trainer has loaded its checkpoint (ckpt_path) by now
-        self._weights = weights_in_use(trainer, pl_module)
-        listed = getattr(trainer.datamodule, "predict_plan", None)
-        if isinstance(listed, PredictPlan):
-            said = other_weights_line(self._finished, listed.ids, self._weights)
-            if said:
-                rank_zero_warn(said.removeprefix("warning: "))
+        self._weights = weights_at_start(trainer, pl_module, self._finished)  # the checkpoint is loaded by now
 
     # --- per batch, one batch behind: decided here, written on the background thread -------------------
 

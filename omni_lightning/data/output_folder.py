@@ -14,13 +14,9 @@ again) all decide from it. Error lines never count: a failed request is tried ag
   separator or starts with a dot, so no id writes outside the folder.
 - Formats (:data:`FORMATS`): WAV as PCM_16, PCM_24 or FLOAT; FLAC as PCM_16 or PCM_24 (FLAC has no
   float samples). A manifest line names its file's ``format`` and ``subtype``.
-- Weights (:func:`weights_label`): a manifest line names the weights that made its file: a
-  checkpoint's absolute path and modification time, or ``random weights``, ``weights fine-tuned in
-  this process (N steps)``, ... A rerun with other weights, like one in another format, counts the
-  requests finished and says so in one warning line (:func:`other_weights_line`); it does not decode them
-  again. Not done: telling apart two fits in two processes of the same length (the same label).
 
-Standard library only. What it does not do: write audio (``callbacks/writer.py`` does, durably).
+Standard library only. What it does not do: write audio (``callbacks/writer.py`` does, durably), or
+word what a job says of its folder (``data/job_lines.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +27,6 @@ import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -170,7 +165,8 @@ class Finished:
 
     def in_other_weights(self, req_ids: Iterable[str], weights: str) -> dict[str, int]:
         """Of ``req_ids``, how many are finished from weights other than ``weights`` (a
-        :func:`weights_label`), by label; lines that name no weights (older manifests) are not counted."""
+        :func:`~omni_lightning.data.job_lines.weights_label`), by label; lines that name no weights (older
+        manifests) are not counted."""
         counts: dict[str, int] = {}
         for req_id in req_ids:
             written = self.rows.get(req_id, {}).get("weights")
@@ -272,70 +268,3 @@ class PredictPlan:
     @property
     def skipped(self) -> int:
         return len(self.ids) - len(self.pending)
-
-
-def weights_label(description: str, path: str | Path | None = None) -> str:
-    """What a manifest line records of the weights that made its file: ``path`` (a Lightning checkpoint,
-    or a checkpoint folder: its newest file) absolute, with its modification time, so that a checkpoint
-    written again under the same name is other weights; without a path, ``description``."""
-    if path is None:
-        return description
-    where = Path(path).resolve()
-    try:
-        files = [where] if where.is_file() else [f for f in where.iterdir() if f.is_file()]
-        stamp = max((f.stat().st_mtime for f in files), default=where.stat().st_mtime)
-    except OSError:
-        return str(where)
-    return f"{where} (modified {datetime.fromtimestamp(stamp).isoformat(timespec='seconds')})"
-
-
-def other_format_line(
-    finished: Finished, req_ids: Iterable[str], audio_format: str, subtype: str | None = None
-) -> str | None:
-    """One ``warning:`` line for requests finished in another format than ``--format`` (or subtype than
-    ``--subtype``; they are not decoded again), saying what to do; None when there are none."""
-    counts = finished.in_other_format(req_ids, audio_format, subtype)
-    wanted = f"{audio_format} {subtype}" if any(" " in written for written in counts) else audio_format
-    return _not_again_line(finished, counts, f"already written as {' and '.join(sorted(counts))}, not {wanted}",
-                           f"as {wanted}")  # fmt: skip
-
-
-def other_weights_line(finished: Finished, req_ids: Iterable[str], weights: str | None) -> str | None:
-    """One ``warning:`` line for requests finished from other weights than ``weights`` (a
-    :func:`weights_label`; None: unknown, nothing said); they are not decoded again."""
-    counts = finished.in_other_weights(req_ids, weights) if weights is not None else {}
-    return _not_again_line(finished, counts, f"written with other weights ({'; '.join(sorted(counts))}), not {weights}",
-                           "from these weights")  # fmt: skip
-
-
-def _not_again_line(finished: Finished, counts: dict[str, int], what: str, wanted: str) -> str | None:
-    if not counts:
-        return None
-    n = sum(counts.values())
-    are, they = ("is", "it counts") if n == 1 else ("are", "they count")
-    return (
-        f"warning: {counted(n, 'request')} in {finished.out_dir} {are} {what}: {they} as done and {are} not "
-        f"decoded again; use another output folder (--out_dir) to have every request {wanted}"
-    )
-
-
-def counted(n: int, noun: str) -> str:
-    return f"{n} {noun}{'s' * (n != 1)}"  # 1 request, 2 requests
-
-
-def summary_line(stats: dict[str, Any], out_dir: Path, unread: list[Path] | None = None) -> str:
-    """The end-of-job line: written, already done, failed (and any request neither, or unread files)."""
-    s, n = stats, counted
-    rate = s.get("audio_s", 0.0) / s["seconds"] if s.get("seconds") else 0.0
-    text = (
-        f"{n(s.get('ok', 0), 'request')} written ({s.get('audio_s', 0.0):.1f} s of audio, {rate:.1f} audio s/s), "
-        f"{s.get('skipped', 0)} already done, {s.get('error', 0)} failed -> {out_dir.resolve()}"
-    )
-    if s.get("missing") and s.get("limited"):
-        text += f"; {n(s['missing'], 'request')} not run (the trainer limits predict batches: limit_predict_batches)"
-    elif s.get("missing"):
-        text += f"; {n(s['missing'], 'request')} neither written nor failed (a bug: please report it)"
-    if unread:
-        names = ", ".join(str(p) for p in unread[:5]) + (", ..." if len(unread) > 5 else "")
-        text += f"; {n(len(unread), 'input file')} not read (not code files, hidden, or links to folders): {names}"
-    return text
