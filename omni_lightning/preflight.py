@@ -26,7 +26,7 @@ from typing import Any
 from omni_lightning.arguments import first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
-from omni_lightning.data.job_lines import other_format_line, other_weights_line, summary_line, weights_named
+from omni_lightning.data.job_lines import other_format_line, other_weights_line, summary_line, weights_source
 from omni_lightning.data.output_folder import Finished, check_format, check_names, remove_temp_files
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
@@ -234,7 +234,9 @@ def finished_job(command: CommandLine | None) -> str | None:
     finished = command.finished = Finished.read(out_dir)
     audio_format, subtype = str(command.values.get("format") or "wav"), str(command.values.get("subtype") or "PCM_16")
     command.other_format = other_format_line(finished, command.predict_ids, audio_format, subtype)
-    weights = weights_named(command.values.get("ckpt_path"), _group(command.values, "model") or {})
+    model, ckpt_path = _group(command.values, "model") or {}, command.values.get("ckpt_path")
+    random = "random weights" if str(model.get("random_weights")).lower() == "true" else None
+    weights = weights_source(ckpt_path if isinstance(ckpt_path, str) else None, model.get("checkpoint"), random)
     command.other_weights = other_weights_line(finished, command.predict_ids, weights)
     if command.unchecked or any(req_id not in finished for req_id in command.predict_ids):
         return None  # the run reuses this reading (lightning_cli hands it to the data module)

@@ -13,12 +13,11 @@ What it does not do: name files or read the folder (``data/output_folder.py``), 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from omni_lightning.data.job_lines import counted, other_format_line, other_weights_line, weights_label
+from omni_lightning.data.job_lines import counted, other_format_line, other_weights_line, weights_source
 from omni_lightning.data.output_folder import Finished, PredictPlan, file_name, file_stem
 from omni_lightning.runner.output import OmniModelRunnerOutput
 
@@ -106,18 +105,13 @@ def weights_at_start(trainer: Any, pl_module: Any, finished: Finished) -> str | 
 
 
 def weights_in_use(trainer: Any, pl_module: Any) -> str | None:
-    """The :func:`~omni_lightning.data.job_lines.weights_label` of the weights a predict runs on: the
+    """The :func:`~omni_lightning.data.job_lines.weights_source` of the weights a predict runs on: the
     checkpoint the trainer loaded, else the module's own account of them (``weights_origin``: its
     checkpoint folder, random weights, a fit in this process); None where the module gives none."""
-    ckpt_path = getattr(trainer, "ckpt_path", None)
-    if ckpt_path:
-        local = "://" not in str(ckpt_path) and Path(ckpt_path).exists()
-        return weights_label(str(ckpt_path), ckpt_path if local else None)
     origin = getattr(pl_module, "weights_origin", None)
     checkpoint = getattr(pl_module, "hparams", {}).get("checkpoint")
-    if checkpoint and origin == f"weights from {checkpoint}" and Path(checkpoint).exists():
-        return weights_label(origin, checkpoint)
-    return origin
+    loaded = checkpoint if checkpoint and origin == f"weights from {checkpoint}" else None  # not fine-tuned since
+    return weights_source(getattr(trainer, "ckpt_path", None), loaded, origin)
 
 
 def unwritten_warnings(listed: PredictPlan | None, writes_here: bool, finished: Finished, audio_format: str,

@@ -21,8 +21,8 @@ from omni_lightning.data.output_folder import Finished
 def weights_label(description: str, path: str | Path | None = None) -> str:
     """What a manifest line records of the weights that made its file: ``path`` (a Lightning checkpoint,
     or a checkpoint folder: its newest file) absolute, with its modification time, so that a checkpoint
-    written again under the same name is other weights; without a path, ``description``."""
-    if path is None:
+    written again under the same name is other weights; without a local path, ``description``."""
+    if path is None or "://" in str(path) or not Path(path).exists():
         return description
     where = Path(path).resolve()
     try:
@@ -33,17 +33,16 @@ def weights_label(description: str, path: str | Path | None = None) -> str:
     return f"{where} (modified {datetime.fromtimestamp(stamp).isoformat(timespec='seconds')})"
 
 
-def weights_named(ckpt_path: Any, model: dict[str, Any]) -> str | None:
-    """The :func:`weights_label` of the weights a command line names (``--ckpt_path``, ``--model.*``), as
-    the writer would record them; None where it cannot tell without loading anything."""
-    checkpoint = model.get("checkpoint")
-    if isinstance(ckpt_path, str) and ckpt_path and "://" not in ckpt_path and Path(ckpt_path).exists():
-        return weights_label(ckpt_path, ckpt_path)
-    if not ckpt_path and isinstance(checkpoint, str) and checkpoint and Path(checkpoint).exists():
+def weights_source(ckpt_path: Any, checkpoint: Any, otherwise: str | None) -> str | None:
+    """The :func:`weights_label` of a predict's weights: a Lightning checkpoint (``ckpt_path``), else a
+    checkpoint folder (``checkpoint``), else ``otherwise`` (``random weights``, a fit in this process;
+    None: unknown). The command line (before anything loads) and the writer (at predict start) both
+    ask here, so they name the same weights alike."""
+    if ckpt_path:
+        return weights_label(str(ckpt_path), ckpt_path)
+    if checkpoint:
         return weights_label(f"weights from {checkpoint}", checkpoint)
-    if not ckpt_path and not checkpoint and str(model.get("random_weights")).lower() == "true":
-        return "random weights"
-    return None
+    return otherwise
 
 
 def other_format_line(
