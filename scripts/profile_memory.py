@@ -6,7 +6,9 @@ Python lines that allocated them (``torch.cuda.memory._snapshot``).
 
 Jobs: ``tiny`` (7 requests, bf16-true, no cap), ``tiny-0.02`` (the GPU test's 41 requests of
 2-160 s, 32-true, share 0.02), ``qwen-0.03`` (24 requests of 2-30 s, bf16-true, share 0.03), and
-``repeat-fp32`` (two fp32 predicts of one module, TF32 on and off: their largest difference). A job
+``repeat-fp32`` (two fp32 predicts of one module, TF32 on and off: their largest difference), and
+``frames`` (``qwen3-omni`` bf16: the peak bytes one eager stateful forward adds at each (rows, chunk)
+shape, what ``engine/budget.py`` estimates for it, and what one CUDA graph's capture adds). A job
 that fails prints its error and the segments held at that moment. Writes JSON (``--out``).
 """
 
@@ -68,7 +70,7 @@ def job(name: str, cfg) -> tuple[dict, str, float | None, str]:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda; cpu: nothing to profile (a dry run)")
-    parser.add_argument("--jobs", nargs="*", default=["tiny", "tiny-0.02", "qwen-0.03", "repeat-fp32"])
+    parser.add_argument("--jobs", nargs="*", default=["frames", "tiny", "tiny-0.02", "qwen-0.03", "repeat-fp32"])
     parser.add_argument("--top", type=int, default=8)
     parser.add_argument("--out", default="profile_memory.json")
     return parser
@@ -90,6 +92,8 @@ def main() -> None:
         try:
             if name == "repeat-fp32":
                 row.update(repeat_fp32(cfg))
+            elif name == "frames":
+                row.update(frame_costs())
             else:
                 reqs, precision, share, preset = job(name, cfg)
                 module, _ = predict(reqs, precision, share, preset)
@@ -112,6 +116,55 @@ def main() -> None:
 
         gc.collect()
     save(args.out, result, args)
+
+
+SHAPES = ((1, 16), (1, 64), (1, 256), (1, 1024), (4, 256), (8, 128), (16, 64), (32, 32), (32, 128), (8, 512),
+          (16, 256), (64, 64))  # fmt: skip
+
+
+def frame_costs(preset: str = "qwen3-omni") -> dict:
+    """Per (rows, chunk): peak bytes an eager stateful forward adds over what is held before it (the
+    engine's forward, its kernels, bf16), against ``activation_bytes_per_frame``; then the reserved
+    bytes one capture of each small shape adds (graphs in one pool, captured in order)."""
+    from omni_lightning import Code2Wav, DecodeEngine
+    from omni_lightning.engine import budget
+
+    model = Code2Wav(random_model(preset).config)
+    model.load_state_dict(random_model(preset).state_dict())
+    model = model.to("cuda", torch.bfloat16).eval()
+    estimate = budget.activation_bytes_per_frame(model)
+    engine = DecodeEngine(model, frames_per_forward=8192, max_rows=64, cuda_graphs=False)
+    rows, q = [], model.config.num_quantizers
+    with torch.inference_mode():
+        for b, c in SHAPES:
+            codes = torch.randint(0, 2048, (b, q, c), device="cuda")
+            state = engine.state.select(torch.arange(b, device="cuda"), torch.full((b,), c, device="cuda"))
+            model(codes, state, engine.kernels)  # cuDNN plans and workspaces first
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            held = torch.cuda.memory_allocated()
+            model(codes, state, engine.kernels)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - held
+            rows.append({"rows": b, "chunk": c, "frames": b * c, "peak_mib": peak / 2**20,
+                         "per_frame_kib": peak / (b * c) / 1024, "estimate_kib": estimate / 1024})  # fmt: skip
+            print(f"   eager {b:>3} x {c:<5} {peak / 2**20:9.1f} MiB  {peak / (b * c) / 1024:8.1f} KiB/frame "
+                  f"(estimate {estimate / 1024:.1f})", flush=True)  # fmt: skip
+        engine.close()
+        graphs = DecodeEngine(model, frames_per_forward=512, max_rows=64, graph_frames=512)
+        captured = []
+        for b, c in ((1, 16), (4, 16), (16, 16), (64, 8), (8, 64), (32, 16), (1, 512), (8, 32)):
+            before = torch.cuda.memory_reserved()
+            codes = torch.randint(0, 2048, (b, q, c), device="cuda")
+            graphs.decode(codes, [c] * b)
+            torch.cuda.synchronize()
+            added = torch.cuda.memory_reserved() - before
+            captured.append({"rows": b, "chunk": c, "reserved_added_mib": added / 2**20,
+                             "captures": graphs.graphs.stats.captures})  # fmt: skip
+            print(f"   graph {b:>3} x {c:<5} +{added / 2**20:8.1f} MiB reserved "
+                  f"({graphs.graphs.stats.captures} captures)", flush=True)  # fmt: skip
+        graphs.close()
+    return {"eager": rows, "graphs": captured, "estimate_bytes_per_frame": estimate}
 
 
 def repeat_fp32(cfg) -> dict:

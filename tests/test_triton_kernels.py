@@ -154,12 +154,12 @@ def test_snake_beta_backward_in_the_triton_interpreter_equals_the_references_aut
     assert done.returncode == 0 and "backward ok 12" in done.stdout, done.stderr[-3000:]
 
 
-RESIDUAL_UNIT = textwrap.dedent(
+CONV_SNAKE = textwrap.dedent(
     """
     import functools
     import torch
     from omni_lightning.kernels import Kernels
-    from omni_lightning.kernels.residual_unit import residual_unit_reference, residual_unit_triton
+    from omni_lightning.kernels.conv_snake import Tiles, conv_snake_reference, conv_snake_triton, launch
     from omni_lightning.kernels.snake_beta import snake_beta_reference
     from omni_lightning.models.code2wav import REFERENCE
     from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
@@ -168,29 +168,29 @@ RESIDUAL_UNIT = textwrap.dedent(
     def rand(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen) * scale
     cases = 0
-    # (channels, length, batch, dilation, padding rows): channels not a power of two, wider than a K tile
-    for channels, length, batch, dilation, pad in ((96, 70, 2, 3, 5), (40, 33, 1, 9, 0), (4, 20, 3, 1, 2),
-                                                     (136, 17, 1, 1, 0)):
+    # (c_in, c_out, length, batch, dilation, padding rows): the launcher's own tiles at 96 and 192
+    # channels (one and two parts of N), rows past the length, a row tile cut by the length
+    for c_in, c_out, length, batch, dilation, pad in ((96, 96, 70, 2, 3, 5), (192, 192, 33, 1, 9, 0),
+                                                      (32, 48, 20, 3, 1, 2), (64, 64, 130, 1, 1, 0)):
         context = 6 * dilation
-        a = rand(batch, context + length + pad, channels)
-        x = rand(batch, length + 3, channels)[:, :length]  # rows strided, channels contiguous
-        w1 = rand(channels, channels, 7, scale=(7 * channels) ** -0.5)
-        w1 = w1.transpose(1, 2).contiguous().transpose(1, 2)  # channels-last, as the engine holds it
-        b1, la, lb = rand(channels, scale=0.1), rand(channels, scale=0.3), rand(channels, scale=0.3)
-        w2 = rand(channels, channels, 1, scale=channels ** -0.5)
-        want = residual_unit_reference(a[:, : context + length], x.clone(), w1, b1, la, lb, w2)
-        got = x.clone()
-        out = residual_unit_triton(a, got, w1, b1, la, lb, w2, dilation, precise=True, block_k=16)
-        assert out.data_ptr() == got.data_ptr()  # in place
-        error = float((got - want).norm() / want.norm())
-        assert error < 1e-5, (channels, dilation, error)
-        cases += 1
-    # the model: whole requests and a stateful chunked decode, fused units against the layers
+        a = rand(batch, context + length + pad, c_in)
+        w = rand(c_out, c_in, 7, scale=(7 * c_in) ** -0.5)
+        for weight in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):  # as given, as the engine holds it
+            b, la, lb = rand(c_out, scale=0.1), rand(c_out, scale=0.3), rand(c_out, scale=0.3)
+            want = conv_snake_reference(a, weight, b, la, lb, dilation, length)
+            t = launch(c_in, c_out)
+            tiles = Tiles(64, t.block_n, t.block_n2, t.block_k, t.num_warps, 1)  # fewer rows: a faster interpreter
+            got = conv_snake_triton(a, weight, b, la, lb, dilation, length, tiles=tiles, precise=True)
+            error = float((got - want).norm() / want.norm())
+            assert got.shape == want.shape and error < 1e-5, (c_in, c_out, dilation, error)
+            cases += 1
+    # the model: whole requests and a stateful chunked decode, the fused convolutions against the layers
     micro = Code2WavConfig.from_name("tiny", name="micro", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, intermediate_size=32, decoder_dim=16)
+                                     num_key_value_heads=1, intermediate_size=32, decoder_dim=128)
     model = randomize_weights(Code2Wav(micro), seed=4).eval()
-    fused = Kernels(snake_beta_reference, inplace=True, name="fused",
-                    residual_unit=functools.partial(residual_unit_triton, precise=True, block_t=256))
+    small = functools.partial(conv_snake_triton, tiles=None, precise=True)
+    fused = Kernels(snake_beta_reference, inplace=True, name="fused", conv_snake=small,
+                    conv_snake_dtypes=(torch.float32,))
     codes = torch.randint(0, 2048, (2, 16, 3), generator=gen)
     with torch.no_grad():
         want = model(codes, kernels=REFERENCE)
@@ -201,12 +201,12 @@ RESIDUAL_UNIT = textwrap.dedent(
         chunked = torch.cat(pieces, -1)[..., model.config.tail :]
         assert float((chunked - want).abs().max()) < 1e-5, float((chunked - want).abs().max())
     cases += 1
-    print("residual unit ok", cases)
+    print("conv snake ok", cases)
     """
 )
 
 
-def test_fused_residual_unit_in_the_triton_interpreter_equals_the_layers():
+def test_conv_snake_in_the_triton_interpreter_equals_the_layers():
     # fp32 only: Triton 3.8's interpreter gets bf16 dots wrong (the CUDA tests check bf16)
-    done = run_interpreted(RESIDUAL_UNIT)
-    assert done.returncode == 0 and "residual unit ok 5" in done.stdout, done.stderr[-3000:]
+    done = run_interpreted(CONV_SNAKE)
+    assert done.returncode == 0 and "conv snake ok 9" in done.stdout, done.stderr[-3000:]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from omni_lightning.kernels import snake_beta
+from omni_lightning.kernels.conv_snake import conv_snake_triton, widths_supported
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
-from omni_lightning.kernels.residual_unit import MAX_CHANNELS, residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
 
@@ -28,35 +28,35 @@ class Kernels:
     """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature), the decoder's
     transposed convolution ``conv_transpose`` (``kernels/conv_transpose.py``'s), ``inplace``
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
-    autograd needs the stream's earlier values) and ``residual_unit`` (``kernels/residual_unit.py``:
-    a residual unit's convolutions and second SnakeBeta in one pass, in place; None: layer by layer)."""
+    autograd needs the stream's earlier values) and ``conv_snake`` (``kernels/conv_snake.py``: a
+    residual unit's dilated convolution with its second SnakeBeta as the epilogue, for the widths it
+    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
     name: str = "reference"
     conv_transpose: Callable[..., torch.Tensor] = conv_transpose_reference
-    residual_unit: Callable[..., torch.Tensor] | None = None
+    conv_snake: Callable[..., torch.Tensor] | None = None
+    conv_snake_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
 
-    def fused_unit(self, x: torch.Tensor) -> bool:
-        """Whether a residual unit on the stream ``x`` runs as ``residual_unit`` (in place, so inference
-        only; channels within one tile; a contiguous stream)."""
+    def fuses_conv_snake(self, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
+        """Whether the convolution ``conv`` of the SnakeBeta output ``a`` runs as ``conv_snake``
+        (inference only; its widths and ``a``'s dtype taken; channels contiguous)."""
         return (
-            self.residual_unit is not None
-            and self.inplace
-            and x.shape[-1] <= MAX_CHANNELS
-            and x.is_contiguous()
+            self.conv_snake is not None
+            and a.dtype in self.conv_snake_dtypes
+            and a.stride(-1) == 1
+            and widths_supported(conv.in_channels, conv.out_channels)
             and not torch.is_grad_enabled()
         )
 
     @classmethod
-    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool = False) -> Kernels:
-        """Triton SnakeBeta on CUDA (when Triton is installed and ``fused``), in-place residuals;
-        ``fused_units``: the residual units of up to ``MAX_CHANNELS`` channels as one kernel each
-        (``kernels/residual_unit.py``). Off by default: checked in Triton's interpreter, not yet
-        measured or run on a GPU (``scripts/bench_units.py`` is the A/B that decides)."""
+    def for_inference(cls, device: torch.device | str, fused: bool = True) -> Kernels:
+        """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, the residual units'
+        dilated convolutions with their SnakeBeta fused (16-bit, 32-256 channels), in-place residuals;
+        elsewhere the torch reference with in-place residuals."""
         if fused and torch.device(device).type == "cuda" and triton_available():
-            units = residual_unit_triton if fused_units else None
-            return cls(snake_beta_triton, inplace=True, name="triton" + "-units" * fused_units, residual_unit=units)
+            return cls(snake_beta_triton, inplace=True, name="triton", conv_snake=conv_snake_triton)
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod

@@ -170,15 +170,14 @@ class DecoderResidualUnit(nn.Module):
     def forward(self, x: torch.Tensor, pending: torch.Tensor, step: Step, junk: int):
         """The unit on the stream ``x`` whose true value is ``x + pending``; returns both, updated."""
         a = self.act1(x, step, pending, before=self.conv1, junk=junk)
-        pending = pending + self.conv2.conv.bias.float()
-        if step.kernels.fused_unit(x):  # the rest in one pass (kernels/residual_unit.py)
-            conv1, act2 = self.conv1.conv, self.act2
-            fused = step.kernels.residual_unit
-            return fused(
-                a, x, conv1.weight, conv1.bias, act2.alpha, act2.beta, self.conv2.conv.weight, conv1.dilation[0]
-            ), pending
-        h = self.act2(self.conv1(a, x.shape[1], bias=False), step, self.conv1.conv.bias)
-        return _add_pointwise_(x, h, self.conv2, step), pending
+        conv1, act2 = self.conv1.conv, self.act2
+        if step.kernels.fuses_conv_snake(a, conv1):  # the convolution's output never reaches memory
+            h = step.kernels.conv_snake(
+                a, conv1.weight, conv1.bias, act2.alpha, act2.beta, conv1.dilation[0], x.shape[1]
+            )
+        else:
+            h = act2(self.conv1(a, x.shape[1], bias=False), step, conv1.bias)
+        return _add_pointwise_(x, h, self.conv2, step), pending + self.conv2.conv.bias.float()
 
 
 class DecoderBlock(nn.Module):
