@@ -12,6 +12,7 @@ one as a native dilation ``(1, d)``; TFLOP/s of each. Writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 
 import torch
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from workload import median_time, random_model, save
 
 from omni_lightning import Code2Wav
+from omni_lightning.engine.graphs import conv_layout
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, _nhwc
 from omni_lightning.models.state import Step
@@ -36,9 +38,11 @@ def top_kernel(fn) -> str:
 
 
 def variants(layer, buf: torch.Tensor, length: int, step: Step) -> dict:
+    engine = copy.deepcopy(layer)  # the weight as the engine holds it (engine/graphs.conv_layout)
+    engine.conv.weight.data = conv_layout(engine.conv.weight.data)
     if isinstance(layer, CausalConvTranspose1d):
-        return {"as run": lambda: layer(buf, step, bias=False)}
-    out = {"as run": lambda: layer(buf, length, bias=False)}
+        return {"as run": lambda: layer(buf, step, bias=False), "engine weights": lambda: engine(buf, step, bias=False)}
+    out = {"as run": lambda: layer(buf, length, bias=False), "engine weights": lambda: engine(buf, length, bias=False)}
     d = layer.conv.dilation[0]
     if d > 1:
         w = layer.conv.weight.unsqueeze(2)

@@ -40,8 +40,8 @@ class DecodeState:
     graph captured on a selection reads and writes the pool in place.
 
     Memory per slot (``bytes_per_slot``) does not depend on a request's length. All named tensors
-    are views of one buffer (``flat``, a row per slot), so freeing slots is one kernel. Not done: a
-    forward still reads and writes one tensor at a time.
+    are views of one buffer (``flat``, a row per slot), so freeing slots is one kernel, and a forward
+    reads its rows' state in one kernel and writes it back in one (:class:`Step`).
     """
 
     def __init__(
@@ -56,13 +56,11 @@ class DecodeState:
         for name, shape in shapes.items():  # each tensor starts ALIGN elements apart (vectorized kernels)
             offsets[name] = total
             total += -(-math.prod(shape) // ALIGN) * ALIGN
+        self.columns = {name: (offsets[name], shape) for name, shape in shapes.items()}
         with torch.no_grad(), torch.inference_mode(False):  # plain tensors: updated under any mode
             # one buffer, a row per slot; each named tensor is a view of its columns, so a reset is one kernel
             self.flat = torch.zeros((slots, total), dtype=dtype, device=device)
-            self.tensors = {
-                name: self.flat[:, offsets[name] : offsets[name] + math.prod(shape)].view(slots, *shape)
-                for name, shape in shapes.items()
-            }
+            self.tensors = {name: columns(self.flat, name, self.columns) for name in shapes}
             self.pos = torch.zeros(slots, dtype=torch.long, device=device)
         self.slots = slots
         self.rows: torch.Tensor | None = None
@@ -90,6 +88,12 @@ class DecodeState:
         return self.flat[0].numel() * self.flat.element_size() + self.pos.element_size()
 
 
+def columns(rows: torch.Tensor, name: str, layout: dict[str, tuple[int, tuple[int, ...]]]) -> torch.Tensor:
+    """The named state tensor's view of ``rows [B, total]`` (a ``DecodeState.flat`` or a copy of its rows)."""
+    start, shape = layout[name]
+    return rows[:, start : start + math.prod(shape)].view(rows.shape[0], *shape)
+
+
 def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """``values`` as an int64 tensor on ``device`` without waiting for it: on CUDA through pinned memory
     and a non-blocking copy (a copy from pageable memory would make the host wait for the device)."""
@@ -102,7 +106,12 @@ def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class Step:
     """What the layers of one forward share: the kernels, the rows' positions and histories, and the
     new histories, written to the state only when the forward completes (:meth:`commit`), so a
-    forward that fails (out of memory, say) leaves every request's state as it was."""
+    forward that fails (out of memory, say) leaves every request's state as it was.
+
+    The rows' state is read in one kernel (``rows``: a copy of their ``flat`` rows); a layer reads its
+    history from that copy and writes its new history into the same columns of it (each layer reads
+    its own history before it saves, and no other layer reads those columns), and :meth:`commit`
+    writes the copy back in one kernel: two kernels for the whole state instead of two per tensor."""
 
     def __init__(
         self, state: DecodeState | None, kernels: Kernels, batch: int, frames: int, device: torch.device
@@ -117,27 +126,34 @@ class Step:
             self.pos = state.pos.index_select(0, self.rows)
             self.fresh = self.pos == 0
             self.valid = state.valid
-        self._writes: list[tuple[str, torch.Tensor]] = []
+            with torch.no_grad():
+                self._rows = state.flat.index_select(0, self.rows)
         self._windows: dict[tuple[int, int], torch.Tensor] = {}
 
     def history(self, name: str) -> torch.Tensor | None:
-        """The rows' saved history of ``name`` (None without a state: zeros)."""
-        return None if self.state is None else self.state.tensors[name].index_select(0, self.rows)
+        """The rows' saved history of ``name`` (None without a state: zeros); a view, read before the
+        layer's :meth:`save` of ``name`` overwrites it."""
+        return None if self.state is None else columns(self._rows, name, self.state.columns)
 
     def save(self, name: str, buf: torch.Tensor, samples: int, dim: int = 1) -> None:
         """Queues the new history of ``name``: from ``buf`` (its history, then ``samples`` new steps
         along ``dim``, then maybe padding), the history-long window ending at each row's last real step."""
         if self.state is None:
             return
-        size = self.state.tensors[name].shape[dim]
-        if self.valid is None:
-            new = buf.narrow(dim, samples, size)
-        else:
+        target = columns(self._rows, name, self.state.columns)
+        size = target.shape[dim]
+        with torch.no_grad():  # the state carries values (commit)
+            if self.valid is None:
+                target.copy_(buf.narrow(dim, samples, size))
+                return
             index = self._window(samples // self.frames, size, buf.device)  # [B, size]
             shape = [1] * buf.dim()
             shape[0], shape[dim] = index.shape
-            new = buf.gather(dim, index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :]))
-        self._writes.append((name, new))
+            index = index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :])
+            if buf.dtype == target.dtype:
+                torch.gather(buf, dim, index, out=target)
+            else:
+                target.copy_(buf.gather(dim, index))
 
     def _window(self, per_frame: int, size: int, device: torch.device) -> torch.Tensor:
         """Steps ``[valid * per_frame, + size)`` of each row: where its new history starts (shared by
@@ -165,7 +181,6 @@ class Step:
         if self.state is None:
             return
         with torch.no_grad():
-            for name, new in self._writes:
-                self.state.tensors[name].index_copy_(0, self.rows, new.to(self.state.tensors[name].dtype))
+            self.state.flat.index_copy_(0, self.rows, self._rows)
             advance = self.valid if self.valid is not None else torch.full_like(self.rows, self.frames)
             self.state.pos.index_add_(0, self.rows, advance)
