@@ -120,3 +120,28 @@ def test_a_share_too_small_for_one_frame_fails_at_once_with_the_figures():
     with pytest.raises(torch.OutOfMemoryError, match=r"gpu_memory_utilization=1e-05 leaves no room .* allows 0\.00"):
         trainer.predict(module, datamodule=CodesDataModule(predict={"a": random_codes(1, 30)[0]}, batch_size=1))
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # the cap is lifted after the failure
+
+
+@pytest.mark.parametrize("share", [0.02, 0.03, 0.05, 0.1, 0.2])
+def test_the_budget_is_right_the_first_time_at_any_share(share, no_tf32):
+    """qwen3-omni, bf16, the default Trainer at shares 0.02-0.2 of this card: a job of 2-30 s requests
+    and one of 90 s runs at the frame budget the engine chose when it was built (no out-of-memory
+    fallback) and within the cap. Prints the budget and the peak (pytest -s) for docs/performance.md."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = random_model("qwen3-omni", seed=0)
+    rng = random.Random(share)
+    lengths = [rng.randint(25, 375) for _ in range(15)] + [1125]
+    reqs = {f"r{i}": random_codes(1, n, base.config, seed=i)[0] for i, n in enumerate(lengths)}
+    module = Code2WavModule(model=base)
+    trainer = Trainer(**trainer_kwargs(accelerator="gpu", precision="bf16-true", gpu_memory_utilization=share))
+    preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
+    assert sorted(r for o in preds for r in o.req_ids) == sorted(reqs)
+    stats, total = module.engine_stats, torch.cuda.get_device_properties(0).total_memory
+    peak = torch.cuda.max_memory_reserved()
+    print(f"\nshare {share}: {stats['frames_per_forward']} frames per forward, peak {peak / 2**30:.2f} GiB of "
+          f"{share * total / 2**30:.2f}, {stats['captures']} captures, {stats['eager']} eager, "
+          f"{1 - stats['frames'] / stats['computed']:.1%} padding")  # fmt: skip
+    assert stats["shrinks"] == 0, stats
+    assert peak <= share * total, (peak / 2**30, share * total / 2**30)

@@ -5,9 +5,10 @@ cap is set, else :data:`DEFAULT_BUDGET`. It pays first for the CUDA graphs of sh
 shared pool, :data:`POOL_FACTOR` x their largest forward's peak; ``graph_frames`` is halved until the
 pool fits its share), then for the long forwards, which run eagerly at one size:
 ``rest / (activation bytes per frame * 1.15)`` rounded down to a power of two (15 % for the
-allocator's rounding). The per-frame cost is derived by walking the decoder's layers. Both it and the
-pool factor are estimates, not fitted to measurements: the engine's out-of-memory fallback (half the
-frames, then half again) covers their error.
+allocator's rounding). The per-frame cost is derived by walking the decoder's layers, times
+:data:`MEASURED`, the ratio of the peak a forward was measured to add to the walk's figure (copies
+and workspaces the walk does not see). The pool factor is an estimate: the engine's out-of-memory
+fallback (half the frames, then half again) covers its error, and counts each use (``shrinks``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from omni_lightning.models.code2wav import Code2Wav
 DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap (the estimate below undercounts)
 MIN_FRAMES, MAX_FRAMES = 16, 8192
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
+# measured peak / walked peak per frame: 1,330-1,408 KiB against 1,163.5 (qwen3-omni, bf16, H200, eager
+# stateful forwards of 64-4,096 frames; scripts/profile_memory.py --jobs frames, docs/performance.md)
+MEASURED = 1.22
 
 
 def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None, chunk: int = MAX_CHUNK) -> int:
@@ -38,7 +42,7 @@ def activation_bytes_per_frame(model: Code2Wav, dtype: torch.dtype | None = None
         samples, channels = samples * rate, channels // 2
         peak = max(peak, LIVE * samples * channels, before + 2 * samples * channels)
     out = samples * 4 * 2  # the fp32 waveform handed out and its copy in the model's dtype
-    return peak * size + out + attention
+    return int(MEASURED * (peak * size + out + attention))
 
 
 MARGIN = 0.95  # of a cap: the rest for the allocator's rounding and fragmentation

@@ -7,11 +7,10 @@ The engine owns what makes that fast and safe on a device:
 - **kernels**, chosen once (``Kernels.for_inference``: Triton SnakeBeta, in-place residual GEMMs);
 - **shapes**: forwards run at ``(rows, chunk)`` buckets chosen by :class:`~omni_lightning.engine.plan.Planner`
   within a frame budget derived from the memory budget (``engine/budget.py``);
-- **CUDA graphs** for short forwards (at most ``graph_frames`` padded frames: streaming steps, a
-  batch's last small chunks), one per bucket, captured lazily (``engine/graphs.py``). Long forwards
-  run eagerly: their launches are cheap next to their device time, and their memory stays in the
-  caching allocator's regular pool, reused from one shape to the next (a graph per long shape would
-  hold a pool of its own);
+- **CUDA graphs**, one per bucket, captured lazily into one pool (``engine/graphs.py``): short forwards
+  (at most ``graph_frames`` padded frames: streaming steps, a batch's last chunks) and whole-budget ones
+  (the planner's long forwards: their ~10 ms of launches on qwen3-omni were paid per forward). The
+  other forwards run eagerly in the same pool, on its stream, so no two sets of activations are held;
 - **memory**: a forward that runs out of memory changes no state (the model commits state last); the
   engine halves its frame budget and plans again, down to one frame, then gives up with the error;
   a capture that fails leaves its bucket eager. The run finishes with every request exact.
@@ -106,7 +105,7 @@ class DecodeEngine(EngineStats):
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
         # real frames, padded rows x chunk; shapes first run, and the host time their first forward took
-        self.work = {"forwards": 0, "frames": 0, "computed": 0, "new_shapes": 0, "new_shape_s": 0.0}
+        self.work = {"forwards": 0, "frames": 0, "computed": 0, "new_shapes": 0, "new_shape_s": 0.0, "shrinks": 0}
         self.shapes: set[tuple[int, int]] = set()  # run at the current budget (the planner prefers them)
         self.ever: set[tuple[int, int]] = set()  # run since the engine was built
 
@@ -233,6 +232,7 @@ class DecodeEngine(EngineStats):
         """Halves the frame budget; drops the graphs (their pool holds memory the smaller forwards need).
         At one frame per forward, it drops CUDA graphs for good: every forward runs eagerly from then on."""
         frames = self.planner.frames
+        self.work["shrinks"] += 1
         if frames == 1:
             self.graph_frames = 0
         self.planner = self._planner(max(1, frames // 2))
@@ -243,12 +243,8 @@ class DecodeEngine(EngineStats):
             self.graphs.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        log.warning(
-            "decode: out of memory at %d frames per forward; now %d%s",
-            frames,
-            self.planner.frames,
-            "" if self.graph_frames else ", eager (no CUDA graphs)",
-        )
+        eager = "" if self.graph_frames else ", eager (no CUDA graphs)"
+        log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames, eager)
 
     def _forward_planned(self, pending: list[Work], pad_in_time: bool, together: bool = False) -> None:
         plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
@@ -274,16 +270,17 @@ class DecodeEngine(EngineStats):
 
     def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            short = codes.shape[0] * codes.shape[2] <= self.graph_frames
-            if short:
+            frames = codes.shape[0] * codes.shape[2]
+            short = frames <= self.graph_frames
+            graphed = short or (self.graph_frames > 0 and frames == self.planner.frames)  # module docstring
+            if graphed:
                 self.graphs.follow_autocast(self.device)
             if short and not self.graphs.graphs and not self.graphs.eager:
                 self._capture_largest_first(codes)
-            graph = self.graphs.get(codes, self.scratch) if short else None
+            graph = self.graphs.get(codes, self.scratch) if graphed else None
             if graph is None:
-                if self.graphs is not None:
-                    self.graphs.stats.eager += 1
-                return self._forward(codes, slots, valid)
+                forward = lambda: self._forward(codes, slots, valid)  # noqa: E731
+                return forward() if self.graphs is None else self.graphs.run_eager(forward)
             return self.graphs.run(graph, codes, slots, valid)
 
     def _capture_largest_first(self, codes: torch.Tensor) -> None:

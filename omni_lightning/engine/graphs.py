@@ -73,10 +73,6 @@ class TorchGraphCapture:
         self.pool = None
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-        if self.pool is None:
-            self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
-        if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
-            self.stream = torch.cuda.Stream()
         cached = torch.is_autocast_cache_enabled()
         torch.set_autocast_cache_enabled(False)  # a cast cached in the warm-up is freed when autocast exits
         try:
@@ -84,21 +80,31 @@ class TorchGraphCapture:
         finally:
             torch.set_autocast_cache_enabled(cached)
 
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-        pool_id = getattr(self.pool, "id", self.pool)
+    def run_in_pool(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``fn()`` eagerly on the captures' stream, allocating from their pool where this torch can
+        (a warm-up; an eager forward of the engine): the blocks it frees are the ones the graphs reuse,
+        so an eager forward and the graphs never hold two sets of activations. Its result lives in the
+        pool: read it before the next replay (the engine copies each forward's output out at once)."""
+        if self.pool is None:
+            self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
+        if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
+            self.stream = torch.cuda.Stream()
         self.stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(self.stream):
                 if self.shares_warmup_memory():
                     with torch.cuda.use_mem_pool(self.pool):
-                        fn()
-                else:
-                    fn()
+                        return fn()
+                return fn()
         except BaseException:
-            self.stream.synchronize()  # nothing of a failed warm-up may still run when its memory is reused
+            self.stream.synchronize()  # nothing of a failed forward may still run when its memory is reused
             raise
         finally:
             torch.cuda.current_stream().wait_stream(self.stream)
+
+    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
+        self.run_in_pool(fn)
+        pool_id = getattr(self.pool, "id", self.pool)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=pool_id, stream=self.stream, capture_error_mode="thread_local"):
@@ -177,6 +183,12 @@ class GraphCache:
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - start
         return graph
+
+    def run_eager(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A forward with no graph, in the graphs' pool where the capture has one (``run_in_pool``)."""
+        self.stats.eager += 1
+        in_pool = getattr(self.capture, "run_in_pool", None)
+        return in_pool(forward) if in_pool is not None else forward()
 
     def run(self, graph: StepGraph, codes: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         graph.codes.copy_(codes)

@@ -68,10 +68,9 @@ def launch(c_in: int, c_out: int) -> Tiles:
     """The tile setting :func:`conv_snake_triton` uses for ``c_in`` -> ``c_out`` channels (one table for
     the launcher and the kernel report)."""
     first, rest = split_channels(c_out)
-    block_k = 64 if c_in % 64 == 0 else 32
-    if c_out > 128:  # 192: a 128 x 192 fp32 accumulator over two warpgroups
-        return Tiles(128, first, rest, block_k, 8, 3)
-    return Tiles(128, first, rest, block_k, 4, 4)
+    # the fastest of seven settings at 96 and 192 channels on an H200 (docs/performance.md, bench_units.py):
+    # one warpgroup, 32 channels a K step, three stages; 8 warps or 64-channel K steps were 5-20 % slower
+    return Tiles(128, first, rest, 32, 4, 3)
 
 
 def channels_innermost(weight: torch.Tensor) -> torch.Tensor:
@@ -114,7 +113,7 @@ def conv_snake_triton(
     contiguous; ``weight`` is read in place when its input channels are innermost (:func:`channels_innermost`).
     ``tiles``: default :func:`launch`. ``precise``: libdevice's sine (the interpreter's)."""
     batch, rows, c_in = a.shape
-    w = channels_innermost(weight)
+    w = channels_innermost(weight.to(a.dtype))  # under autocast the weight is fp32: the dot takes a's dtype
     c_out, taps = w.shape[0], w.shape[2]
     if a.stride(2) != 1:
         raise ValueError(f"conv_snake_triton needs a's channels contiguous, got strides {a.stride()}")
