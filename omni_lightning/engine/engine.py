@@ -8,9 +8,10 @@ The engine owns what makes that fast and safe on a device:
 - **shapes**: forwards run at ``(rows, chunk)`` buckets chosen by :class:`~omni_lightning.engine.plan.Planner`
   within a frame budget derived from the memory budget (``engine/budget.py``);
 - **CUDA graphs**, one per bucket, captured lazily into one pool (``engine/graphs.py``): short forwards
-  (at most ``graph_frames`` padded frames: streaming steps, a batch's last chunks) and whole-budget ones
-  (the planner's long forwards: their ~10 ms of launches on qwen3-omni were paid per forward). The
-  other forwards run eagerly in the same pool, on its stream, so no two sets of activations are held;
+  (at most ``graph_frames`` padded frames: streaming steps, a batch's last chunks) and, with no memory
+  cap, whole-budget ones (the planner's long forwards: ~10 ms of host launches each on qwen3-omni).
+  Under a cap long forwards run eagerly in the allocator's regular pool: a whole-budget capture at a
+  0.03 share ran out of memory where the eager forward fit (H100, docs/performance.md);
 - **memory**: a forward that runs out of memory changes no state (the model commits state last); the
   engine halves its frame budget and plans again, down to one frame, then gives up with the error;
   a capture that fails leaves its bucket eager. The run finishes with every request exact.
@@ -272,15 +273,17 @@ class DecodeEngine(EngineStats):
         with torch.no_grad():
             frames = codes.shape[0] * codes.shape[2]
             short = frames <= self.graph_frames
-            graphed = short or (self.graph_frames > 0 and frames == self.planner.frames)  # module docstring
+            whole = self.graph_frames > 0 and self.gpu_memory_utilization is None and frames == self.planner.frames
+            graphed = short or whole  # see the module docstring
             if graphed:
                 self.graphs.follow_autocast(self.device)
             if short and not self.graphs.graphs and not self.graphs.eager:
                 self._capture_largest_first(codes)
             graph = self.graphs.get(codes, self.scratch) if graphed else None
             if graph is None:
-                forward = lambda: self._forward(codes, slots, valid)  # noqa: E731
-                return forward() if self.graphs is None else self.graphs.run_eager(forward)
+                if self.graphs is not None:
+                    self.graphs.stats.eager += 1
+                return self._forward(codes, slots, valid)
             return self.graphs.run(graph, codes, slots, valid)
 
     def _capture_largest_first(self, codes: torch.Tensor) -> None:

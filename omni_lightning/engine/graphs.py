@@ -81,10 +81,8 @@ class TorchGraphCapture:
             torch.set_autocast_cache_enabled(cached)
 
     def run_in_pool(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``fn()`` eagerly on the captures' stream, allocating from their pool where this torch can
-        (a warm-up; an eager forward of the engine): the blocks it frees are the ones the graphs reuse,
-        so an eager forward and the graphs never hold two sets of activations. Its result lives in the
-        pool: read it before the next replay (the engine copies each forward's output out at once)."""
+        """``fn()`` eagerly on the captures' stream, allocating from their pool where this torch can (a
+        capture's warm-up): the blocks it frees are the ones the capture then takes."""
         if self.pool is None:
             self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
         if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
@@ -183,12 +181,6 @@ class GraphCache:
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - start
         return graph
-
-    def run_eager(self, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """A forward with no graph, in the graphs' pool where the capture has one (``run_in_pool``)."""
-        self.stats.eager += 1
-        in_pool = getattr(self.capture, "run_in_pool", None)
-        return in_pool(forward) if in_pool is not None else forward()
 
     def run(self, graph: StepGraph, codes: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         graph.codes.copy_(codes)
