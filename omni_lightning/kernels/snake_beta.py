@@ -188,8 +188,8 @@ def _forward_args(x, out, context, log_alpha, log_beta, bias, fresh, rows, conte
     """The forward kernel's arguments (``fresh``: one byte per row, any tensor without ``per_row``)."""
     ctx = context if context is not None else x  # never read without has_context
     args = (x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha, fresh, x.shape[1], rows,
-            x.shape[2], context_len, junk, x.stride(0), x.stride(1), x.stride(2), ctx.stride(0), ctx.stride(1),
-            ctx.stride(2), int(context is not None and context_len > 0), int(bias is not None), int(per_row))  # fmt: skip
+            x.shape[2], context_len, junk, *x.stride(), *ctx.stride(), int(context is not None and context_len > 0),
+            int(bias is not None), int(per_row))  # fmt: skip
     # the flags are runtime arguments, not constexprs: one compiled kernel per channel tile and bias dtype
     return args, dict(PRECISE=precise, BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
                       num_stages=tiles.num_stages)  # fmt: skip
@@ -200,7 +200,7 @@ def _backward_args(x, grad_out, dx, partial, log_alpha, log_beta, bias, fresh, c
     per_row = isinstance(fresh, (torch.Tensor, MockTensor))
     args = (x, grad_out, dx, partial, log_alpha, log_beta, bias if bias is not None else log_alpha,
             fresh if per_row else log_alpha, x.shape[1], x.shape[2], context_len, junk, per_program,
-            x.stride(0), x.stride(1), x.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))  # fmt: skip
+            *x.stride(), *grad_out.stride())  # fmt: skip
     junk_mode = 0 if not junk or fresh is False else (2 if per_row else 1)
     return args, dict(HAS_BIAS=bias is not None, JUNK_MODE=junk_mode, GRAD_X=grad_x, PRECISE=precise,
                       BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
@@ -209,15 +209,17 @@ def _backward_args(x, grad_out, dx, partial, log_alpha, log_beta, bias, fresh, c
 
 def hopper_launches(layers) -> list[KernelLaunch]:
     """The launches the model's SnakeBeta layers make (``kernels/launches.py``'s convention), per
-    channel count and dtype: the forward as inference runs it (an fp32 bias: the carried one; a
-    history; no per-row ``fresh``) and the backward as training does (a bias, junk zeroed for every
-    row, ``dx``). Other flag values and a bias in the model's dtype compile variants of the same
-    tiles, not listed. Rows: one second of the layer's input (the lengths are not specialized)."""
+    channel count and dtype (of ``x`` and the parameters): the forward as inference runs it and the
+    backward as training does, each with an fp32 bias (the carried one; a unit's second SnakeBeta
+    gets its convolution's bias, in the model's dtype: a variant of the same tiles, not listed),
+    junk rows zeroed in every row (the backward's ``JUNK_MODE=1``; 0 and 2, per-row ``fresh``, are
+    variants too) and ``dx``. The forward's flags are runtime arguments: one compile serves them.
+    Rows: one second of the layer's input (lengths are not specialized)."""
     launches = []
     for channels in dict.fromkeys(layer.channels_in for layer in layers if layer.kind == "snake"):
         label = stages_label([layer for layer in layers if layer.kind == "snake" and layer.channels_in == channels],
                              channels)  # fmt: skip
-        length = int(max(layer.rows_per_second for layer in layers if layer.channels_in == channels))
+        length = int(max(layer.rows_per_second for layer in layers if layer.kind == "snake"))
         for name, dtype in DTYPES.items():
             x, params, f32 = MockTensor(dtype, (1, length, channels)), MockTensor(dtype), MockTensor(torch.float32)
             out = MockTensor(dtype, (1, length + 6, channels))
@@ -225,7 +227,7 @@ def hopper_launches(layers) -> list[KernelLaunch]:
                                          False, False, forward_tiles(channels))  # fmt: skip
             launches.append(launch("snake_beta.forward", _snake_beta_kernel, args, kwargs, label, name))
             partial = MockTensor(torch.float32, (3, 1, channels))
-            args, kwargs = _backward_args(x, out, x, partial, params, params, params, True, 6, 6, 1, True, False,
+            args, kwargs = _backward_args(x, out, x, partial, params, params, f32, True, 6, 6, 1, True, False,
                                           backward_tiles(channels))  # fmt: skip
             launches.append(launch("snake_beta.backward", _snake_beta_backward_kernel, args, kwargs, label, name))
     return launches

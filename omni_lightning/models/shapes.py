@@ -49,8 +49,8 @@ def layer_shapes(config=None) -> list[LayerShape]:
             layers.append(LayerShape(name, "snake", stage, c, c, rate))
         elif isinstance(module, CausalConv1d):
             conv = module.conv
-            layers.append(LayerShape(name, "conv", stage, conv.in_channels, conv.out_channels, rate,
-                                     kernel=conv.kernel_size[0], dilation=conv.dilation[0], groups=conv.groups))  # fmt: skip
+            shape = dict(kernel=conv.kernel_size[0], dilation=conv.dilation[0], groups=conv.groups)
+            layers.append(LayerShape(name, "conv", stage, conv.in_channels, conv.out_channels, rate, **shape))
         elif isinstance(module, CausalConvTranspose1d):
             conv = module.conv
             layers.append(LayerShape(name, "conv_transpose", stage, conv.in_channels, conv.out_channels, rate,
