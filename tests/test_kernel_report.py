@@ -8,8 +8,12 @@ fresh folder, so nothing is reused across runs. Opt-in launches (``default_path=
 compiled here (``scripts/kernel_report.py --opt-in`` reports them).
 """
 
+import json
+import sys
+
 import pytest
 import torch
+from helpers import ROOT
 
 from omni_lightning.kernels import hopper, launches
 
@@ -47,6 +51,27 @@ def test_every_default_path_launch_compiles_for_sm90a_clean(default_path, fresh_
         problems += [f"{one.kernel} {one.label} {one.dtype} {one.tiles}: {p}" for p in hopper.clean(one, compiled)]
         assert compiled.registers > 0 and compiled.occupancy_warps > 0, (one.kernel, compiled)
     assert not problems, "\n".join(problems)
+
+
+def test_the_report_runs_and_writes_its_json(tmp_path, fresh_cache, capsys):
+    """After the test above, in the same process: its compiles are cached, so this costs the walk and the table."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import kernel_report
+
+    assert kernel_report.main(["--json", str(tmp_path / "report.json")]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["launches"] and not report["problems"] and report["skipped"] is None
+    assert {row["mma"] for row in report["launches"]} == {"none"}  # SnakeBeta: elementwise, no matrix
+    total = report["costs"][-1]
+    assert total["stage"] == "total" and 60 < total["gflop"] < 70  # ~64 GFLOP per audio second (issue 50)
+    assert "| snake_beta.forward | 1536 ch (decoder.1) | bf16 | 32x128 | 4 | 3 | none |" in capsys.readouterr().out
+
+
+def test_a_spill_or_too_much_shared_memory_is_a_problem():
+    one = hopper.Compiled("wgmma", 255, 864, 1088, 0, 40 * 1024, 8)
+    assert hopper.clean(None, one) == ["spills 864 / 1088 B, stack 0 B"]
+    over = hopper.Compiled("mma.sync", 128, 0, 0, 0, 294_912, 0)
+    assert hopper.clean(None, over) == ["shared memory 294912 B over the 232448 B limit"]
 
 
 class Recorder:

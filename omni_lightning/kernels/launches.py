@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -132,11 +133,9 @@ def launch(kernel: str, fn, args: tuple, kwargs: dict, label: str, dtype: str, *
 
 def kernel_modules() -> list:
     """Every ``omni_lightning.kernels.*`` module that defines ``hopper_launches``, by name."""
-    import omni_lightning.kernels as package
-
-    found = []
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda i: i.name):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
+    found = []  # the folder, not the package: its __init__ imports the kernels, which import this file
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda i: i.name):
+        module = importlib.import_module(f"{__package__}.{info.name}")
         if callable(getattr(module, "hopper_launches", None)):
             found.append(module)
     return found
