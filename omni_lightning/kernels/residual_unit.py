@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from omni_lightning.kernels.launches import DTYPES, KernelLaunch, MockTensor, launch
 from omni_lightning.kernels.snake_beta import snake_beta_reference
 
 try:
@@ -86,24 +87,44 @@ def residual_unit_triton(
     kernel = w1.shape[-1]
     if a.shape[1] < (kernel - 1) * dilation + length or x.stride(2) != 1 or a.stride(2) != 1:
         raise ValueError(f"a {tuple(a.shape)} / x {tuple(x.shape)}: rows or strides do not fit dilation {dilation}")
-    block_c = max(16, triton.next_power_of_2(channels))
-    block_k = block_k or min(block_c, 64)
-    block_t = block_t or (64 if block_c <= 128 else 32)
-    fp32 = x.dtype == torch.float32
-    grid = (triton.cdiv(length, block_t), batch)
-    extra = {}
-    if num_warps is not None:
-        extra["num_warps"] = num_warps
-    if num_stages is not None:
-        extra["num_stages"] = num_stages
-    _residual_unit_kernel[grid](
-        a, x, w1, b1, log_alpha, log_beta, w2, length, channels,
-        a.stride(0), a.stride(1), x.stride(0), x.stride(1),
-        w1.stride(0), w1.stride(1), w1.stride(2), w2.stride(0), w2.stride(1),
-        DILATION=dilation, TAPS=kernel, FP32=fp32, PRECISE=precise,
-        BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_K=block_k, **extra,
-    )  # fmt: skip
+    settings = unit_settings(channels, block_t, block_k, num_warps, num_stages)
+    args, kwargs = _unit_args(a, x, w1, b1, log_alpha, log_beta, w2, dilation, precise, settings)
+    _residual_unit_kernel[(triton.cdiv(length, settings["BLOCK_T"]), batch)](*args, **kwargs)
     return x
+
+
+def unit_settings(channels, block_t=None, block_k=None, num_warps=None, num_stages=None) -> dict:
+    """The launcher's tile (all channels in one, padded to a power of two), warps and stages (4 and 3 by default)."""
+    block_c = max(16, 1 << (channels - 1).bit_length())
+    return dict(BLOCK_T=block_t or (64 if block_c <= 128 else 32), BLOCK_C=block_c, BLOCK_K=block_k or min(block_c, 64),
+                num_warps=num_warps or 4, num_stages=num_stages or 3)  # fmt: skip
+
+
+def _unit_args(a, x, w1, b1, log_alpha, log_beta, w2, dilation, precise, settings) -> tuple[tuple, dict]:
+    args = (a, x, w1, b1, log_alpha, log_beta, w2, x.shape[1], x.shape[2], a.stride(0), a.stride(1), x.stride(0),
+            x.stride(1), *w1.stride(), w2.stride(0), w2.stride(1))  # fmt: skip
+    fp32 = x.dtype == torch.float32
+    return args, dict(DILATION=dilation, TAPS=w1.shape[-1], FP32=fp32, PRECISE=precise, **settings)
+
+
+def hopper_launches(layers) -> list[KernelLaunch]:
+    """Opt-in (``default_path=False``): the launches ``Kernels.for_inference(fused_units=True)`` makes,
+    one per unit width up to :data:`MAX_CHANNELS` and dilation, bf16 and fp32, at the launcher's
+    default tile. Listed for the record (issue 50: they spill); the report compiles them with ``--opt-in``."""
+    units = [layer for layer in layers if layer.kind == "conv" and layer.kernel > 1 and layer.groups == 1
+             and layer.channels_in == layer.channels_out <= MAX_CHANNELS]  # fmt: skip
+    launches = []
+    for c, dilation, taps in dict.fromkeys((u.channels_in, u.dilation, u.kernel) for u in units):
+        stages = ", ".join(dict.fromkeys(u.stage for u in units if u.channels_in == c))
+        label, length = f"{c} ch, dilation {dilation} ({stages})", 1000
+        for name, dtype in DTYPES.items():
+            a = MockTensor(dtype, (1, length + (taps - 1) * dilation, c))
+            x, w1, w2 = MockTensor(dtype, (1, length, c)), MockTensor(dtype, (c, c, taps)), MockTensor(dtype, (c, c, 1))
+            vec = MockTensor(dtype, (c,))
+            args, kwargs = _unit_args(a, x, w1, vec, vec, vec, w2, dilation, False, unit_settings(c))
+            launches.append(launch("residual_unit", _residual_unit_kernel, args, kwargs, label, name,
+                                   default_path=False))  # fmt: skip
+    return launches
 
 
 if triton is not None:

@@ -18,6 +18,10 @@ argument to ``[-pi, pi]`` exactly and evaluate ``sin.approx.f32`` (absolute erro
 bf16's rounding); ``precise=True`` keeps libdevice's sine. Offsets are 64-bit. The backward
 recomputes the sine from the saved ``x`` and sums the per-channel gradients in fp32. Not here:
 double backward, and caching the exponentiated ``alpha`` and ``beta`` (a few hundred values).
+
+Launch settings: :func:`forward_tiles` and :func:`backward_tiles` (tiles, warps, stages) and
+``_forward_args`` / ``_backward_args`` (the kernels' arguments) serve the launchers and
+:func:`hopper_launches` alike (``kernels/launches.py``), so the kernel report compiles what runs.
 """
 
 from __future__ import annotations
