@@ -140,9 +140,9 @@ def cost_table(rows: list[dict]) -> list[str]:
         floor = total[f"{name}_floor_us"]
         lines.append(f"\n{name} ({bandwidth / 1e12:.2f} TB/s, {flops / 1e12:.0f} TFLOP/s): "
                      f"{total[f'{name}_bw_us']:.1f} us of bytes, {total[f'{name}_compute_us']:.1f} us of FLOPs "
-                     f"per audio second, each layer type at its own floor: {sum_floor(rows, name):.1f} us, "
-                     f"at most {1e6 / sum_floor(rows, name):,.0f}x real time (all at the larger: "
-                     f"{1e6 / floor:,.0f}x)")  # fmt: skip
+                     f"per audio second; each row at the larger of its two floors, summed: "
+                     f"{sum_floor(rows, name):.1f} us, at most {1e6 / sum_floor(rows, name):,.0f}x real time "
+                     f"(bytes and FLOPs overlapped across the whole forward: {1e6 / floor:,.0f}x)")  # fmt: skip
     return lines
 
 
