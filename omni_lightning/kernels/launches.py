@@ -19,9 +19,10 @@ module that follows it; nothing else needs to change when a module joins):
 A :class:`KernelLaunch` holds ``kernel`` (a name, e.g. ``"snake_beta.forward"``), ``fn`` (the
 ``@triton.jit`` function), ``signature``, ``constexprs`` and ``attrs`` (as ``triton.compiler.ASTSource``
 takes them), ``num_warps``, ``num_stages``, ``label`` (the layers or stage it serves), ``dtype``
-(``"bf16"`` or ``"fp32"``) and ``default_path``. Not here: the compiling (``kernels/hopper.py``), and
-launch flags that vary call by call within one tile setting (each module's ``hopper_launches`` says
-which values it lists): they change a few instructions, not the tile, registers or shared memory.
+(``"bf16"`` or ``"fp32"``), ``default_path`` and ``notes`` (free text, kept in the report's JSON).
+Not here: the compiling (``kernels/hopper.py``), and launch flags that vary call by call within one
+tile setting (each module's ``hopper_launches`` says which values it lists): they change a few
+instructions, not the tile, registers or shared memory.
 """
 
 from __future__ import annotations
