@@ -21,8 +21,8 @@ A :class:`KernelLaunch` holds ``kernel`` (a name, e.g. ``"snake_beta.forward"``)
 takes them), ``num_warps``, ``num_stages``, ``label`` (the layers or stage it serves), ``dtype``
 (``"bf16"`` or ``"fp32"``), ``default_path`` and ``notes`` (free text, kept in the report's JSON).
 Not here: the compiling (``kernels/hopper.py``), and launch flags that vary call by call within one
-tile setting (each module's ``hopper_launches`` says which values it lists): they change a few
-instructions, not the tile, registers or shared memory.
+tile setting (each module's ``hopper_launches`` says which values it lists): they compile variants
+of the same tile, which are not compiled here, so their registers and spills go unchecked.
 """
 
 from __future__ import annotations
