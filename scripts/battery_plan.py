@@ -42,6 +42,7 @@ STEPS = (
     # issues 41-43, first in a short loan: the fused residual units against the layers, stage by stage and
     # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
     Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
+    Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
     Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
     # issue 35: the predict job, uncapped and at 0.03, and streaming, before and after
     Step("job", "ab", "bench_job", ("--check", "4"), JOB_SMOKE, 45, ab=True, rounds=2),

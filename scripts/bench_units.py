@@ -25,7 +25,7 @@ from workload import median_time, random_model, save
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
-from omni_lightning.kernels.conv_snake import Tiles, conv_snake_triton, launch, split_channels, widths_supported
+from omni_lightning.kernels.conv_snake import Tiles, conv_snake_triton, launch_tiles, split_channels, widths_supported
 from omni_lightning.models.code2wav import REFERENCE
 from omni_lightning.models.state import Step
 
@@ -44,7 +44,7 @@ def unit_rows(model: Code2Wav, batch: int, seconds: float) -> list[tuple[int, in
 
 def tiles_for(spec: str, channels: int) -> Tiles | None:
     if spec == "default":
-        return launch(channels, channels)
+        return launch_tiles(channels, channels)
     m, k, w, s = (int(v) for v in spec.split(":"))
     if channels % k:
         return None

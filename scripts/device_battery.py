@@ -7,6 +7,10 @@ interleaved, in one command that ends inside its time; results as JSON under ``-
     python scripts/device_battery.py --dry-run --out DIR   # any CPU: every step on the tiny preset
     python scripts/device_battery.py --plan                # the steps and commands, nothing run
 
+Before every device call, ``python scripts/kernel_report.py`` runs here (no GPU needed): every Triton
+launch the code makes on qwen3-omni's shapes compiled for sm_90a, exit status 1 where one on the
+default path spills or exceeds shared memory; a device call then confirms a design the report passed.
+
 The steps are ``battery_plan.STEPS``. This tree's scripts time both versions; only the package on
 ``PYTHONPATH`` differs. The before tree comes from ``--before-tar`` (``--prepare`` makes it with
 ``git archive``: the device gets the working tree, not ``.git``), else from ``git archive`` where git

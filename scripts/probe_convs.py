@@ -29,6 +29,8 @@ from omni_lightning.models.state import Step
 def top_kernel(fn) -> str:
     from torch.profiler import ProfilerActivity, profile
 
+    if not torch.cuda.is_available():
+        return "-"
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
@@ -50,18 +52,23 @@ def variants(layer, buf: torch.Tensor, length: int, step: Step) -> dict:
     return out
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="qwen3-omni")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default="probe_convs.json")
-    args = parser.parse_args()
-    args.device = "cuda"
-    device, dtype = torch.device("cuda"), torch.bfloat16
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     base = random_model(args.preset)
-    model = Code2Wav(base.config).to(device, dtype).eval()
+    model = Code2Wav(base.config).to(device, dtype).eval()  # cpu: the smoke test (no kernel names)
     model.load_state_dict(base.state_dict())
     cfg, kernels = model.config, Kernels.for_inference(device)
     frames = int(args.seconds * cfg.frame_rate)

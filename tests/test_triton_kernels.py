@@ -159,7 +159,7 @@ CONV_SNAKE = textwrap.dedent(
     import functools
     import torch
     from omni_lightning.kernels import Kernels
-    from omni_lightning.kernels.conv_snake import Tiles, conv_snake_reference, conv_snake_triton, launch
+    from omni_lightning.kernels.conv_snake import Tiles, conv_snake_reference, conv_snake_triton, launch_tiles
     from omni_lightning.kernels.snake_beta import snake_beta_reference
     from omni_lightning.models.code2wav import REFERENCE
     from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
@@ -178,7 +178,7 @@ CONV_SNAKE = textwrap.dedent(
         for weight in (w, w.transpose(1, 2).contiguous().transpose(1, 2)):  # as given, as the engine holds it
             b, la, lb = rand(c_out, scale=0.1), rand(c_out, scale=0.3), rand(c_out, scale=0.3)
             want = conv_snake_reference(a, weight, b, la, lb, dilation, length)
-            t = launch(c_in, c_out)
+            t = launch_tiles(c_in, c_out)
             tiles = Tiles(64, t.block_n, t.block_n2, t.block_k, t.num_warps, 1)  # fewer rows: a faster interpreter
             got = conv_snake_triton(a, weight, b, la, lb, dilation, length, tiles=tiles, precise=True)
             error = float((got - want).norm() / want.norm())

@@ -17,7 +17,7 @@ innermost (``engine/graphs.conv_layout``: strides ``(taps * C_in, 1, C_in)``), s
 is K-major, as wgmma takes it; another layout is copied into that one first (a plain ``model(codes)``
 on the GPU: 0.5 MB at 192 channels per call). The SnakeBeta epilogue computes in fp32 from the
 fp32 accumulator (the layers round the convolution's output to bf16 first: this is the more exact of
-the two). Tile settings are data (:func:`launch`), each compiled clean for sm_90a (wgmma, no spills,
+the two). Tile settings are data (:func:`launch_tiles`), each compiled clean for sm_90a (wgmma, no spills,
 within shared memory: ``scripts/kernel_report.py``). Not here: fp32 inputs (a tensor-core dot in fp32
 is TF32, coarser than cuDNN's fp32 convolution: fp32 stays on the layers), the autograd backward
 (training keeps the layers), and channels that do not split into two powers of two.
@@ -64,7 +64,7 @@ def widths_supported(c_in: int, c_out: int) -> bool:
     return 32 <= c_out <= 256 and split_channels(c_out) is not None and c_in % 32 == 0 and c_in <= 256
 
 
-def launch(c_in: int, c_out: int) -> Tiles:
+def launch_tiles(c_in: int, c_out: int) -> Tiles:
     """The tile setting :func:`conv_snake_triton` uses for ``c_in`` -> ``c_out`` channels (one table for
     the launcher and the kernel report)."""
     first, rest = split_channels(c_out)
@@ -111,7 +111,7 @@ def conv_snake_triton(
 ) -> torch.Tensor:
     """:func:`conv_snake_reference` as one Triton kernel on CUDA (no autograd). ``a``'s channels must be
     contiguous; ``weight`` is read in place when its input channels are innermost (:func:`channels_innermost`).
-    ``tiles``: default :func:`launch`. ``precise``: libdevice's sine (the interpreter's)."""
+    ``tiles``: default :func:`launch_tiles`. ``precise``: libdevice's sine (the interpreter's)."""
     batch, rows, c_in = a.shape
     w = channels_innermost(weight.to(a.dtype))  # under autocast the weight is fp32: the dot takes a's dtype
     c_out, taps = w.shape[0], w.shape[2]
@@ -119,19 +119,46 @@ def conv_snake_triton(
         raise ValueError(f"conv_snake_triton needs a's channels contiguous, got strides {a.stride()}")
     if rows < length + (taps - 1) * dilation:
         raise ValueError(f"a holds {rows} rows, fewer than {length} + {(taps - 1) * dilation} of history")
-    tiles = tiles or launch(c_in, c_out)
+    tiles = tiles or launch_tiles(c_in, c_out)
     if tiles.block_n + tiles.block_n2 != c_out or c_in % tiles.block_k:
         raise ValueError(f"tiles {tiles} do not fit {c_in} -> {c_out} channels")
     h = out if out is not None else torch.empty((batch, length, c_out), dtype=a.dtype, device=a.device)
-    grid = (triton.cdiv(length, tiles.block_m), batch)
-    _conv_snake_kernel[grid](
-        a, w, bias, log_alpha, log_beta, h, length, a.stride(0), a.stride(1), h.stride(0), h.stride(1),
-        w.stride(0), w.stride(2),
-        C_IN=c_in, C_OUT=c_out, TAPS=taps, DILATION=dilation, PRECISE=precise,
-        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_N2=tiles.block_n2, BLOCK_K=tiles.block_k,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )  # fmt: skip
+    args, kwargs = _launch_args(a, w, bias, log_alpha, log_beta, h, length, dilation, taps, tiles, precise)
+    _conv_snake_kernel[(triton.cdiv(length, tiles.block_m), batch)](*args, **kwargs)
     return h
+
+
+def _launch_args(a, w, bias, log_alpha, log_beta, h, length: int, dilation: int, taps: int, tiles: Tiles,
+                 precise: bool) -> tuple[tuple, dict]:  # fmt: skip
+    """The kernel's arguments (the launcher's and :func:`hopper_launches`' one source): ``w`` is
+    ``[C_out, C_in, taps]`` with its input channels innermost."""
+    c_in, c_out = a.shape[2], w.shape[0]  # w's strides are (taps * c_in, 1, c_in): the kernel knows them
+    args = (a, w, bias, log_alpha, log_beta, h, length, dilation, a.stride(0), a.stride(1), h.stride(0),
+            h.stride(1))  # fmt: skip
+    kwargs = dict(C_IN=c_in, C_OUT=c_out, TAPS=taps, PRECISE=precise, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+                  BLOCK_N2=tiles.block_n2, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages)  # fmt: skip
+    return args, kwargs
+
+
+def hopper_launches(layers) -> list:
+    """The launches the decoder's residual units make (``kernels/launches.py``'s convention): one per
+    width :func:`widths_supported` takes, bf16 (fp16 is a variant of the same tiles; fp32 runs the
+    layers). The dilation is a runtime argument: one compile serves 1, 3 and 9."""
+    from omni_lightning.kernels.launches import MockTensor, launch, stages_label
+
+    convs = [
+        x for x in layers if x.kind == "conv" and x.kernel == TAPS and widths_supported(x.channels_in, x.channels_out)
+    ]
+    out = []
+    for c_in, c_out in dict.fromkeys((x.channels_in, x.channels_out) for x in convs):
+        same = [x for x in convs if (x.channels_in, x.channels_out) == (c_in, c_out)]
+        rows = int(max(x.rows_per_second for x in same))
+        a, h = MockTensor(torch.bfloat16, (1, rows + 6 * 9, c_in)), MockTensor(torch.bfloat16, (1, rows, c_out))
+        w, p = MockTensor(torch.bfloat16, (c_out, TAPS, c_in)), MockTensor(torch.bfloat16, (c_out,))
+        args, kwargs = _launch_args(a, w, p, p, p, h, rows, 3, TAPS, launch_tiles(c_in, c_out), False)
+        out.append(launch("conv_snake", _conv_snake_kernel, args, kwargs, stages_label(same, c_out), "bf16"))
+    return out
 
 
 if triton is not None:
@@ -146,11 +173,11 @@ if triton is not None:
         v = v + inv_beta[None, :] * s * s
         tl.store(h_ptr + m[:, None] + n[None, :], v.to(h_ptr.dtype.element_ty), mask=m_mask[:, None])
 
-    # lengths vary from call to call; strides are specialized (multiples of 16 elements: 16-byte loads
-    # that the pipeliner turns into asynchronous copies). One compile per width, dilation and tile setting
-    @triton.jit(do_not_specialize=["length"])
-    def _conv_snake_kernel(a_ptr, w_ptr, bias_ptr, la_ptr, lb_ptr, h_ptr, length, a_sb, a_st, h_sb, h_st, w_sn, w_sj,
-                           C_IN: tl.constexpr, C_OUT: tl.constexpr, TAPS: tl.constexpr, DILATION: tl.constexpr,
+    # lengths and dilations vary from call to call; strides are specialized (multiples of 16 elements:
+    # 16-byte loads that the pipeliner turns into asynchronous copies). One compile per width and tiles
+    @triton.jit(do_not_specialize=["length", "dilation"])
+    def _conv_snake_kernel(a_ptr, w_ptr, bias_ptr, la_ptr, lb_ptr, h_ptr, length, dilation, a_sb, a_st, h_sb, h_st,
+                           C_IN: tl.constexpr, C_OUT: tl.constexpr, TAPS: tl.constexpr,
                            PRECISE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_N2: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
         """Rows ``BLOCK_M * pid .. + BLOCK_M`` of batch row ``b``, every output channel (module docstring)."""
@@ -167,11 +194,11 @@ if triton is not None:
         for kk in range(0, TAPS * C_IN, BLOCK_K):
             tap = kk // C_IN
             k0 = tl.multiple_of(kk - tap * C_IN, BLOCK_K)
-            x = tl.load(a_rows + tap * DILATION * a_st + (k0 + k)[None, :], mask=m_mask[:, None], other=0.0)
-            w_k = w_ptr + tap * w_sj + (k0 + k)[:, None]  # B tiles K-major: input channels innermost
-            acc1 = tl.dot(x, tl.load(w_k + n1[None, :] * w_sn), acc1)
+            x = tl.load(a_rows + tap * dilation * a_st + (k0 + k)[None, :], mask=m_mask[:, None], other=0.0)
+            w_k = w_ptr + tap * C_IN + (k0 + k)[:, None]  # B tiles K-major: [C_out, taps, C_in] in memory
+            acc1 = tl.dot(x, tl.load(w_k + n1[None, :] * (TAPS * C_IN)), acc1)
             if BLOCK_N2 > 0:
-                acc2 = tl.dot(x, tl.load(w_k + n2[None, :] * w_sn), acc2)
+                acc2 = tl.dot(x, tl.load(w_k + n2[None, :] * (TAPS * C_IN)), acc2)
         h_rows = b * h_sb + t.to(tl.int64) * h_st
         _snake_store(acc1, n1, h_ptr, h_rows, m_mask, bias_ptr, la_ptr, lb_ptr, PRECISE)
         if BLOCK_N2 > 0:

@@ -18,11 +18,19 @@ argument to ``[-pi, pi]`` exactly and evaluate ``sin.approx.f32`` (absolute erro
 bf16's rounding); ``precise=True`` keeps libdevice's sine. Offsets are 64-bit. The backward
 recomputes the sine from the saved ``x`` and sums the per-channel gradients in fp32. Not here:
 double backward, and caching the exponentiated ``alpha`` and ``beta`` (a few hundred values).
+
+Launch settings: :func:`forward_tiles` and :func:`backward_tiles` (tiles, warps, stages) and
+``_forward_args`` / ``_backward_args`` (the kernels' arguments) serve the launchers and
+:func:`hopper_launches` alike (``kernels/launches.py``), so the kernel report compiles what runs.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from omni_lightning.kernels.launches import DTYPES, KernelLaunch, MockTensor, launch, stages_label
 
 try:
     import triton
@@ -81,20 +89,14 @@ def snake_beta_triton(
     batch, length, channels = x.shape
     rows = -(-(context_len + length) // multiple) * multiple
     out = torch.empty((batch, rows, channels), dtype=x.dtype, device=x.device)
-    block_c = block_c or _default_block_c(channels)
-    block_t = max(1, 4096 // block_c)
-    ctx = context if context is not None else x  # never read without HAS_CONTEXT
+    tiles = forward_tiles(channels, block_c)
     per_row = isinstance(fresh, torch.Tensor)
     junk = junk if junk and fresh is not False else 0  # no fresh row: nothing to zero
-    grid = (triton.cdiv(rows, block_t), triton.cdiv(channels, block_c), batch)
-    # the flags are runtime arguments, not constexprs: one compiled kernel per channel tile and bias dtype
-    _snake_beta_kernel[grid](
-        x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha,
-        _bytes(fresh) if per_row else out.view(torch.uint8), length, rows, channels, context_len, junk,
-        x.stride(0), x.stride(1), x.stride(2), ctx.stride(0), ctx.stride(1), ctx.stride(2),
-        int(context is not None and context_len > 0), int(bias is not None), int(per_row),
-        PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
+    grid = (triton.cdiv(rows, tiles.block_t), triton.cdiv(channels, tiles.block_c), batch)
+    fresh = _bytes(fresh) if per_row else out.view(torch.uint8)
+    args, kwargs = _forward_args(x, out, context, log_alpha, log_beta, bias, fresh, rows, context_len, junk,
+                                 per_row, precise, tiles)  # fmt: skip
+    _snake_beta_kernel[grid](*args, **kwargs)
     return out
 
 
@@ -140,22 +142,16 @@ def snake_beta_triton_backward(
     most this many programs per batch row and channel tile, each summing a run of row tiles
     (default: about 1,024 programs in all, a few per SM, so the partial sums stay small)."""
     batch, length, channels = x.shape
-    block_c = block_c or _default_block_c(channels)
-    block_t = max(1, 2048 // block_c)
-    c_tiles, tiles = triton.cdiv(channels, block_c), triton.cdiv(length, block_t)
-    programs = min(tiles, programs or max(1, triton.cdiv(1024, batch * c_tiles)))
-    per_program = triton.cdiv(tiles, programs)
-    programs = triton.cdiv(tiles, per_program)
+    tiles = backward_tiles(channels, block_c)
+    c_tiles, tiles_t = triton.cdiv(channels, tiles.block_c), triton.cdiv(length, tiles.block_t)
+    programs = min(tiles_t, programs or max(1, triton.cdiv(1024, batch * c_tiles)))
+    per_program = triton.cdiv(tiles_t, programs)
+    programs = triton.cdiv(tiles_t, per_program)
     dx = torch.empty((batch, length, channels), dtype=x.dtype, device=x.device) if grad_x else x  # x: never written
     partial = torch.empty((3, batch * programs, channels), dtype=torch.float32, device=x.device)
-    per_row = isinstance(fresh, torch.Tensor)
-    _snake_beta_backward_kernel[(programs, c_tiles, batch)](
-        x, grad_out, dx, partial, log_alpha, log_beta, bias if bias is not None else log_alpha,
-        fresh if per_row else log_alpha, length, channels, context_len, junk, per_program,
-        x.stride(0), x.stride(1), x.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        HAS_BIAS=bias is not None, JUNK_MODE=0 if not junk or fresh is False else (2 if per_row else 1),
-        GRAD_X=grad_x, PRECISE=precise, BLOCK_T=block_t, BLOCK_C=block_c,
-    )  # fmt: skip
+    args, kwargs = _backward_args(x, grad_out, dx, partial, log_alpha, log_beta, bias, fresh, context_len, junk,
+                                  per_program, grad_x, precise, tiles)  # fmt: skip
+    _snake_beta_backward_kernel[(programs, c_tiles, batch)](*args, **kwargs)
     d_alpha, d_beta, d_bias = partial.sum(1)
     return (dx if grad_x else None, d_alpha.to(log_alpha.dtype), d_beta.to(log_beta.dtype),
             d_bias.to(bias.dtype) if bias is not None else None)  # fmt: skip
@@ -166,8 +162,79 @@ def _bytes(flags: torch.Tensor) -> torch.Tensor:
     return (flags if flags.dtype in (torch.bool, torch.uint8) else flags != 0).view(torch.uint8)
 
 
+class Tiles(NamedTuple):
+    """A launch's tile (rows by channels per program), warps and pipelining stages."""
+
+    block_t: int
+    block_c: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def forward_tiles(channels: int, block_c: int | None = None) -> Tiles:
+    """The forward's tile for ``channels`` (default ``block_c``: 128, else 64 where it divides ``C``,
+    else whole rows, up to 256) and about 4,096 elements per program."""
+    block_c = block_c or _default_block_c(channels)
+    return Tiles(max(1, 4096 // block_c), block_c)
+
+
+def backward_tiles(channels: int, block_c: int | None = None) -> Tiles:
+    """The backward's: the forward's channels and half its rows (three fp32 sums per element stay in registers)."""
+    block_c = block_c or _default_block_c(channels)
+    return Tiles(max(1, 2048 // block_c), block_c)
+
+
 def _default_block_c(channels: int) -> int:
-    return next((b for b in (128, 64) if channels % b == 0), min(256, triton.next_power_of_2(channels)))
+    return next((b for b in (128, 64) if channels % b == 0), min(256, 1 << (channels - 1).bit_length()))
+
+
+def _forward_args(x, out, context, log_alpha, log_beta, bias, fresh, rows, context_len, junk, per_row, precise, tiles):
+    """The forward kernel's arguments (``fresh``: one byte per row, any tensor without ``per_row``)."""
+    ctx = context if context is not None else x  # never read without has_context
+    args = (x, out, ctx, log_alpha, log_beta, bias if bias is not None else log_alpha, fresh, x.shape[1], rows,
+            x.shape[2], context_len, junk, *x.stride(), *ctx.stride(), int(context is not None and context_len > 0),
+            int(bias is not None), int(per_row))  # fmt: skip
+    # the flags are runtime arguments, not constexprs: one compiled kernel per channel tile and bias dtype
+    return args, dict(PRECISE=precise, BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages)  # fmt: skip
+
+
+def _backward_args(x, grad_out, dx, partial, log_alpha, log_beta, bias, fresh, context_len, junk, per_program,
+                   grad_x, precise, tiles):  # fmt: skip
+    per_row = isinstance(fresh, (torch.Tensor, MockTensor))
+    args = (x, grad_out, dx, partial, log_alpha, log_beta, bias if bias is not None else log_alpha,
+            fresh if per_row else log_alpha, x.shape[1], x.shape[2], context_len, junk, per_program,
+            *x.stride(), *grad_out.stride())  # fmt: skip
+    junk_mode = 0 if not junk or fresh is False else (2 if per_row else 1)
+    return args, dict(HAS_BIAS=bias is not None, JUNK_MODE=junk_mode, GRAD_X=grad_x, PRECISE=precise,
+                      BLOCK_T=tiles.block_t, BLOCK_C=tiles.block_c, num_warps=tiles.num_warps,
+                      num_stages=tiles.num_stages)  # fmt: skip
+
+
+def hopper_launches(layers) -> list[KernelLaunch]:
+    """The launches the model's SnakeBeta layers make (``kernels/launches.py``'s convention), per
+    channel count and dtype (of ``x`` and the parameters): the forward as inference runs it and the
+    backward as training does, each with an fp32 bias (the carried one; a unit's second SnakeBeta
+    gets its convolution's bias, in the model's dtype: a variant of the same tiles, not listed),
+    junk rows zeroed in every row (the backward's ``JUNK_MODE=1``; 0 and 2, per-row ``fresh``, are
+    variants too) and ``dx``. The forward's flags are runtime arguments: one compile serves them.
+    Rows: one second of the layer's input (lengths are not specialized)."""
+    launches = []
+    for channels in dict.fromkeys(layer.channels_in for layer in layers if layer.kind == "snake"):
+        label = stages_label([layer for layer in layers if layer.kind == "snake" and layer.channels_in == channels],
+                             channels)  # fmt: skip
+        length = int(max(layer.rows_per_second for layer in layers if layer.kind == "snake"))
+        for name, dtype in DTYPES.items():
+            x, params, f32 = MockTensor(dtype, (1, length, channels)), MockTensor(dtype), MockTensor(torch.float32)
+            out = MockTensor(dtype, (1, length + 6, channels))
+            args, kwargs = _forward_args(x, out, out, params, params, f32, MockTensor(torch.uint8), length + 6, 6, 6,
+                                         False, False, forward_tiles(channels))  # fmt: skip
+            launches.append(launch("snake_beta.forward", _snake_beta_kernel, args, kwargs, label, name))
+            partial = MockTensor(torch.float32, (3, 1, channels))
+            args, kwargs = _backward_args(x, out, x, partial, params, params, f32, True, 6, 6, 1, True, False,
+                                          backward_tiles(channels))  # fmt: skip
+            launches.append(launch("snake_beta.backward", _snake_beta_backward_kernel, args, kwargs, label, name))
+    return launches
 
 
 class _SnakeBetaFunction(torch.autograd.Function):
