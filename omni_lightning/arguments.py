@@ -165,6 +165,9 @@ METHOD_ARGS = {
     "validate": ("ckpt_path", "verbose", "weights_only"),
     "test": ("ckpt_path", "verbose", "weights_only"),
     "predict": ("return_predictions", "ckpt_path", "weights_only"),
+    # serve's own options (cli_serve.py)
+    "serve": ("ckpt_path", "host", "port", "max_streams", "max_queue", "max_body_bytes", "request_frames",
+              "devices", "drain_timeout"),
 }
 # what jsonargparse takes under any class group besides its init arguments
 GROUP_KEYS = ("help", "class_path", "init_args", "dict_kwargs")

@@ -45,7 +45,7 @@ READ_HERE = {
     *(f"trainer.{k}" for k in RERUN_TRAINER),
 }
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
-NEEDS_WEIGHTS = ("predict", "validate", "test")
+NEEDS_WEIGHTS = ("predict", "validate", "test", "serve")
 PAIRED = 'a JSONL manifest naming codes and their audio, e.g. {"id": "u1", "codes": "u1.npy", "audio": "u1.wav"}'
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
@@ -64,12 +64,12 @@ class CommandLine:
     other_weights: str | None = None  # a warning: requests finished in --out_dir from other weights
 
 
-def check_command_line(argv: list[str]) -> CommandLine | None:
+def check_command_line(argv: list[str], subcommands: tuple[str, ...] = SUBCOMMANDS) -> CommandLine | None:
     """Raises UsageError for the first problem found in ``argv`` (the arguments after the program);
-    None when there is nothing to check (help)."""
+    None when there is nothing to check (help). ``subcommands``: those taken (``cli_serve``: serve)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
-    args = read_arguments(argv, SUBCOMMANDS)
+    args = read_arguments(argv, subcommands)
     unknown_key = first_unknown(args)  # before any other check: a misspelled option is named as such
     if unknown_key:
         raise UsageError(unknown_key)
@@ -111,7 +111,7 @@ def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> Command
         raise UsageError(f"--seed_everything {seed} is out of range: give a seed in [0, 2**32 - 1], or true")
     # values may come from environment variables the checks do not read (jsonargparse's default_env)
     from_env = os.environ.get("JSONARGPARSE_DEFAULT_ENV", "").lower() in ("1", "true", "yes", "on")
-    data = _group(values, "data")
+    data = _group(values, "data") if sub in REQUIRED_DATA else None  # serve reads no data
     if data is not None:
         required = REQUIRED_DATA[sub]
         if not data.get(required) and not from_env:
@@ -142,7 +142,7 @@ def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> Command
             check_preset(preset)
     if data is not None and isinstance(data.get("config"), str):
         check_preset(data["config"], "--data.config")
-    _check_settings(values)
+    _check_settings(values, SERVE_COUNTS if sub == "serve" else {})
     ckpt_path = values.get("ckpt_path")
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
     if local:
@@ -264,17 +264,24 @@ COUNTS = {
 }
 
 
-def _check_settings(values: dict[str, Any]) -> None:
-    """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
-    UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
-    for (group, key), (least, null) in COUNTS.items():
-        section = _group(values, group)
+# serve's own numbers (cli_serve.py): key -> (least, null taken)
+SERVE_COUNTS = {
+    (None, k): (least, False)
+    for k, least in {"port": 0, "max_streams": 1, "max_queue": 0, "max_body_bytes": 1, "request_frames": 1}.items()
+}
+
+
+def _check_settings(values: dict[str, Any], more: dict[tuple[str | None, str], tuple[int, bool]]) -> None:
+    """The numbers and the precision that :data:`READ_HERE` names (and ``more``: top-level keys under
+    ``None``), as their classes would check them: UsageError naming the option and the value (not the
+    parser's many lines, nor a rerun's silence)."""
+    for (group, key), (least, null) in {**COUNTS, **more}.items():
+        section = _group(values, group) if group else values
         value = section.get(key) if isinstance(section, dict) else None
         number = _as_number(int, value)
         if value is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
-            raise UsageError(
-                f"--{group}.{key} must be an integer >= {least}{' (or null)' if null else ''}, got {value}"
-            )
+            name = f"{group}.{key}" if group else key
+            raise UsageError(f"--{name} must be an integer >= {least}{' (or null)' if null else ''}, got {value}")
     trainer = values.get("trainer") if isinstance(values.get("trainer"), dict) else {}
     share = trainer.get("gpu_memory_utilization")
     fraction = None if isinstance(share, bool) else _as_number(float, share)

@@ -114,7 +114,7 @@ def quiet_cli_trainer(subcommand: str) -> Iterator[None]:
         logging.getLogger("lightning.pytorch.utilities.rank_zero"),
         ["Starting from v1.9.0, `tensorboardX`"],
     )
-    if subcommand == "predict":
+    if subcommand in ("predict", "serve"):
         logger.addFilter(_drop_device_lines)
         messages.append("GPU available but not used")
     added = []

@@ -31,10 +31,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.drain_timeout, self.on_listen = drain_timeout, on_listen
         self.drain_started: float | None = None
-
-    @property
-    def serving(self) -> Any:
-        return self.config.loaded_app.state.serving if self.config.loaded else None
+        self.serving = config.app.state.serving  # the app's ServeState (app.py)
 
     async def startup(self, sockets: Any = None) -> None:
         await super().startup(sockets)
