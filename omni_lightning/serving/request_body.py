@@ -87,8 +87,8 @@ def json_codes(body: bytes, who: str) -> torch.Tensor:
         raise BadRequest(400, f'{who}: "codes" is not a [codebooks, frames] array of integers: {why}') from err
     if array.dtype == object:
         raise BadRequest(400, f'{who}: "codes" holds values too large for int64 or of mixed types')
-    if array.size == 0 and array.ndim == 1:  # [] is a [0] float array to numpy: say it as the validator would
-        array = array.reshape(0, 0).astype(np.int64)
+    if array.size == 0:  # [] and [[], ...] are float arrays to numpy: no value, so no dtype to blame
+        array = array.astype(np.int64).reshape(array.shape if array.ndim > 1 else (0, 0))
     try:
         return numpy_to_tensor(array, f'{who}: "codes"')
     except ValueError as err:
