@@ -96,16 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             return _ended(terminated, EXIT_OK)
         from omni_lightning.preflight import check_command_line, finished_job
 
-        if argv and argv[0] == "serve":  # checked here, before torch loads, as predict is
-            check_command_line(argv, subcommands=("serve",))
-            from omni_lightning.cli_serve import main as serve_main
-
-            return _ended(terminated, serve_main(argv[1:], full_help))
-
         command = check_command_line(argv)  # before torch and Lightning load: a mistake costs a second, not ten
         timings["checked"] = time.time()
-        done = finished_job(command)
-        if done is not None:
+        if argv[:1] == ["serve"]:  # a server until it is stopped (cli_serve.py), not a LightningCLI run
+            from omni_lightning.cli_serve import main as serve_main
+            return _ended(terminated, serve_main(argv[1:], full_help))
+        if (done := finished_job(command)) is not None:
             for warning in (command.other_format, command.other_weights):  # (a job that runs has its writer say it)
                 if warning:
                     print(warning, file=sys.stderr)

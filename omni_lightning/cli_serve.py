@@ -53,7 +53,7 @@ class ServeCLI(OmniCLI):
 
 def main(argv: list[str], full_help: bool = False) -> int:
     """Builds and serves until SIGTERM or Ctrl-C (drained first); returns 0. ``argv`` (after ``serve``) was
-    checked before torch loaded (``preflight.check_command_line(..., subcommands=("serve",))``)."""
+    checked before torch loaded (``preflight.check_command_line``, from ``cli.main``)."""
     saved, sys.argv = sys.argv, [sys.argv[0], *argv]  # LightningCLI reads sys.argv (given args too, it warns)
     try:
         cli = _parse(full_help)

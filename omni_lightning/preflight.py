@@ -1,7 +1,7 @@
 """Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
 either is imported (which takes seconds): data sources and their ids (repeated ids listed; audio for
 fit, validate, test), checkpoints, presets, the numbers and precision read here, ``--ckpt_path``,
-``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate`` and ``test``
+``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate``, ``test``, ``serve``
 need ``--model.checkpoint`` or ``--ckpt_path`` unless ``--model.random_weights true``.
 
 A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>`` (a repeated-id
@@ -32,7 +32,7 @@ from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "serve")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 # options these checks read (the no-op rerun may decide on them); of the Trainer's, those a multi-GPU or
@@ -64,12 +64,12 @@ class CommandLine:
     other_weights: str | None = None  # a warning: requests finished in --out_dir from other weights
 
 
-def check_command_line(argv: list[str], subcommands: tuple[str, ...] = SUBCOMMANDS) -> CommandLine | None:
+def check_command_line(argv: list[str]) -> CommandLine | None:
     """Raises UsageError for the first problem found in ``argv`` (the arguments after the program);
-    None when there is nothing to check (help). ``subcommands``: those taken (``cli_serve``: serve)."""
+    None when there is nothing to check (help)."""
     if any(a in ("-h", "--help") or a.startswith("--print_config") for a in argv):
         return None  # help and config printing need nothing to exist
-    args = read_arguments(argv, subcommands)
+    args = read_arguments(argv, SUBCOMMANDS)
     unknown_key = first_unknown(args)  # before any other check: a misspelled option is named as such
     if unknown_key:
         raise UsageError(unknown_key)
@@ -142,7 +142,7 @@ def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> Command
             check_preset(preset)
     if data is not None and isinstance(data.get("config"), str):
         check_preset(data["config"], "--data.config")
-    _check_settings(values, SERVE_COUNTS if sub == "serve" else {})
+    _check_settings(values)
     ckpt_path = values.get("ckpt_path")
     local = isinstance(ckpt_path, str) and "://" not in ckpt_path and not ckpt_path.startswith("registry")
     if local:
@@ -256,26 +256,20 @@ def check_preset(value: str, flag: str = "--model.config") -> None:
         raise UsageError(f"{flag} {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}{weights}")
 
 
-# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken)
+# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken);
+# group None: serve's own options
 COUNTS = {
     ("data", "batch_size"): (1, False),
     ("data", "num_workers"): (0, True),
     ("model", "frames_per_forward"): (1, True),
+    **{(None, k): (n, False) for k, n in [("port", 0), ("max_streams", 1), ("max_queue", 0), ("request_frames", 1)]},
 }
 
 
-# serve's own numbers (cli_serve.py): key -> (least, null taken)
-SERVE_COUNTS = {
-    (None, k): (least, False)
-    for k, least in {"port": 0, "max_streams": 1, "max_queue": 0, "max_body_bytes": 1, "request_frames": 1}.items()
-}
-
-
-def _check_settings(values: dict[str, Any], more: dict[tuple[str | None, str], tuple[int, bool]]) -> None:
-    """The numbers and the precision that :data:`READ_HERE` names (and ``more``: top-level keys under
-    ``None``), as their classes would check them: UsageError naming the option and the value (not the
-    parser's many lines, nor a rerun's silence)."""
-    for (group, key), (least, null) in {**COUNTS, **more}.items():
+def _check_settings(values: dict[str, Any]) -> None:
+    """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
+    UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
+    for (group, key), (least, null) in COUNTS.items():
         section = _group(values, group) if group else values
         value = section.get(key) if isinstance(section, dict) else None
         number = _as_number(int, value)
