@@ -114,6 +114,7 @@ class DecodeLoop:
     def open_stream(self, rid: str, sink: Sink) -> Job:
         """A stream in a free slot, or :class:`Overloaded`."""
         job = Job(rid, sink)
+        self._check_running()
         with self._lock:
             if len(self._active) >= self.max_streams or self._waiting:
                 raise Overloaded(f"all {self.max_streams} streams are in use (--max_streams): retry later")
@@ -124,6 +125,7 @@ class DecodeLoop:
     def submit(self, rid: str, codes: torch.Tensor, sink: Sink) -> Job:
         """A whole request (checked codes ``[Q, n]``): decoded in a free slot, else queued, else :class:`Overloaded`."""
         job = Job(rid, sink, codes=codes, finishing=True)
+        self._check_running()
         with self._lock:
             if len(self._active) < self.max_streams and not self._waiting:
                 self._active.append(job)
@@ -133,6 +135,11 @@ class DecodeLoop:
                 raise Overloaded(f"{self.max_streams} streams busy and {self.max_queue} requests queued: retry later")
         self._changed()
         return job
+
+    def _check_running(self) -> None:
+        if self.warmup_error or self._stop:
+            why = f"its warm-up failed ({self.warmup_error})" if self.warmup_error else "it is stopping"
+            raise Overloaded(f"the server cannot decode: {why}", retry_after=30)
 
     def push(self, job: Job, codes: torch.Tensor) -> None:
         job.chunks.append(codes)
@@ -173,7 +180,13 @@ class DecodeLoop:
             while not self._stop:
                 self._wake.wait(0.5)
                 self._wake.clear()
-                self._step()
+                try:
+                    self._step()
+                except Exception as err:  # a bug: the clients in flight are told, the loop goes on
+                    log.exception("serve: the decode loop failed a step")
+                    for job in list(self._active):
+                        with contextlib.suppress(Exception):
+                            self._close(job, ("error", (500, f"request {job.rid}: the server failed ({err!r})")))
             with self._lock:
                 left = self._active + list(self._waiting)
                 self._active, self._waiting = [], deque()
