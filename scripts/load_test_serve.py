@@ -170,6 +170,11 @@ def offline_rate(engine, args: argparse.Namespace) -> float:
     return sum(r.shape[1] * 1920 - 555 for r in requests) / 24000 / seconds
 
 
+def _commit() -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parser().parse_args(argv)
     engine = offline_engine(args)
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         "meta": {
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": platform.platform(),
+            "commit": _commit(),
             "cpus": os.cpu_count(),
             "python": sys.version.split()[0],
             "args": vars(args),
