@@ -6,8 +6,8 @@ Trainer method to call) and served by ``omni_lightning.serving`` on ``--host``/`
 ``--ckpt_path`` loads a fit's Lightning checkpoint as predict does: its architecture and weights, with the
 run settings given beside it (``RUN_SETTINGS``). A true precision (``bf16-true``) casts the weights; a
 mixed one (``bf16-mixed``) runs the decode thread under the precision plugin's autocast.
-Not done: ``--devices`` above 1 (one engine per GPU behind one port, streams pinned to their worker):
-refused with a usage error until it is built and tested.
+``--devices N`` runs N worker processes behind the port, each parsing this same command line and serving
+its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (that is what the tests run).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ OPTIONS = (
     ("max_body_bytes", int, 8 * 2**20, "a request body or WebSocket message past this gets 413"),
     ("request_frames", int, 32, "frames of a whole request decoded per step (streams interleave between)"),
     ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
-    ("devices", int, 1, "engines (GPUs) behind the port; only 1 is done"),
+    ("devices", int, 1, "processes behind the port, each its own engine on its own GPU (on a CPU: CPU workers)"),
 )
 
 
@@ -54,19 +54,44 @@ class ServeCLI(OmniCLI):
 def main(argv: list[str], full_help: bool = False) -> int:
     """Builds and serves until SIGTERM or Ctrl-C (drained first); returns 0. ``argv`` (after ``serve``) was
     checked before torch loaded (``preflight.check_command_line``, from ``cli.main``)."""
-    saved, sys.argv = sys.argv, [sys.argv[0], *argv]  # LightningCLI reads sys.argv (given args too, it warns)
-    try:
-        cli = _parse(full_help)
-    finally:
-        sys.argv = saved
-    config = cli.config
-    if config.devices != 1:
-        raise UsageError(f"--devices {config.devices}: one engine per device is not done yet; use --devices 1")
-    serve_module(_load(cli, argv), cli.trainer, config, config.ckpt_path)
+    values = read_arguments(["serve", *argv], ("serve",)).values
+    devices = str(values.get("devices") or 1)
+    if not devices.isdigit() or int(devices) < 1:
+        raise UsageError(f"--devices must be an integer >= 1, got {devices}")
+    if int(devices) > 1 and not {"-h", "--help"} & set(argv):  # a process per device, each parsing this line
+        from omni_lightning.serving.workers import run_workers
+
+        host, port = str(values.get("host") or "127.0.0.1"), int(values.get("port") or 8000)
+        try:
+            run_workers(int(devices), host, port, worker_main, (host, argv))
+        except ValueError as err:
+            raise UsageError(str(err)) from err
+        return 0
+    cli = _parse(argv, full_help)
+    serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
     return 0
 
 
-def _parse(full_help: bool = False) -> ServeCLI:
+def worker_main(index: int, count: int, port: int, host: str, argv: list[str]) -> None:
+    """One of ``--devices`` processes: the same command line, its own engine, listening with ``SO_REUSEPORT``."""
+    from omni_lightning.serving.workers import reuse_port_socket
+
+    cli = _parse(argv)
+    sock = reuse_port_socket(host, port)
+    serve_module(
+        _load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path, sock, f"worker {index + 1} of {count}"
+    )
+
+
+def _parse(argv: list[str], full_help: bool = False) -> ServeCLI:
+    saved, sys.argv = sys.argv, [sys.argv[0], *argv]  # LightningCLI reads sys.argv (given args too, it warns)
+    try:
+        return _serve_cli(full_help)
+    finally:
+        sys.argv = saved
+
+
+def _serve_cli(full_help: bool) -> ServeCLI:
     return ServeCLI(
         Code2WavModule,
         None,
@@ -90,8 +115,10 @@ def _load(cli: ServeCLI, argv: list[str]) -> Any:
     return type(cli.model).load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, **settings)
 
 
-def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None) -> None:
-    """Puts ``module`` on the trainer's device and precision and serves it until stopped."""
+def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, sock: Any = None,
+                 worker: str | None = None) -> None:  # fmt: skip
+    """Puts ``module`` on the trainer's device and precision and serves it until stopped (``sock``: a bound
+    socket to listen on, a worker's)."""
     from omni_lightning.callbacks.progress import what_runs
     from omni_lightning.serving import build_app, server_for
 
@@ -106,8 +133,12 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None) 
 
     def on_listen(host: str, port: int) -> None:
         limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
-        print(f"serve: {what}; {limits}; listening on http://{host}:{port} (POST /v1/code2wav, "
-              f"WebSocket /v1/code2wav/stream, GET /health, GET /metrics)", flush=True)  # fmt: skip
+        routes = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
+        who = f"{worker}: " if worker else ""
+        print(f"serve: {who}{what}; {limits}; listening on http://{host}:{port} ({routes})", flush=True)
 
-    server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning").run()
+    server = server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning")
+    if sock is not None:
+        sock.listen(2048)
+    server.run(sockets=[sock] if sock is not None else None)
     sys.stdout.flush()

@@ -122,3 +122,44 @@ def test_sigterm_mid_stream_drains_then_exits_143():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.slow
+def test_devices_2_runs_two_cpu_workers_behind_one_port_each_exact():
+    """``--devices 2`` on the CPU: two worker processes, each its own engine, behind one port (both answer);
+    streams and requests spread over them are each exact; SIGTERM ends both."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", "0", "--devices", "2",
+            "--trainer.accelerator", "cpu"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        assert sorted(line.split(":")[1].strip() for line in lines) == ["worker 1 of 2", "worker 2 of 2"], lines
+        url = re.search(r"listening on (http://[\d.:]+)", lines[0]).group(1)
+        pids = {httpx.get(f"{url}/health").json()["pid"] for _ in range(40)}  # a new connection each
+        assert len(pids) == 2
+        torch.manual_seed(0)
+        reference = tiny_module()
+        codes = [torch.randint(0, 2048, (16, n)) for n in (5, 9, 14, 20, 3, 11)]
+
+        async def one(c: torch.Tensor) -> np.ndarray:
+            async with websockets.connect(f"{url.replace('http', 'ws')}/v1/code2wav/stream") as ws:
+                pieces = []
+                for start in range(0, c.shape[1], 4):
+                    await ws.send(json.dumps({"codes": c[:, start : start + 4].tolist()}))
+                    pieces.append(np.frombuffer(await ws.recv(), "<f4"))
+                return np.concatenate(pieces)
+
+        async def main():
+            return await asyncio.gather(*[one(c) for c in codes])
+
+        for c, audio in zip(codes, asyncio.run(main())):
+            with torch.no_grad():
+                want = reference.model.decode(c[None])[0][0].numpy()
+            np.testing.assert_allclose(audio, want, atol=1e-5, rtol=0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 143
+    finally:
+        proc.kill()
+        proc.wait()

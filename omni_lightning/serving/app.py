@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import re
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -108,7 +109,10 @@ def build_app(
             return JSONResponse({"status": "failed", "error": loop.warmup_error}, 503)
         if not loop.ready.is_set():
             return JSONResponse({"status": "starting"}, 503)
-        return JSONResponse({"status": "ready", "open_streams": loop.open_jobs, "max_streams": loop.max_streams})
+        # pid: which process answered (--devices N: each worker answers for itself)
+        return JSONResponse(
+            {"status": "ready", "open": loop.open_jobs, "max_streams": loop.max_streams, "pid": os.getpid()}
+        )
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
