@@ -13,6 +13,7 @@ its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (t
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 from omni_lightning.arguments import read_arguments
@@ -51,9 +52,17 @@ class ServeCLI(OmniCLI):
             super().instantiate_classes()
 
 
+def run_serve_cli(argv: list[str] | None = None, full_help: bool = False, **ignored: Any) -> Any:
+    """``omni-lightning serve``: builds and serves until SIGTERM or Ctrl-C (drained first). ``argv``: the
+    command line from ``serve`` on (None: ``sys.argv``), checked before torch loaded (``cli.main`` runs
+    ``preflight.check_command_line``). Returns what ``cli`` reads of a run (no predict writer)."""
+    argv = list(sys.argv[1:] if argv is None else argv)[1:]
+    main(argv, full_help)
+    return SimpleNamespace(subcommand="serve", writer=None)
+
+
 def main(argv: list[str], full_help: bool = False) -> int:
-    """Builds and serves until SIGTERM or Ctrl-C (drained first); returns 0. ``argv`` (after ``serve``) was
-    checked before torch loaded (``preflight.check_command_line``, from ``cli.main``)."""
+    """Serves ``argv`` (after ``serve``); returns 0 once stopped."""
     values = read_arguments(["serve", *argv], ("serve",)).values
     devices = str(values.get("devices") or 1)
     if not devices.isdigit() or int(devices) < 1:

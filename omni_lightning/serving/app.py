@@ -102,17 +102,14 @@ def build_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        loop = state.loop
+        loop, pid = state.loop, os.getpid()  # pid: which process answered (--devices N: each worker for itself)
         if state.draining:
-            return JSONResponse({"status": "draining", "open": loop.open_jobs}, 503)
+            return JSONResponse({"status": "draining", "open": loop.open_jobs, "pid": pid}, 503)
         if loop.warmup_error:
-            return JSONResponse({"status": "failed", "error": loop.warmup_error}, 503)
+            return JSONResponse({"status": "failed", "error": loop.warmup_error, "pid": pid}, 503)
         if not loop.ready.is_set():
-            return JSONResponse({"status": "starting"}, 503)
-        # pid: which process answered (--devices N: each worker answers for itself)
-        return JSONResponse(
-            {"status": "ready", "open": loop.open_jobs, "max_streams": loop.max_streams, "pid": os.getpid()}
-        )
+            return JSONResponse({"status": "starting", "pid": pid}, 503)
+        return JSONResponse({"status": "ready", "open": loop.open_jobs, "max_streams": loop.max_streams, "pid": pid})
 
     @app.get("/metrics")
     async def metrics_text() -> Response:
