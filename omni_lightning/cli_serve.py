@@ -12,6 +12,7 @@ its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (t
 
 from __future__ import annotations
 
+import logging
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -131,6 +132,13 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, 
     from omni_lightning.callbacks.progress import what_runs
     from omni_lightning.serving import build_app, server_for
 
+    log = logging.getLogger("omni_lightning.serving")  # a line per request and stream, with its id
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
     module = plugin.convert_module(module.to(device)).eval()
     params = sum(p.numel() for p in module.model.parameters())

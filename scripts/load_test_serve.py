@@ -121,8 +121,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     argv = ["serve", "--model.config", args.preset, "--model.random_weights", "true", "--port", "0",
             "--trainer.precision", args.precision, "--max_streams", str(args.max_streams),
             "--request_frames", str(args.request_frames), "--max_queue", str(4 * args.clients)]  # fmt: skip
+    log = open(Path(args.out or "load_serve.json").with_suffix(".server.log"), "w")  # noqa: SIM115 - the server's
     proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], env=env, text=True,
-                            stdout=subprocess.PIPE)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=log)  # fmt: skip
     line = proc.stdout.readline()
     found = re.search(r"listening on (http://[\d.:]+)", line)
     if not found:

@@ -119,6 +119,8 @@ def test_sigterm_mid_stream_drains_then_exits_143():
         with torch.no_grad():
             np.testing.assert_allclose(audio, reference.model.decode(codes[None])[0][0].numpy(), atol=1e-5, rtol=0)
         assert proc.wait(60) == 143
+        log = proc.stderr.read()
+        assert re.search(r"serve: r\d+ stream opened", log) and "serve: draining" in log, log
     finally:
         proc.kill()
         proc.wait()

@@ -25,6 +25,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import ClientDisconnect
 
 from omni_lightning.serving.audio_encoding import (
     MEDIA_TYPES,
@@ -125,6 +126,9 @@ def build_app(
             return _error(state, "code2wav", rid, err.status, str(err))
         except Overloaded as err:
             return _error(state, "code2wav", rid, 503, str(err), {"Retry-After": str(err.retry_after)})
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            log.info("serve: %s client went away while sending", rid)
+            return Response(status_code=499)
         finally:
             state.handlers -= 1
 
