@@ -156,3 +156,12 @@ def test_a_decode_that_raises_fails_only_its_step(server):
     assert r.status_code == 500
     assert "decode failed in a step of 1 stream (RuntimeError: injected fault)" in r.json()["error"]
     np.testing.assert_allclose(audio, server.decode(codes), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("setting, value", [("max_streams", 0), ("max_queue", -1), ("request_frames", 0),
+                                            ("max_body_bytes", "8M")])  # fmt: skip
+def test_build_app_names_a_bad_setting(setting, value):
+    from omni_lightning.serving import build_app
+
+    with pytest.raises(ValueError, match=f"{setting} must be an integer >= ., got {value!r}"):
+        build_app(tiny_module(), **{setting: value})

@@ -82,8 +82,12 @@ def build_app(
     saying so (build a new app after a fit).
     """
     from omni_lightning.engine.streaming import StreamingDecoder
+    from omni_lightning.errors import check_count
     from omni_lightning.serving.stream_route import add_stream_route
 
+    for name, value, least in (("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
+                               ("request_frames", request_frames, 1)):  # fmt: skip
+        check_count(name, value, least)  # (max_streams: the decoder checks it)
     if hasattr(module, "streaming_decoder"):
         decoder = module.streaming_decoder(max_streams, cuda_graphs, gpu_memory_utilization)
     else:
