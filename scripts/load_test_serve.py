@@ -9,8 +9,8 @@ next chunk sent once the last one's audio came), the others whole requests strea
 raw PCM), each of ``--frames`` frames (a random length in the range). Nothing is sent after the time is up;
 what is in flight is finished. Then the server is stopped (SIGTERM, drained) and, on the same machine and
 model, the offline engine (``DecodeEngine.decode``, batches of ``--offline-batch`` requests) decodes the
-same requests (the reference), and 32 requests of the same lengths before the load and after it (its
-speed: the better of the two, the machine may be shared). Reported: requests/s, audio seconds per
+same requests (the reference), and 32 requests of the same lengths, sorted by length as predict batches
+them, before the load and after it (its speed: the better of the two, the machine may be shared). Reported: requests/s, audio seconds per
 second (the server's over the offline engine's), first audio p50/p99 (a stream's first chunk sent, or a
 request's body sent, to its first audio), and requests lost (an error or a short answer) or wrong (any
 sample more than 1e-5 from ``decode`` alone).
@@ -167,6 +167,7 @@ def offline_rate(engine, args: argparse.Namespace) -> float:
     """Audio seconds per second of the offline engine on 32 requests of the load's lengths."""
     rng = np.random.default_rng(args.seed)
     requests = [rng.integers(0, 2048, (16, rng.integers(args.frames[0], args.frames[1] + 1))) for _ in range(32)]
+    requests.sort(key=lambda r: r.shape[1])  # batches of similar lengths, as predict's sampler makes them
     seconds, _ = offline(engine, requests, args.offline_batch)
     return sum(r.shape[1] * 1920 - 555 for r in requests) / 24000 / seconds
 

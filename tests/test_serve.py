@@ -15,7 +15,7 @@ import pytest
 import torch
 import websockets
 from safetensors.torch import save
-from serve_helpers import LiveServer, tiny_module
+from serve_helpers import LiveServer, tiny_module, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -165,3 +165,13 @@ def test_build_app_names_a_bad_setting(setting, value):
 
     with pytest.raises(ValueError, match=f"{setting} must be an integer >= ., got {value!r}"):
         build_app(tiny_module(), **{setting: value})
+
+
+def test_a_client_that_closes_a_streamed_response_frees_its_slot(server):
+    codes = torch.randint(0, 2048, (16, 3000))  # 188 steps of 16 frames: far from done when the client leaves
+    with httpx.stream("POST", f"{server.url}/v1/code2wav?stream=true&format=pcm", content=npy_bytes(codes),
+                      headers={"Content-Type": "application/x-npy"}, timeout=60) as r:  # fmt: skip
+        assert len(next(r.iter_bytes())) > 0
+    assert wait_until(lambda: server.state.loop.open_jobs == 0)
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'omni_requests_total{route="code2wav",status="499"} 1.0' in text

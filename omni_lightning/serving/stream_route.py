@@ -50,7 +50,11 @@ def add_stream_route(app: FastAPI, state: Any) -> None:
             state.metrics.requests.labels(ROUTE, str(status)).inc()
             log.info("serve: %s %d %s", rid, status, err)
             headers = {"X-Request-Id": rid, **retry}
-            await ws.send_denial_response(JSONResponse({"error": str(err)}, status, headers=headers))
+            try:
+                await ws.send_denial_response(JSONResponse({"error": str(err)}, status, headers=headers))
+            except RuntimeError:  # a server without the denial-response extension: refused after the handshake
+                await ws.accept()
+                await ws.close(1013 if status == 503 else 1008, str(err)[:120])
             return
         state.handlers += 1
         log.info("serve: %s stream opened", rid)
@@ -128,7 +132,15 @@ def _is_end(text: str) -> bool:
 
 
 async def _send(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock) -> str:
-    """Each chunk's audio as it comes, then the end (or the error) and the close; returns the status."""
+    """Each chunk's audio as it comes, then the end (or the error) and the close; returns the status
+    ("499": the client was gone before all was sent)."""
+    try:
+        return await _send_all(ws, queue, subtype, lock)
+    except (WebSocketDisconnect, RuntimeError, OSError):  # the connection closed under a send
+        return "499"
+
+
+async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock) -> str:
     samples = 0
     while True:
         kind, value = await queue.get()
