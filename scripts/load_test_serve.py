@@ -10,10 +10,10 @@ raw PCM), each of ``--frames`` frames (a random length in the range). Nothing is
 what is in flight is finished. Then the server is stopped (SIGTERM, drained) and, on the same machine and
 model, the offline engine (``DecodeEngine.decode``, batches of ``--offline-batch`` requests) decodes the
 same requests (the reference), and 32 requests of the same lengths, sorted by length as predict batches
-them, before the load and after it (its speed: the better of the two, the machine may be shared). Reported: requests/s, audio seconds per
-second (the server's over the offline engine's), first audio p50/p99 (a stream's first chunk sent, or a
-request's body sent, to its first audio), and requests lost (an error or a short answer) or wrong (any
-sample more than 1e-5 from ``decode`` alone).
+them, before the load and after it (its speed: the better of the two, the machine may be shared).
+Reported: requests/s, audio seconds per second (the server's over the offline engine's), first audio
+p50/p99 (a stream's first chunk sent, or a request's body sent, to its first audio), and requests lost
+(an error or a short answer) or wrong (any sample more than 1e-5 from ``decode`` alone).
 Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
 """
 
