@@ -159,12 +159,16 @@ def read_arguments(argv: list[str], subcommands: tuple[str, ...]) -> Arguments:
 
 # the command line's own options (cli.py, lightning_cli.py) and LightningCLI's
 TOP_LEVEL = ("config", "print_config", "seed_everything", "out_dir", "format", "subtype", "timings", "debug", "help")
+# serve's own options (cli_serve.py)
+SERVE_ARGS = ("ckpt_path", "host", "port", "max_streams", "max_queue", "max_body_bytes", "request_frames",
+              "devices", "drain_timeout")  # fmt: skip
 # each subcommand's Trainer method arguments the parser adds (LightningCLI skips model, data and loaders)
 METHOD_ARGS = {
     "fit": ("ckpt_path", "weights_only"),
     "validate": ("ckpt_path", "verbose", "weights_only"),
     "test": ("ckpt_path", "verbose", "weights_only"),
     "predict": ("return_predictions", "ckpt_path", "weights_only"),
+    "serve": SERVE_ARGS,
 }
 # what jsonargparse takes under any class group besides its init arguments
 GROUP_KEYS = ("help", "class_path", "init_args", "dict_kwargs")

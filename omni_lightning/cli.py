@@ -276,10 +276,12 @@ def run_cli(
     """Builds and runs the LightningCLI (this imports torch and Lightning); ``finished``: the output
     folder's finished requests as the checks read them (not read again); ``full_help``: ``--help`` lists
     every option (``--help-all``), not only those the subcommand uses."""
+    from omni_lightning.cli_serve import run_serve_cli
     from omni_lightning.lightning_cli import run_lightning_cli
 
     compact_warnings()  # again: importing Lightning replaced the format
-    return run_lightning_cli(argv, description=__doc__, timings=timings, finished=finished, full_help=full_help)
+    run = run_serve_cli if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"] else run_lightning_cli
+    return run(argv, description=__doc__, timings=timings, finished=finished, full_help=full_help)
 
 
 def process_start_time() -> float:

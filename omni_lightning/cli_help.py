@@ -16,6 +16,8 @@ SUBCOMMAND_USAGE = {
     "fit": "omni-lightning fit --data.train MANIFEST [--data.val MANIFEST] [--config configs/finetune.yaml] [options]",
     "validate": "omni-lightning validate --data.val MANIFEST (--model.checkpoint FOLDER | --ckpt_path FILE) [options]",
     "test": "omni-lightning test --data.test MANIFEST (--model.checkpoint FOLDER | --ckpt_path FILE) [options]",
+    "serve": "omni-lightning serve (--model.checkpoint FOLDER | --ckpt_path FILE | --model.random_weights true) "
+    "[--host HOST] [--port PORT] [options]",
 }
 _WEIGHTS = ("--model.checkpoint", "--ckpt_path", "--model.config", "--model.random_weights")
 _DEVICE = ("--trainer.accelerator", "--trainer.precision", "--trainer.devices", "--config")
@@ -34,6 +36,8 @@ HELP_TEXT = {
     ("fit", "--ckpt_path"): "a Lightning checkpoint to resume from (an earlier fit's interrupted.ckpt or last.ckpt)",
     ("validate", "--ckpt_path"): "a Lightning checkpoint from fit (.ckpt) to evaluate",
     ("test", "--ckpt_path"): "a Lightning checkpoint from fit (.ckpt) to evaluate",
+    ("serve", "--ckpt_path"): "a Lightning checkpoint from fit (.ckpt): its architecture and weights",
+    ("serve", "--trainer.gpu_memory_utilization"): "the share of the GPU the decoder's memory budget comes from",
     "--trainer.accelerator": "cpu, gpu, or auto: a GPU when there is one",
     "--trainer.max_steps": "stop after this many optimizer steps (-1: no limit)",
     "--trainer.precision": "32-true, bf16-mixed, bf16-true, or 16-mixed (a GPU's)",
@@ -72,6 +76,12 @@ HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "validate": (("--data.val", *_WEIGHTS, *_DEVICE), ("--trainer.limit_val_batches", *_EVALUATE)),
     "test": (("--data.test", *_WEIGHTS, *_DEVICE), ("--trainer.limit_test_batches", *_EVALUATE)),
+    "serve": (
+        ("--host", "--port", "--max_streams", *_WEIGHTS, "--trainer.accelerator", "--trainer.precision", "--config"),
+        ("--max_queue", "--max_body_bytes", "--request_frames", "--drain_timeout", "--devices",
+         "--trainer.gpu_memory_utilization", "--model.fast_path", "--model.graph_frames", "--seed_everything",
+         "--debug"),
+    ),
 }
 # fmt: on
 

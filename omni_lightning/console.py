@@ -28,6 +28,7 @@ SUBCOMMAND_HELP = {
     ),
     "test": "Evaluates a model on --data.test, as validate does.",
     "predict": "Decodes code files to audio files in --out_dir; the same command again resumes an unfinished job.",
+    "serve": "Serves a model over HTTP and WebSocket: code chunks in, exact audio out as it is decoded.",
     "demo": "Predicts, fine-tunes and evaluates on the tiny preset on the CPU (no downloads).",
 }
 # the header of each subcommand's own options (the Trainer method's arguments)

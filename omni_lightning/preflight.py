@@ -1,7 +1,7 @@
 """Checks of an ``omni-lightning`` command line that need neither torch nor Lightning, run before
 either is imported (which takes seconds): data sources and their ids (repeated ids listed; audio for
 fit, validate, test), checkpoints, presets, the numbers and precision read here, ``--ckpt_path``,
-``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate`` and ``test``
+``--out_dir``, the format, config files, and the weights guard: ``predict``, ``validate``, ``test``, ``serve``
 need ``--model.checkpoint`` or ``--ckpt_path`` unless ``--model.random_weights true``.
 
 A problem raises :class:`UsageError` whose message is one line, ``<what> <value>: <fix>`` (a repeated-id
@@ -32,7 +32,7 @@ from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 from omni_lightning.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict")
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "serve")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 # options these checks read (the no-op rerun may decide on them); of the Trainer's, those a multi-GPU or
@@ -45,7 +45,7 @@ READ_HERE = {
     *(f"trainer.{k}" for k in RERUN_TRAINER),
 }
 LISTED_DATA = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
-NEEDS_WEIGHTS = ("predict", "validate", "test")
+NEEDS_WEIGHTS = ("predict", "validate", "test", "serve")
 PAIRED = 'a JSONL manifest naming codes and their audio, e.g. {"id": "u1", "codes": "u1.npy", "audio": "u1.wav"}'
 __all__ = ["UsageError", "CommandLine", "check_command_line", "check_weights", "finished_job"]
 
@@ -111,7 +111,7 @@ def _check(sub: str, values: dict[str, Any], callbacks: bool = False) -> Command
         raise UsageError(f"--seed_everything {seed} is out of range: give a seed in [0, 2**32 - 1], or true")
     # values may come from environment variables the checks do not read (jsonargparse's default_env)
     from_env = os.environ.get("JSONARGPARSE_DEFAULT_ENV", "").lower() in ("1", "true", "yes", "on")
-    data = _group(values, "data")
+    data = _group(values, "data") if sub in REQUIRED_DATA else None  # serve reads no data
     if data is not None:
         required = REQUIRED_DATA[sub]
         if not data.get(required) and not from_env:
@@ -256,11 +256,13 @@ def check_preset(value: str, flag: str = "--model.config") -> None:
         raise UsageError(f"{flag} {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}{weights}")
 
 
-# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken)
+# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken);
+# group None: serve's own options
 COUNTS = {
     ("data", "batch_size"): (1, False),
     ("data", "num_workers"): (0, True),
     ("model", "frames_per_forward"): (1, True),
+    **{(None, k): (n, False) for k, n in [("port", 0), ("max_streams", 1), ("max_queue", 0), ("request_frames", 1)]},
 }
 
 
@@ -268,13 +270,12 @@ def _check_settings(values: dict[str, Any]) -> None:
     """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
     UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
     for (group, key), (least, null) in COUNTS.items():
-        section = _group(values, group)
+        section = _group(values, group) if group else values
         value = section.get(key) if isinstance(section, dict) else None
         number = _as_number(int, value)
         if value is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
-            raise UsageError(
-                f"--{group}.{key} must be an integer >= {least}{' (or null)' if null else ''}, got {value}"
-            )
+            name = f"{group}.{key}" if group else key
+            raise UsageError(f"--{name} must be an integer >= {least}{' (or null)' if null else ''}, got {value}")
     trainer = values.get("trainer") if isinstance(values.get("trainer"), dict) else {}
     share = trainer.get("gpu_memory_utilization")
     fraction = None if isinstance(share, bool) else _as_number(float, share)

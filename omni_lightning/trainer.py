@@ -107,14 +107,14 @@ def quiet_checkpoint_callbacks_warning() -> None:
 @contextmanager
 def quiet_cli_trainer(subcommand: str) -> Iterator[None]:
     """While the command line builds its trainer: Lightning's advice to install tensorboard (its default
-    logger is then a CSV one, whose folder the command's last line names) is dropped; for predict, whose
+    logger is then a CSV one, whose folder the command's last line names) is dropped; for predict and serve, whose
     start-up line says the device, the precision and a GPU left unused, so are Lightning's "GPU
     available: ...", "TPU available: ..." lines and its "GPU available but not used" warning. Put back after."""
     logger, messages = (
         logging.getLogger("lightning.pytorch.utilities.rank_zero"),
         ["Starting from v1.9.0, `tensorboardX`"],
     )
-    if subcommand == "predict":
+    if subcommand in ("predict", "serve"):
         logger.addFilter(_drop_device_lines)
         messages.append("GPU available but not used")
     added = []

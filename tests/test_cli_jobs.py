@@ -141,7 +141,8 @@ def test_cli_mistakes_are_one_error_line_given_before_torch_is_imported(tmp_path
             )
     runs += [["predcit", *good[1:]], [], ["--config", "configs/predict.yaml"]]  # said before Lightning loads
     wanted += [("'predcit' is not a subcommand", "(did you mean predict?): use one of fit, validate, test, predict, "
-                "demo"), ("no subcommand given", "use one of fit"), ("no subcommand", "--help lists")]  # fmt: skip
+                "serve, demo"), ("no subcommand given", "use one of fit"),
+               ("no subcommand", "--help lists")]  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", CHECK_MISTAKES, json.dumps(runs)], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     report = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -6,7 +6,8 @@ what the README's quick start leaves behind, ``omni_lightning_demo/data`` (the d
 pairs): the child process makes it once, with the demo's own function, and links it into each block's
 folder. All blocks run in one child process (this file run as a script), so the package is imported once;
 each block's result comes back as JSON. The bash blocks are not run: those that need a GPU or a real
-checkpoint must say so in a comment.
+checkpoint must say so in a comment. Blocks that talk to a server on ``127.0.0.1:8000`` (docs/serving.md),
+bash (``curl``) and python alike, run against a server started on loopback, on a free port.
 """
 
 from __future__ import annotations
@@ -30,10 +31,15 @@ def pages() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def blocks(page: Path, language: str) -> list[tuple[int, str]]:
-    """(line of the block's first code line, code) of each fenced block in ``language``."""
+SERVER = "127.0.0.1:8000"  # where a page's examples find `omni-lightning serve`
+
+
+def blocks(page: Path, language: str, served: bool = False) -> list[tuple[int, str]]:
+    """(line of the block's first code line, code) of each fenced block in ``language``; ``served``: those
+    that talk to a server on :data:`SERVER` (only those; else, none of those)."""
     text = page.read_text()
-    return [(text.count("\n", 0, m.start(2)) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == language]
+    found = [(text.count("\n", 0, m.start(2)) + 1, m.group(2)) for m in FENCE.finditer(text) if m.group(1) == language]
+    return [(line, code) for line, code in found if (SERVER in code) == served]
 
 
 def run_block(name: str, line: int, code: str, folder: Path, demo_data: Path) -> dict:
@@ -129,6 +135,32 @@ def test_relative_links_and_their_anchors_exist():
             if not file.exists() or (fragment and fragment not in headings):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert not broken, f"links to missing files or headings: {broken}"
+
+
+def test_the_serving_pages_examples_run_against_a_server_on_loopback(tmp_path):
+    """docs/serving.md's curl commands and WebSocket client, as written but for the port, against a server of
+    the tiny preset (``build_app``, the app ``omni-lightning serve`` runs)."""
+    import pytest
+
+    pytest.importorskip("fastapi")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from serve_helpers import LiveServer, tiny_module
+
+    page = ROOT / "docs" / "serving.md"
+    served = [("bash", line, code) for line, code in blocks(page, "bash", served=True)]
+    served += [("python", line, code) for line, code in blocks(page, "python", served=True)]
+    assert {"bash", "python"} <= {kind for kind, _, _ in served}
+    live = LiveServer(tiny_module(), max_streams=4)
+    try:
+        for kind, line, code in served:
+            code = code.replace(SERVER, live.url.removeprefix("http://"))
+            command = ["bash", "-euo", "pipefail", "-c", code] if kind == "bash" else [sys.executable, "-c", code]
+            proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+            assert proc.returncode == 0, f"docs/serving.md:{line}:\n{proc.stdout}{proc.stderr}"
+    finally:
+        live.stop()
+    assert (tmp_path / "reply.wav").read_bytes()[:4] == b"RIFF"
+    assert (tmp_path / "reply.f32").stat().st_size == 4 * (1920 * 25 - 555)
 
 
 if __name__ == "__main__":

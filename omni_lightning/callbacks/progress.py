@@ -173,14 +173,8 @@ class PredictStartLine(Callback):
 
 def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -> list[str]:
     """The start-up line, and a warning line for a large model on the CPU."""
-    hparams = getattr(pl_module, "hparams", {})
-    checkpoint, ckpt_path = hparams.get("checkpoint"), getattr(trainer, "ckpt_path", None)
-    model = f"checkpoint {checkpoint}" if checkpoint else f"{config.name} preset"
-    # the module's own account (its constructor's, a fit's or a load's) unless the trainer loaded a checkpoint
-    origin = getattr(pl_module, "weights_origin", None)
-    origin = origin or (f"weights from {checkpoint}" if checkpoint else "its weights")
-    weights = f"weights from {ckpt_path}" if ckpt_path else origin
     device = trainer.strategy.root_device
+    what = what_runs(pl_module, config, params, getattr(trainer, "ckpt_path", None), device, trainer.precision)
     cap = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
     if cap is None:
         memory = "no memory cap"
@@ -196,8 +190,7 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     done = f", {plan.skipped} already done" if getattr(plan, "skipped", 0) else ""
     ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
     job = f"{requests} request{'s' * (requests != 1)} to decode ({audio_s:.1f} s of audio){ranks}{done}"
-    where = f"{device.type} {trainer.precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
-    lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {where}; {memory}, {budget}; {job}"]
+    lines = [f"predict: {what}; {memory}, {budget}; {job}"]
     if device.type == "cpu" and params > LARGE_ON_CPU:
         size = f"{params / 1e6:.0f} M parameters"
         lines.append(
@@ -205,6 +198,19 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
             "first batches, says how slow; a GPU (--trainer.accelerator gpu) is faster, --model.config tiny a quick try"
         )
     return lines
+
+
+def what_runs(pl_module: Any, config: Any, params: int, ckpt_path: str | None, device: Any, precision: str) -> str:
+    """A start-up line's first part (predict's, serve's): the model, its size, the weights, the device and
+    precision (and a GPU left unused)."""
+    checkpoint = getattr(pl_module, "hparams", {}).get("checkpoint")
+    model = f"checkpoint {checkpoint}" if checkpoint else f"{config.name} preset"
+    # the module's own account (its constructor's, a fit's or a load's) unless the trainer loaded a checkpoint
+    origin = getattr(pl_module, "weights_origin", None)
+    origin = origin or (f"weights from {checkpoint}" if checkpoint else "its weights")
+    weights = f"weights from {ckpt_path}" if ckpt_path else origin
+    where = f"{device.type} {precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
+    return f"{model}, {params / 1e6:.1f} M parameters, {weights}; {where}"
 
 
 def _job(trainer: pl.Trainer, config: Any) -> tuple[int, float]:

@@ -45,12 +45,41 @@ def load_codes_file(path: Path) -> torch.Tensor:
         raise ValueError(f"codes file {path} could not be read ({type(err).__name__}: {err})") from err
     if path.suffix == ".npy":
         value = numpy_to_tensor(value, f"codes file {path}")
-    if isinstance(value, dict):  # safetensors: the tensor named 'codes', or the only one
+    return _codes_tensor(value, f"codes file {path}")
+
+
+def load_codes_bytes(data: bytes, suffix: str, where: str) -> torch.Tensor:
+    """Reads the bytes of a ``.npy`` or ``.safetensors`` code file (a request body; no pickle: no ``.pt``);
+    raises ValueError starting with ``where`` (never anything else) when it cannot."""
+    if suffix not in (".npy", ".safetensors"):
+        raise ValueError(f"{where}: unsupported format {suffix!r} (use .npy or .safetensors)")
+    try:
+        if suffix == ".npy":
+            import io
+
+            import numpy as np
+
+            value: Any = numpy_to_tensor(np.load(io.BytesIO(data), allow_pickle=False), where)
+        else:
+            from safetensors.torch import load
+
+            value = load(data)
+    except ValueError as err:
+        said = str(err) if where in str(err) else f"{where} could not be read as {suffix} ({err})"
+        raise ValueError(said) from err
+    except Exception as err:  # corrupt bytes raise anything from numpy or safetensors
+        raise ValueError(f"{where} could not be read as {suffix} ({type(err).__name__}: {err})") from err
+    return _codes_tensor(value, where)
+
+
+def _codes_tensor(value: Any, where: str) -> torch.Tensor:
+    """A code file's tensor: safetensors' tensor named 'codes' (or its only one); ValueError for anything else."""
+    if isinstance(value, dict):
         if "codes" not in value and len(value) != 1:
-            raise ValueError(f"codes file {path} holds tensors {sorted(value)}; name one 'codes'")
+            raise ValueError(f"{where} holds tensors {sorted(value)}; name one 'codes'")
         value = value.get("codes", next(iter(value.values()), None))
     if not isinstance(value, torch.Tensor):
-        raise ValueError(f"codes file {path} holds a {type(value).__name__}, not a tensor")
+        raise ValueError(f"{where} holds a {type(value).__name__}, not a tensor")
     return value
 
 

@@ -1,0 +1,291 @@
+"""``DecodeLoop``: the one thread that owns a server's :class:`StreamingDecoder`.
+
+Every client is a stream of that decoder: a WebSocket stream pushes its chunks as they come, a whole
+request pushes its codes ``request_frames`` at a time (so a long request neither holds back the other
+streams' first audio nor waits to send its own). Each step of the loop pushes what came and advances
+every stream with frames at once (``StreamingDecoder.step``: one planned set of forwards), then hands
+each client its audio, a stream's split per chunk it sent. So every client gets exactly ``decode`` of
+its codes, as ``StreamingDecoder`` guarantees, whatever else was in the step.
+
+Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
+a whole request takes one when one frees, waiting in a queue of at most ``max_queue`` (full:
+:class:`Overloaded`). A client that goes away is closed at the next step, its slot freed. A step whose
+forward raises fails the clients in that step (each told why) and no other.
+
+Callers on other threads talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``); the loop
+answers through the job's ``sink``, called on the loop's thread: ``("audio", [samples, ...])``,
+``("end", None)`` or ``("error", (status, message))``. Not done: priorities between clients, and a
+deadline per request (a client that wants one closes its connection, which frees the slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omni_lightning.engine.streaming import StreamingDecoder
+
+log = logging.getLogger("omni_lightning.serving")
+Sink = Callable[[str, Any], None]
+
+
+class Overloaded(Exception):
+    """No slot and no room in the queue: the client should retry after ``retry_after`` seconds (a 503)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Job:
+    """One client's work: a whole request (``codes`` given) or a stream (chunks pushed as they come)."""
+
+    rid: str
+    sink: Sink
+    codes: torch.Tensor | None = None  # a whole request's codes, pushed ``request_frames`` at a time
+    chunks: deque = field(default_factory=deque)  # a stream's chunks not yet pushed (any thread appends)
+    finishing: bool = False  # no more chunks: close after the last is decoded
+    aborted: bool = False  # the client went away: close now
+    sid: int | None = None  # its stream in the decoder, once opened
+    sent_frames: int = 0  # frames pushed so far
+    created: float = field(default_factory=time.perf_counter)
+    first_audio: float | None = None
+    done: bool = False
+
+    @property
+    def is_stream(self) -> bool:
+        return self.codes is None
+
+
+class DecodeLoop:
+    """Runs the decode thread (see the module docstring). ``context``: a context manager factory entered
+    on that thread (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
+    ``warmup``: chunk sizes run once before ``ready`` is set."""
+
+    def __init__(
+        self,
+        decoder: StreamingDecoder,
+        max_queue: int = 256,
+        request_frames: int = 32,
+        context: Callable[[], Any] = contextlib.nullcontext,
+        metrics: Any = None,
+        warmup: tuple[int, ...] = (1, 8),
+    ) -> None:
+        self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
+        self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
+        self.config = decoder.config
+        self.ready, self.warmup_error = threading.Event(), None
+        self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
+        self._active: list[Job] = []  # holding a slot (or about to open one)
+        self._waiting: deque[Job] = deque()  # whole requests waiting for a slot
+        self._thread = threading.Thread(target=self._run, name="omni-decode-loop", daemon=True)
+
+    # --- any thread -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread after its current step; clients still open are told the server stopped."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def open_jobs(self) -> int:
+        """Clients holding a slot or waiting for one."""
+        with self._lock:
+            return len(self._active) + len(self._waiting)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiting)
+
+    def open_stream(self, rid: str, sink: Sink) -> Job:
+        """A stream in a free slot, or :class:`Overloaded`."""
+        job = Job(rid, sink)
+        self._check_running()
+        with self._lock:
+            if len(self._active) >= self.max_streams or self._waiting:
+                raise Overloaded(f"all {self.max_streams} streams are in use (--max_streams): retry later")
+            self._active.append(job)
+        self._changed()
+        return job
+
+    def submit(self, rid: str, codes: torch.Tensor, sink: Sink) -> Job:
+        """A whole request (checked codes ``[Q, n]``): decoded in a free slot, else queued, else :class:`Overloaded`."""
+        job = Job(rid, sink, codes=codes, finishing=True)
+        self._check_running()
+        with self._lock:
+            if len(self._active) < self.max_streams and not self._waiting:
+                self._active.append(job)
+            elif len(self._waiting) < self.max_queue:
+                self._waiting.append(job)
+            else:
+                raise Overloaded(f"{self.max_streams} streams busy and {self.max_queue} requests queued: retry later")
+        self._changed()
+        return job
+
+    def _check_running(self) -> None:
+        if self.warmup_error or self._stop:
+            why = f"its warm-up failed ({self.warmup_error})" if self.warmup_error else "it is stopping"
+            raise Overloaded(f"the server cannot decode: {why}", retry_after=30)
+
+    def push(self, job: Job, codes: torch.Tensor) -> None:
+        job.chunks.append(codes)
+        self._wake.set()
+
+    def finish(self, job: Job) -> None:
+        job.finishing = True
+        self._wake.set()
+
+    def abort(self, job: Job) -> None:
+        """The client is gone: its slot is freed at the next step (a queued request leaves the queue now)."""
+        job.aborted = True
+        with self._lock:
+            if job in self._waiting:
+                self._waiting.remove(job)
+                job.done = True
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.open_streams.set(len(self._active))
+            self.metrics.queue_depth.set(len(self._waiting))
+        self._wake.set()
+
+    # --- the decode thread ----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with self.context(), torch.no_grad():
+            try:
+                if self.warmup:
+                    seconds = self.decoder.warmup(chunk_sizes=self.warmup)
+                    log.info("serve: warm-up (chunks of %s frames) took %.2f s", self.warmup, seconds)
+            except Exception as err:  # the server answers /health 503 with this
+                self.warmup_error = f"{type(err).__name__}: {err}"
+                log.exception("serve: warm-up failed")
+                return
+            self.ready.set()
+            while not self._stop:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                try:
+                    self._step()
+                except Exception as err:  # a bug: the clients in flight are told, the loop goes on
+                    log.exception("serve: the decode loop failed a step")
+                    for job in list(self._active):
+                        with contextlib.suppress(Exception):
+                            self._close(job, ("error", (500, f"request {job.rid}: the server failed ({err!r})")))
+            with self._lock:
+                left = self._active + list(self._waiting)
+                self._active, self._waiting = [], deque()
+            for job in left:
+                self._end(job, ("error", (503, f"request {job.rid}: the server stopped before it was decoded")))
+
+    def _step(self) -> None:
+        with self._lock:
+            jobs = list(self._active)
+        pushed: dict[Job, list[int]] = {}  # job -> frames of each chunk pushed this step
+        for job in jobs:
+            if job.aborted:
+                self._close(job, None)
+                continue
+            try:
+                if job.sid is None:
+                    job.sid = self.decoder.open()
+                frames = self._push(job)
+            except ValueError as err:  # checked at the edge already; a retired decoder says so here
+                self._close(job, ("error", (500, f"request {job.rid}: {err}")))
+                continue
+            if frames:
+                pushed[job] = frames
+        if pushed:
+            start = time.perf_counter()
+            try:
+                out = self.decoder.step()
+            except Exception as err:
+                n = len(pushed)
+                why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
+                log.error("serve: %s", why)
+                for job in pushed:
+                    self._close(job, ("error", (500, f"request {job.rid}: {why}")))
+                return
+            if self.metrics is not None:
+                self.metrics.step_seconds.observe(time.perf_counter() - start)
+            for job, frames in pushed.items():
+                self._deliver(job, self._split(out[job.sid], frames, first=job.sent_frames == sum(frames)))
+        for job in jobs:
+            if job.finishing and not job.done and not job.aborted and not self._has_more(job):
+                self._close(job, ("end", None))
+
+    def _push(self, job: Job) -> list[int]:
+        if job.codes is not None:
+            piece = job.codes[:, job.sent_frames : job.sent_frames + self.request_frames]
+            chunks = [piece] if piece.shape[1] else []
+        else:
+            chunks = []
+            while job.chunks:
+                chunks.append(job.chunks.popleft())
+        frames = [c.shape[1] for c in chunks]
+        if sum(frames):
+            self.decoder.push(job.sid, chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1))
+            job.sent_frames += sum(frames)
+        return frames if sum(frames) else []
+
+    def _has_more(self, job: Job) -> bool:
+        return bool(job.chunks) if job.codes is None else job.sent_frames < job.codes.shape[1]
+
+    def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
+        """A step's samples of one stream, cut per chunk pushed (``output_length`` of each)."""
+        up, tail = self.config.total_upsample, self.config.tail
+        sizes = [n * up - (tail if first and i == 0 else 0) for i, n in enumerate(frames)]
+        return list(samples.cpu().split(sizes, dim=-1)) if len(sizes) > 1 else [samples.cpu()]
+
+    def _deliver(self, job: Job, pieces: list[torch.Tensor]) -> None:
+        if self.metrics is not None:
+            if job.first_audio is None:
+                self.metrics.first_audio_seconds.observe(time.perf_counter() - job.created)
+            self.metrics.audio_seconds.inc(sum(p.shape[-1] for p in pieces) / self.config.sample_rate)
+        if job.first_audio is None:
+            job.first_audio = time.perf_counter()
+        job.sink("audio", pieces)
+
+    def _close(self, job: Job, message: tuple[str, Any] | None) -> None:
+        """Frees the job's slot (decoding nothing more: what was pushed is decoded by the step already)."""
+        if job.sid is not None:
+            with contextlib.suppress(ValueError):  # failed streams are closed without a decode
+                self.decoder.close(job.sid)
+        with self._lock:
+            if job in self._active:
+                self._active.remove(job)
+            while self._waiting and len(self._active) < self.max_streams:  # a freed slot goes to the queue first
+                self._active.append(self._waiting.popleft())
+        self._changed()
+        self._end(job, message)
+
+    def _end(self, job: Job, message: tuple[str, Any] | None) -> None:
+        job.done = True
+        if message is not None and not job.aborted:
+            job.sink(*message)
+
+
+def queue_sink(queue: asyncio.Queue) -> Sink:
+    """A sink for a job made on an event loop's thread: each message goes onto ``queue`` on that loop."""
+    loop = asyncio.get_running_loop()
+
+    def sink(kind: str, value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is waiting
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+    return sink

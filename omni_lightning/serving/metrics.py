@@ -1,0 +1,34 @@
+"""``ServeMetrics``: what ``GET /metrics`` reports, in Prometheus' text format (``prometheus_client``), one
+registry per app (two servers in one process count apart).
+
+Not done: per-client labels (unbounded cardinality) and GPU memory gauges (the engine's log line has them).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# seconds: 1 ms to 30 s (a CPU step of a few hundred frames takes seconds)
+LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+class ServeMetrics:
+    """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
+    and step latency histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("omni_requests", "Requests and streams answered", ["route", "status"], registry=r)
+        self.audio_seconds = Counter("omni_audio_seconds", "Seconds of audio decoded and sent", registry=r)
+        self.open_streams = Gauge("omni_open_streams", "Clients holding a decode slot", registry=r)
+        self.queue_depth = Gauge("omni_queue_depth", "Whole requests waiting for a decode slot", registry=r)
+        self.first_audio_seconds = Histogram(
+            "omni_first_audio_seconds", "From a client's codes to its first audio", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.step_seconds = Histogram(
+            "omni_step_seconds", "One decode step of every stream with frames", buckets=LATENCY_BUCKETS, registry=r
+        )
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)
