@@ -189,9 +189,10 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_WORK_DIR,
         help="the folder the demo writes to, made if missing (default: ./%(default)s)",
     )
-    parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1; default: %(default)s)")
-    parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1; default: %(default)s)")
-    parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1; default: %(default)s)")
+    default = ">= 1; default: %(default)s"
+    parser.add_argument("--requests", type=_positive, default=12, help=f"training requests ({default})")
+    parser.add_argument("--steps", type=_positive, default=40, help=f"fine-tuning steps ({default})")
+    parser.add_argument("--threads", type=_positive, default=1, help=f"torch intra-op threads ({default})")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         import difflib

@@ -24,6 +24,8 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
+from omni_lightning.cpu_threads import threads_said
+
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
 LARGE_ON_CPU = 50_000_000
 
@@ -197,6 +199,7 @@ def start_lines(trainer: pl.Trainer, pl_module: Any, config: Any, params: int) -
     ranks = f" over {trainer.world_size} processes" if trainer.world_size > 1 else ""
     job = f"{requests} request{'s' * (requests != 1)} to decode ({audio_s:.1f} s of audio){ranks}{done}"
     where = f"{device.type} {trainer.precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
+    where += f", {threads_said()}" if device.type == "cpu" else ""
     lines = [f"predict: {model}, {params / 1e6:.1f} M parameters, {weights}; {where}; {memory}, {budget}; {job}"]
     if device.type == "cpu" and params > LARGE_ON_CPU:
         size = f"{params / 1e6:.0f} M parameters"
