@@ -60,7 +60,9 @@ def test_a_plain_predict_says_what_runs_writes_only_its_out_dir_and_counts_audio
     assert "s/s" in log and "<00:00" in log  # the bar's rate (audio seconds per second) and its time left
     assert sorted(os.listdir(tmp_path)) == ["codes", "wavs"]  # no lightning_logs/: predict needs no logger
     assert "tensorboardX" not in log and "No seed found" not in log and "Seed set to" not in log, log
-    assert "\x1b" not in log  # stdout is not a terminal: no ANSI codes
+    assert "\x1b" not in log and "\r" not in log  # stdout is not a terminal: no ANSI codes, no redraws
+    bar = [line for line in log.splitlines() if line.startswith("Predicting")]  # a line a tenth, and the last
+    assert 1 <= len(bar) <= 10 and bar[-1].startswith("Predicting: 4.9/4.9 ["), log
 
 
 @pytest.mark.slow

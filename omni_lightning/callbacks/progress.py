@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,6 +25,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
+from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, train_line
 from omni_lightning.cpu_threads import threads_said
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
@@ -46,6 +48,28 @@ class AudioProgressBar(TQDMProgressBar):
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
+    # where stdout is not a terminal, plain lines (progress_lines.py): a fit's own, and LineTqdm bars
+    def init_train_tqdm(self) -> Tqdm:
+        self._train_lines = (-1, time.monotonic())  # (the step of the last line, when training began)
+        return super().init_train_tqdm() if sys.stdout.isatty() else Tqdm(disable=True)
+
+    def init_sanity_tqdm(self) -> Tqdm:
+        return super().init_sanity_tqdm() if sys.stdout.isatty() else self._bar(self.sanity_check_description, False)
+
+    def init_test_tqdm(self) -> Tqdm:
+        return super().init_test_tqdm() if sys.stdout.isatty() else self._bar(self.test_description, leave=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if sys.stdout.isatty() or self.is_disabled:
+            return
+        last, began = getattr(self, "_train_lines", (-1, time.monotonic()))
+        step, every = trainer.global_step, line_every(trainer)
+        if step // every > max(last, 0) // every or step == trainer.max_steps != last:
+            print(train_line(trainer, self.get_metrics(trainer, pl_module), time.monotonic() - began), flush=True)
+            last = step
+        self._train_lines = (last, began)
+
     def on_sanity_check_start(self, *_: Any) -> None:
         """No bar yet: it is made at the sanity check's first batch, so a fit without validation data shows
         none (Lightning's stood at "0/?")."""
@@ -58,7 +82,7 @@ class AudioProgressBar(TQDMProgressBar):
 
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
-        return tqdm_progress.Tqdm(
+        return (tqdm_progress.Tqdm if sys.stdout.isatty() else LineTqdm)(
             desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,
