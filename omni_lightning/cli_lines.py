@@ -119,9 +119,9 @@ class ResumedWithinEpoch(Callback):
         done = trainer.global_step % steps
         if done == 0:
             return  # saved at an epoch's end: the resume is exact
-        rest = f"{steps - done} steps take" if steps - done > 1 else "step takes"
+        left = steps - done
+        rest = f"{left} steps take the epoch's first {left} batches" if left > 1 else "step takes its first batch"
         print(
             f"fit: resumed at step {trainer.global_step}, within epoch {trainer.current_epoch} ({done} of its {steps} "
-            f"steps done): its other {rest} the epoch's first batches again (a checkpoint does not hold the "
-            "loader's place)"
+            f"steps done): its other {rest} again (a checkpoint does not hold the loader's place)"
         )

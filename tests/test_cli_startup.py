@@ -304,7 +304,7 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
     captured = capsys.readouterr()
     assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in captured.out, captured.out
     assert "random weights; cpu 32-true" in first.out and f"resuming from {saved}; cpu 32-true" in captured.out
-    resumed = "fit: resumed at step 1, within epoch 0 (1 of its 2 steps done): its other step takes the epoch's first"
+    resumed = "fit: resumed at step 1, within epoch 0 (1 of its 2 steps done): its other step takes its first batch"
     assert resumed in captured.out, captured.out
     last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
     assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
