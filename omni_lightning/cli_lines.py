@@ -5,20 +5,15 @@ random weights; cpu 32-true, 1 torch thread (2 cores, load 0.3)``) in place of L
 and its ``GPU available`` / ``TPU available`` lines; predict's start-up line is ``PredictStartLine``'s.
 While a command runs, Lightning's ``Seed set to 0``, ``Restoring states from ...``, ``Loaded model
 weights from ...`` and ``Detected KeyboardInterrupt ...`` are dropped: the start-up line names the
-weights, the last line says what an interrupt saved. A fit resumed within an epoch says in one line
-what Lightning's "not resumable" warning meant.
+weights, the last line says what an interrupt saved.
 """
 
 from __future__ import annotations
 
 import logging
-import math
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-
-from lightning.pytorch.callbacks import Callback
 
 from omni_lightning.cpu_threads import choose_threads, threads_said
 
@@ -31,7 +26,6 @@ DROPPED = (
 )
 LOGGERS = ("lightning.fabric.utilities.seed", "lightning.pytorch.utilities.rank_zero",
            "lightning.pytorch.trainer.connectors.signal_connector")  # fmt: skip
-NOT_RESUMABLE = "You're resuming from a checkpoint that ended before the epoch ended"
 
 
 def _drop_said_elsewhere(record: logging.LogRecord) -> bool:
@@ -92,36 +86,9 @@ def start_line(subcommand: str, trainer: Any, module: Any, ckpt_path: Any) -> st
     return f"{subcommand}: {model}, {size}, {origin}; {where}{ranks}"
 
 
-def say_start(cli: Any, resumed_from: Any = None) -> None:
-    """Prints the start-up line of ``cli``'s subcommand (rank 0); a fit from ``resumed_from`` also gets
-    :class:`ResumedWithinEpoch`."""
-    if resumed_from:
-        cli.trainer.callbacks.append(ResumedWithinEpoch(str(resumed_from)))
+def say_start(cli: Any) -> None:
+    """Prints the start-up line of ``cli``'s subcommand (rank 0)."""
     ckpt_path = cli.config[cli.subcommand].get("ckpt_path")
     line = start_line(cli.subcommand, cli.trainer, cli.model, ckpt_path)
     if line and cli.trainer.is_global_zero:
         print(line)
-
-
-class ResumedWithinEpoch(Callback):
-    """A fit resumed from a checkpoint saved within an epoch (``interrupted.ckpt``) says in one line that
-    the rest of that epoch takes its batches from the epoch's start; Lightning's longer warning is dropped."""
-
-    def __init__(self, ckpt_path: str) -> None:
-        self.ckpt_path = ckpt_path
-        warnings.filterwarnings("ignore", message=NOT_RESUMABLE)
-
-    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        total = trainer.num_training_batches
-        if not trainer.is_global_zero or total == float("inf"):
-            return
-        steps = math.ceil(total / trainer.accumulate_grad_batches)  # an epoch's steps, as Lightning counts them
-        done = trainer.global_step % steps
-        if done == 0:
-            return  # saved at an epoch's end: the resume is exact
-        left = steps - done
-        rest = f"{left} steps take the epoch's first {left} batches" if left > 1 else "step takes its first batch"
-        print(
-            f"fit: resumed at step {trainer.global_step}, within epoch {trainer.current_epoch} ({done} of its {steps} "
-            f"steps done): its other {rest} again (a checkpoint does not hold the loader's place)"
-        )

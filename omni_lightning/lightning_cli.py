@@ -202,10 +202,9 @@ class OmniCLI(LightningCLI):
         another folder (``configs/finetune.yaml`` makes a new ``version_N`` per run, by design)."""
         warnings.filterwarnings("ignore", message="The dirpath has changed from .* won't be reloaded")
         save_on_stop(self.trainer)
-        ckpt_path = self.config[self.subcommand].get("ckpt_path")
-        if ckpt_path == "last":
+        if self.config[self.subcommand].get("ckpt_path") == "last":
             check_resume_last(self.trainer)
-        say_start(self, resumed_from=ckpt_path)
+        say_start(self)
 
     def before_validate(self) -> None:
         """Lightning's metrics table (``--verbose``) becomes one line, printed after the run."""

@@ -280,8 +280,8 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
 ):
     """Ctrl-C before configs/finetune.yaml's first checkpoint (every 200 steps) left nothing to resume from,
     and the command said only "error: interrupted". Stopped within an epoch (4 pairs, 2 a batch), the resumed
-    fit says in one line how it ends that epoch, where Lightning warned that the loader was "not resumable";
-    Lightning's seed, KeyboardInterrupt, restoring and model-table lines are left out."""
+    fit goes on there, where Lightning warned that the loader was "not resumable"; Lightning's seed,
+    KeyboardInterrupt, restoring and model-table lines are left out."""
     import torch
 
     from omni_lightning.cli import main
@@ -304,8 +304,6 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
     captured = capsys.readouterr()
     assert "fit: last checkpoint runs/finetune/version_1/checkpoints/last.ckpt" in captured.out, captured.out
     assert "random weights; cpu 32-true" in first.out and f"resuming from {saved}; cpu 32-true" in captured.out
-    resumed = "fit: resumed at step 1, within epoch 0 (1 of its 2 steps done): its other step takes its first batch"
-    assert resumed in captured.out, captured.out
     last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
     assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
     said = first.out + first.err + captured.out + captured.err + caplog.text
