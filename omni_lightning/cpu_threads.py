@@ -1,8 +1,8 @@
 """torch's intra-op threads for a command-line run on the CPU: the cores free to this process.
 
 torch starts one thread per core it sees. Where those cores are busy (other processes, this run's own
-data-loader workers) its threads wait on each other: on a shared 2-core machine the README's 40-step
-fit took 4 min 43 s on torch's 2 threads and 1 min 20 s on one (docs/performance.md). The command line
+data-loader workers) its threads wait on each other: on a shared 2-core machine two threads made the
+README's 40-step fit about 3x slower than one (docs/performance.md, "CPU threads"). The command line
 counts the cores this process may run on (``os.sched_getaffinity``), less its loader workers and the
 cores other processes keep busy (the 1-minute load average), at least one. ``OMP_NUM_THREADS`` set in
 the environment is the user's choice and stands. Standard library and torch only.

@@ -1,9 +1,9 @@
 """The progress bar where stdout is not a terminal (a log file, a pipe): plain lines, no ``\\r`` redraws.
 
-A bar redrawn with ``\\r`` in a log file is one line of every update run together (13 KB for a 40-step
-fit). There, :class:`LineTqdm` writes the bar's state as a line of its own each tenth of its total and
-at its end (50 units apart where the total is unknown; a bar that a terminal would clear, as a fit's
-validation's, only its last line), and a fit says one line each tenth of its steps (:func:`train_line`).
+A bar redrawn with ``\\r`` in a log file is one line of every update run together. There, :class:`LineTqdm`
+writes the bar's state as a line of its own each tenth of its total and at its end (50 units apart where
+the total is unknown; a bar that a terminal would clear, as a fit's validation's, only its last line),
+and a fit says one line each tenth of its steps (:func:`train_line`).
 ``AudioProgressBar`` uses them when ``sys.stdout`` is not a terminal.
 """
 
