@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
-from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, train_line
+from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, redraws, train_line
 from omni_lightning.cpu_threads import threads_said
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
@@ -44,24 +44,24 @@ class AudioProgressBar(TQDMProgressBar):
     def init_validation_tqdm(self) -> Tqdm:
         """Lightning's validation bar, on the main bar's line where stdout is not a terminal: a bar on a
         line of its own moves the cursor with ANSI codes, which a log file would keep."""
-        if sys.stdout.isatty():
+        if redraws():
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
     # where stdout is not a terminal, plain lines (progress_lines.py): a fit's own, and LineTqdm bars
     def init_train_tqdm(self) -> Tqdm:
         self._train_lines = (-1, time.monotonic())  # (the step of the last line, when training began)
-        return super().init_train_tqdm() if sys.stdout.isatty() else Tqdm(disable=True)
+        return super().init_train_tqdm() if redraws() else Tqdm(disable=True)
 
     def init_sanity_tqdm(self) -> Tqdm:
-        return super().init_sanity_tqdm() if sys.stdout.isatty() else self._bar(self.sanity_check_description, False)
+        return super().init_sanity_tqdm() if redraws() else self._bar(self.sanity_check_description, False)
 
     def init_test_tqdm(self) -> Tqdm:
-        return super().init_test_tqdm() if sys.stdout.isatty() else self._bar(self.test_description, leave=True)
+        return super().init_test_tqdm() if redraws() else self._bar(self.test_description, leave=True)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         super().on_train_batch_end(trainer, pl_module, *args)
-        if sys.stdout.isatty() or self.is_disabled:
+        if redraws() or self.is_disabled:
             return
         last, began = getattr(self, "_train_lines", (-1, time.monotonic()))
         step, every = trainer.global_step, line_every(trainer)
@@ -82,7 +82,7 @@ class AudioProgressBar(TQDMProgressBar):
 
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
-        return (tqdm_progress.Tqdm if sys.stdout.isatty() else LineTqdm)(
+        return (tqdm_progress.Tqdm if redraws() else LineTqdm)(
             desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,

@@ -4,12 +4,13 @@ A bar redrawn with ``\\r`` in a log file is one line of every update run togethe
 writes the bar's state as a line of its own each tenth of its total and at its end (50 units apart where
 the total is unknown; a bar that a terminal would clear, as a fit's validation's, only its last line),
 and a fit says one line each tenth of its steps (:func:`train_line`).
-``AudioProgressBar`` uses them when ``sys.stdout`` is not a terminal.
+``AudioProgressBar`` uses them where stdout does not redraw (:func:`redraws`).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
@@ -17,6 +18,11 @@ from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 LINE_FORMAT = "{desc}{n_fmt}/{total_fmt} [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 PARTS = 10  # lines per bar (a fit's steps, a predict's audio seconds)
 UNKNOWN_TOTAL_EVERY = 50
+
+
+def redraws() -> bool:
+    """Whether stdout shows a bar redrawn in place: a terminal, or a notebook (whose output renders ``\\r``)."""
+    return sys.stdout.isatty() or type(sys.stdout).__module__.startswith("ipykernel")
 
 
 class LineTqdm(Tqdm):
