@@ -180,16 +180,19 @@ def main(argv: list[str] | None = None) -> None:
     """``omni-lightning demo [options]``: runs :func:`run_demo`. UsageError for an option it does not
     take, naming the closest one (argparse's own message names none)."""
     parser = argparse.ArgumentParser(
-        prog="omni-lightning demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="omni-lightning demo",
+        description=__doc__.replace("``", ""),  # reST literals read as plain text in a terminal
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--work-dir",
         default=DEFAULT_WORK_DIR,
         help="the folder the demo writes to, made if missing (default: ./%(default)s)",
     )
-    parser.add_argument("--requests", type=_positive, default=12, help="training requests (>= 1)")
-    parser.add_argument("--steps", type=_positive, default=40, help="fine-tuning steps (>= 1)")
-    parser.add_argument("--threads", type=_positive, default=1, help="torch intra-op threads (>= 1)")
+    default = ">= 1; default: %(default)s"
+    parser.add_argument("--requests", type=_positive, default=12, help=f"training requests ({default})")
+    parser.add_argument("--steps", type=_positive, default=40, help=f"fine-tuning steps ({default})")
+    parser.add_argument("--threads", type=_positive, default=1, help=f"torch intra-op threads ({default})")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         import difflib

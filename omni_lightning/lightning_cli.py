@@ -14,7 +14,6 @@ summary, and phase timings when asked. What it leaves out: LightningCLI's ``--op
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import time
 import warnings
@@ -28,6 +27,7 @@ from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
 from omni_lightning.cli_fit import check_resume_last, drop_callbacks_turned_off, save_on_stop, stopped_fit_note
 from omni_lightning.cli_help import HELP_OPTIONS, short_help
+from omni_lightning.cli_lines import quiet_cli_run, say_start, set_cpu_threads
 from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading, log_places, one_line
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
@@ -128,6 +128,7 @@ class OmniCLI(LightningCLI):
             parser.groups[subcommand].title = METHOD_GROUP[subcommand]
         if subcommand == "predict":
             parser.set_defaults({"trainer.logger": False})
+        parser.set_defaults({"trainer.enable_model_summary": False})  # the start-up line counts the parameters
         if isinstance(parser, OneLineErrorParser) and not self.full_help and subcommand in HELP_OPTIONS:
             parser.short_help = subcommand
         return parser
@@ -164,6 +165,7 @@ class OmniCLI(LightningCLI):
 
         self._mark("built")
         data, finished = getattr(self, "datamodule", None), self.finished
+        set_cpu_threads(self.trainer, data)
         same = isinstance(data, CodesDataModule) and isinstance(data.skip_done, (str, Path)) and finished is not None
         if same and Path(data.skip_done).resolve() == finished.out_dir.resolve():
             data.skip_done = finished  # the folder as the checks read it a moment ago: not read again
@@ -202,12 +204,14 @@ class OmniCLI(LightningCLI):
         save_on_stop(self.trainer)
         if self.config[self.subcommand].get("ckpt_path") == "last":
             check_resume_last(self.trainer)
+        say_start(self)
 
     def before_validate(self) -> None:
         """Lightning's metrics table (``--verbose``) becomes one line, printed after the run."""
         quiet_checkpoint_callbacks_warning()
         args = self.config_init[self.subcommand]
         self._verbose, args["verbose"] = args["verbose"], False
+        say_start(self)
 
     def before_predict(self) -> None:
         quiet_checkpoint_callbacks_warning()
@@ -270,29 +274,23 @@ def run_lightning_cli(
     ``timings``, ``finished`` and ``full_help``: see :class:`OmniCLI`."""
     if timings is not None:
         timings["imported"] = time.time()  # torch and Lightning are loaded once this module is
-    signals = logging.getLogger("lightning.pytorch.trainer.connectors.signal_connector")
-    if _drop_sigterm_note not in signals.filters:  # the command's own last line says it was terminated
-        signals.addFilter(_drop_sigterm_note)
-    return OmniCLI(
-        Code2WavModule,
-        CodesDataModule,
-        trainer_class=Trainer,
-        args=argv,
-        save_config_callback=SaveConfigWithLogger,
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,  # seeded once, quietly (True logs "No seed found" and then the seed)
-        auto_configure_optimizers=False,  # the module configures its own (an --optimizer would replace them)
-        parser_class=OneLineErrorParser,
-        parser_kwargs={
-            "prog": "omni-lightning",
-            "description": description,
-            "formatter_class": argparse.RawDescriptionHelpFormatter,
-        },
-        timings=timings,
-        finished=finished,
-        full_help=full_help,
-    )
-
-
-def _drop_sigterm_note(record: logging.LogRecord) -> bool:
-    return "Received SIGTERM" not in str(record.msg)
+    with quiet_cli_run():
+        return OmniCLI(
+            Code2WavModule,
+            CodesDataModule,
+            trainer_class=Trainer,
+            args=argv,
+            save_config_callback=SaveConfigWithLogger,
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,  # seeded once, quietly (True logs "No seed found" and then the seed)
+            auto_configure_optimizers=False,  # the module configures its own (an --optimizer would replace them)
+            parser_class=OneLineErrorParser,
+            parser_kwargs={
+                "prog": "omni-lightning",
+                "description": description,
+                "formatter_class": argparse.RawDescriptionHelpFormatter,
+            },
+            timings=timings,
+            finished=finished,
+            full_help=full_help,
+        )

@@ -28,7 +28,8 @@ class Trainer(pl.Trainer):
     batch saying what runs) and a ``ParameterSummary`` (Lightning's model summary less its FLOPs column
     of zeros; none with ``enable_model_summary=False``). It does not change Lightning's logger or
     checkpointing defaults. It silences, each by its one message, what a user cannot act on
-    (:func:`quiet_known_noise`).
+    (:func:`quiet_known_noise`), and Lightning's "GPU available: ..." / "TPU available: ..." lines (the
+    start-up line says the device; Lightning's warning of a GPU left unused stays).
 
     Args:
         gpu_memory_utilization: Fraction of the GPU this process may allocate during predict, in (0, 1]
@@ -43,7 +44,12 @@ class Trainer(pl.Trainer):
     ) -> None:
         kwargs["callbacks"] = _with_defaults(kwargs, async_d2h)
         quiet_known_noise()
-        super().__init__(*args, **kwargs)
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        rank_zero.addFilter(_drop_device_lines)  # this trainer's only: a stock Trainer still prints them
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            rank_zero.removeFilter(_drop_device_lines)
         for logger in self.loggers:
             _quiet_wandb_init(logger)
         # the loop takes the trainer's inference_mode from the stock loop it replaces
@@ -107,15 +113,11 @@ def quiet_checkpoint_callbacks_warning() -> None:
 @contextmanager
 def quiet_cli_trainer(subcommand: str) -> Iterator[None]:
     """While the command line builds its trainer: Lightning's advice to install tensorboard (its default
-    logger is then a CSV one, whose folder the command's last line names) is dropped; for predict and serve, whose
-    start-up line says the device, the precision and a GPU left unused, so are Lightning's "GPU
-    available: ...", "TPU available: ..." lines and its "GPU available but not used" warning. Put back after."""
-    logger, messages = (
-        logging.getLogger("lightning.pytorch.utilities.rank_zero"),
-        ["Starting from v1.9.0, `tensorboardX`"],
-    )
+    logger is then a CSV one, whose folder the command's last line names) is dropped; for predict and serve,
+    whose start-up line says the device, the precision and a GPU left unused, so is Lightning's "GPU
+    available but not used" warning. Put back after."""
+    messages = ["Starting from v1.9.0, `tensorboardX`"]
     if subcommand in ("predict", "serve"):
-        logger.addFilter(_drop_device_lines)
         messages.append("GPU available but not used")
     added = []
     for message in messages:
@@ -124,7 +126,6 @@ def quiet_cli_trainer(subcommand: str) -> Iterator[None]:
     try:
         yield
     finally:
-        logger.removeFilter(_drop_device_lines)
         for entry in added:
             if entry in warnings.filters:
                 warnings.filters.remove(entry)

@@ -48,10 +48,14 @@ def test_top_level_help_lists_every_subcommand_and_the_options_read_before_torch
         assert said in report["out"]
 
 
-def test_demo_help_shows_its_default_work_folder(capsys):
+def test_demo_help_shows_its_defaults_in_plain_text(capsys):
     with pytest.raises(SystemExit) as exited:
         main(["demo", "--help"])
-    assert exited.value.code == 0 and "(default: ./omni_lightning_demo)" in " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().out.split())
+    assert exited.value.code == 0 and "(default: ./omni_lightning_demo)" in out
+    for said in ("training requests (>= 1; default: 12)", "steps (>= 1; default: 40)", "threads (>= 1; default: 1)"):
+        assert said in out, out
+    assert "``" not in out, out  # reST literals are for the docstring, not the terminal
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """The documentation runs: every ```python block of README.md and docs/*.md, as written, alone, on the CPU.
 
 Alone: each block in a fresh namespace and a fresh working folder, as a reader who copies one block into a
-new file runs it (a block that used a name an earlier block made failed with NameError). A block may use
+new file runs it (a block that used a name an earlier block made failed with NameError); a block writes
+only under ``runs/`` there (the clone's .gitignore covers it). A block may use
 what the README's quick start leaves behind, ``omni_lightning_demo/data`` (the demo's code files and
 pairs): the child process makes it once, with the demo's own function, and links it into each block's
 folder. All blocks run in one child process (this file run as a script), so the package is imported once;
@@ -53,7 +54,15 @@ def run_block(name: str, line: int, code: str, folder: Path, demo_data: Path) ->
         exec(compile(code, f"{name}:{line}", "exec"), {"__name__": "__main__"})
     except BaseException:  # noqa: BLE001 - reported to the parent, which fails the block
         return {"ok": False, "error": traceback.format_exc(limit=-8)}
-    return {"ok": True, "wall": round(time.perf_counter() - start, 2), "cpu": round(time.process_time() - cpu, 2)}
+    wall, cpu = round(time.perf_counter() - start, 2), round(time.process_time() - cpu, 2)
+    # everything an example writes goes under runs/ (the repository's .gitignore covers it), not beside the
+    # reader's files; the demo's data is only read
+    read = [folder / "runs", folder / DEMO_DATA]
+    outside = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not any(map(p.is_relative_to, read)))
+    outside = [p for p in outside if p != "omni_lightning_demo"]
+    if outside:
+        return {"ok": False, "error": f"wrote outside runs/: {outside[:10]}"}
+    return {"ok": True, "wall": wall, "cpu": cpu}
 
 
 def _child(names: list[str]) -> None:

@@ -4,7 +4,8 @@ at ``max_steps``, its metrics logged at the same steps, its learning rate where 
 
 Lightning's own progress counters, saved mid-step, count the unfinished batch as begun; its restart
 logic then puts every later step-based check one step early (the last optimizer step was never
-checkpointed). The CLI test in ``test_cli_startup.py`` stops between steps, where this does not show.
+checkpointed). The CLI test in ``test_cli_startup.py`` stops between steps, where this does not show. The
+resumed fit ends with the uninterrupted fit's weights: the training loader resumes within its epoch.
 """
 
 import csv
@@ -81,3 +82,6 @@ def test_a_fit_stopped_inside_a_step_resumes_on_the_uninterrupted_fits_steps(tmp
     assert last["global_step"] == STEPS
     lr = [m.trainer.optimizers[0].param_groups[0]["lr"] for m in (whole, resumed)]
     assert lr[0] == lr[1]  # the schedule stepped once per optimizer step, the unfinished one not counted
+    # the resumed epoch went on with the batches the uninterrupted fit took there: the same weights at the end
+    for (name, a), b in zip(whole.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)

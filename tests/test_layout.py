@@ -3,9 +3,9 @@ and ``import omni_lightning`` stays light.
 
 Layers, lowest first; a file may import its own layer and the layers below it, never above:
 
-    lazy, errors, kernels < models < engine < data < runner < callbacks < training < evaluation < module
-        < trainer < __init__ < serving < console, cli_help, arguments, preflight, path_checks
-        < lightning_cli, cli_fit, cli_serve < cli, demo
+    lazy, errors, torchaudio_import, cpu_threads, kernels < models < engine < data < runner < callbacks < training
+        < evaluation < module < trainer < __init__ < serving < console, cli_help, arguments, preflight, path_checks
+        < lightning_cli, cli_fit, cli_serve, cli_lines < cli, demo
 
 - ``kernels``: one op per file (Triton kernel, launcher, torch reference) and ``Kernels``, a choice of them.
 - ``models``: the pure-torch model, its config, state and checkpoints; no Lightning.
@@ -23,10 +23,12 @@ Layers, lowest first; a file may import its own layer and the layers below it, n
   never imports it.
 - ``lazy``: the packages' import-on-first-use helper (standard library only).
 - ``errors``: ``UsageError``, the user's mistakes (exit status 2), raised from data up to the CLI.
+- ``torchaudio_import``: the one import of torchaudio (a broken install is a UsageError naming the fix).
+- ``cpu_threads``: torch's threads for a command-line run on the CPU (standard library and torch).
 - ``console``, ``cli_help``, ``arguments``, ``preflight``, ``path_checks``: what the CLI prints, reads and
   checks before torch loads.
-- ``lightning_cli``, ``cli_fit``, ``cli_serve``: the LightningCLI over the module, data module and Trainer
-  (``cli_serve``: parsed, not run, and served).
+- ``lightning_cli``, ``cli_fit``, ``cli_serve``, ``cli_lines``: the LightningCLI over the module, data module and
+  Trainer (``cli_serve``: parsed, not run, and served), and what it says as a run starts.
 - ``cli`` and ``demo``: entry points over the public API (the CLI starts the demo).
 
 Edges are every ``import`` in a file, at the top and inside functions (a lazy import still binds the
@@ -40,9 +42,10 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "omni_lightning"
-LAYERS = [("lazy", "errors", "kernels"), "models", "engine", "data", "runner", "callbacks", "training", "evaluation",
-          "module", "trainer", "__init__", "serving", ("console", "cli_help", "arguments", "preflight", "path_checks"),
-          ("lightning_cli", "cli_fit", "cli_serve"), ("cli", "demo")]  # fmt: skip
+LAYERS = [("lazy", "errors", "torchaudio_import", "cpu_threads", "kernels"), "models", "engine", "data", "runner",
+          "callbacks", "training", "evaluation", "module", "trainer", "__init__", "serving",
+          ("console", "cli_help", "arguments", "preflight", "path_checks"),
+          ("lightning_cli", "cli_fit", "cli_serve", "cli_lines"), ("cli", "demo")]  # fmt: skip
 MAX_LINES = 300
 # Files allowed past MAX_LINES, each with the reason.
 LONG_FILES: dict[str, str] = {

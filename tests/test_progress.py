@@ -50,6 +50,10 @@ def test_the_bar_ends_its_line_before_lightning_says_fit_stopped(tmp_path, capsy
     out = capsys.readouterr().out
     assert "\n`Trainer.fit` stopped: `max_steps=2` reached." in out and "train/loss" in out, out
     assert "v_num" not in out, out
+    # stdout is not a terminal here: whole lines, one each tenth of the steps, no "\r" redraws
+    assert "\r" not in out and "\x1b" not in out, repr(out)
+    steps = [line.split(" (")[0] for line in out.splitlines() if line.startswith("Epoch ")]
+    assert steps == ["Epoch 0, step 1/2", "Epoch 1, step 2/2"], out
 
 
 class FailsOnce(Code2WavModule):

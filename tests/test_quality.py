@@ -181,7 +181,7 @@ def test_the_cli_summary_and_the_offline_wandb_run_show_the_same_scores_per_run_
         assert main(job) == 0
     finally:
         wandb.finish()
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("validate: "))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("validate: val/"))
     said = dict(item.split("=") for item in line.removeprefix("validate: ").split("; ")[0].split(", "))
     record_file = next((tmp_path / "runs").rglob("run-*.wandb"))
     wait_for_exit(record_file)

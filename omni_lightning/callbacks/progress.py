@@ -17,12 +17,16 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
+
+from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, redraws, train_line
+from omni_lightning.cpu_threads import threads_said
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
 LARGE_ON_CPU = 50_000_000
@@ -40,9 +44,31 @@ class AudioProgressBar(TQDMProgressBar):
     def init_validation_tqdm(self) -> Tqdm:
         """Lightning's validation bar, on the main bar's line where stdout is not a terminal: a bar on a
         line of its own moves the cursor with ANSI codes, which a log file would keep."""
-        if sys.stdout.isatty():
+        if redraws():
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
+
+    # where stdout is not a terminal, plain lines (progress_lines.py): a fit's own, and LineTqdm bars
+    def init_train_tqdm(self) -> Tqdm:
+        self._train_lines = (-1, time.monotonic())  # (the step of the last line, when training began)
+        return super().init_train_tqdm() if redraws() else Tqdm(disable=True)
+
+    def init_sanity_tqdm(self) -> Tqdm:
+        return super().init_sanity_tqdm() if redraws() else self._bar(self.sanity_check_description, False)
+
+    def init_test_tqdm(self) -> Tqdm:
+        return super().init_test_tqdm() if redraws() else self._bar(self.test_description, leave=True)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        super().on_train_batch_end(trainer, pl_module, *args)
+        if redraws() or self.is_disabled:
+            return
+        last, began = getattr(self, "_train_lines", (-1, time.monotonic()))
+        step, every = trainer.global_step, line_every(trainer)
+        if step // every > max(last, 0) // every or step == trainer.max_steps != last:
+            print(train_line(trainer, self.get_metrics(trainer, pl_module), time.monotonic() - began), flush=True)
+            last = step
+        self._train_lines = (last, began)
 
     def on_sanity_check_start(self, *_: Any) -> None:
         """No bar yet: it is made at the sanity check's first batch, so a fit without validation data shows
@@ -56,7 +82,7 @@ class AudioProgressBar(TQDMProgressBar):
 
     def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
         # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
-        return tqdm_progress.Tqdm(
+        return (tqdm_progress.Tqdm if redraws() else LineTqdm)(
             desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,
@@ -210,6 +236,7 @@ def what_runs(pl_module: Any, config: Any, params: int, ckpt_path: str | None, d
     origin = origin or (f"weights from {checkpoint}" if checkpoint else "its weights")
     weights = f"weights from {ckpt_path}" if ckpt_path else origin
     where = f"{device.type} {precision}" + (" (a GPU is available, unused)" if _gpu_unused(device) else "")
+    where += f", {threads_said()}" if device.type == "cpu" else ""
     return f"{model}, {params / 1e6:.1f} M parameters, {weights}; {where}"
 
 

@@ -209,10 +209,12 @@ class CodesDataModule(pl.LightningDataModule):
             rank=rank,
         )
         pin = self.trainer is not None and self.trainer.strategy.root_device.type == "cuda"
-        loader = StartsAtFirstBatch if shuffle else DataLoader
-        return loader(
+        loader = (StartsAtFirstBatch if shuffle else DataLoader)(
             dataset, batch_sampler=batches, collate_fn=collate_codes, num_workers=self._workers(dataset), pin_memory=pin
         )
+        if shuffle and self.trainer is not None:
+            loader.finished_batches = lambda: self.trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        return loader
 
     def _require(self, stage: str) -> Any:
         if stage not in self.datasets:  # setup refuses a stage without data; this is a hook called without it
@@ -246,14 +248,30 @@ class CodesDataModule(pl.LightningDataModule):
 class StartsAtFirstBatch(DataLoader):
     """The training loader: iterating it starts its workers and its batch sampler at the first batch.
 
-    Lightning makes a fit's first iterator before it sets the samplers' epoch; a plain loader would
-    start its workers there, with the epoch it was built with, so a fit resumed from a checkpoint
-    would take other crops and another batch order than an uninterrupted one. Deferred here, the
-    epoch is set before anything reads it.
+    Lightning makes a fit's first iterator before it sets the samplers' epoch; a plain loader would start
+    its workers there, with the epoch it was built with, so a fit resumed from a checkpoint would take
+    other crops and another batch order than an uninterrupted one. Deferred here, the epoch is set before
+    anything reads it. Resumable (Lightning's ``state_dict`` / ``load_state_dict``): a fit resumed within
+    an epoch goes on after the batches it finished there (``finished_batches``: the fit loop's count).
     """
 
+    finished_batches: Callable[[], int] | None = None
+    _resumed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the place is the fit loop's own count
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = True
+
     def __iter__(self) -> Iterator[Any]:
-        return _Deferred(super().__iter__)
+        return _Deferred(self._start)
+
+    def _start(self) -> Iterator[Any]:
+        if self._resumed and self.finished_batches is not None and hasattr(self.batch_sampler, "start_after"):
+            self.batch_sampler.start_after(self.finished_batches())
+        self._resumed = False
+        return super().__iter__()
 
 
 class _Deferred:

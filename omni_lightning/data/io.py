@@ -250,9 +250,9 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
         raise _non_finite(f"audio file {path}", bad)
     audio = torch.from_numpy(data).mean(dim=1)
     if sr != sample_rate:
-        import torchaudio
+        from omni_lightning.torchaudio_import import import_torchaudio
 
-        audio = torchaudio.functional.resample(audio, sr, sample_rate)
+        audio = import_torchaudio().functional.resample(audio, sr, sample_rate)
     return audio
 
 

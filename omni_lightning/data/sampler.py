@@ -128,8 +128,13 @@ class LengthBucketBatchSampler(BatchSampler):
             batches = [batch[self.rank :: world] or [batch[self.rank % len(batch)]] for batch in batches]
         return batches
 
+    def start_after(self, batches: int) -> None:
+        """The next iteration leaves out its first ``batches`` batches, unread (a fit resumed within an epoch)."""
+        self._skip = batches
+
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._batches()
+        skip, self._skip = getattr(self, "_skip", 0), 0
+        yield from self._batches()[skip:]
 
     def __len__(self) -> int:
         return len(self._batches())

@@ -68,8 +68,10 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import torchaudio
 
+    from omni_lightning.torchaudio_import import import_torchaudio
+
+    torchaudio = import_torchaudio()
     # zero-padded at the ends: reflect padding refuses a request shorter than half the window
     mel = torchaudio.transforms.MelSpectrogram(sample_rate, n_fft=1024, hop_length=256, n_mels=80, pad_mode="constant")
     mel = mel(wav.float())

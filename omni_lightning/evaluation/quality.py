@@ -128,8 +128,9 @@ class QualityScorer(pl.Callback):
         real = torch.arange(n, device=pred.device)[None] < lengths[:, None]  # a cut request's zeros past its end
         signals = [target[:, :n] * real, pred[:, :n] * real]
         if "pesq" in self.names:
-            from torchaudio.functional import resample
+            from omni_lightning.torchaudio_import import import_torchaudio
 
+            resample = import_torchaudio().functional.resample
             signals += [resample(s, self.sample_rate, PESQ_RATE) for s in signals]
         host = [s.cpu().numpy() for s in signals]
         pool = self._start()

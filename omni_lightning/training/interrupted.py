@@ -12,8 +12,8 @@ A stop inside a training step leaves Lightning's progress counters counting that
 restart logic (2.6) resets only the current epoch's: the fit resumed from such a file ran every later
 step-based check one step early (a validation at step 7 of 8, the last step never checkpointed). The
 file saved here holds the loops as they were after the last finished batch (:func:`unfinished_batch_undone`),
-so the resumed fit redoes that batch and checks on the steps an uninterrupted fit does. Not done: a
-resumable training loader; the resumed epoch sees its batches again from the start (Lightning warns).
+so the resumed fit redoes that batch and checks on the steps an uninterrupted fit does; ``CodesDataModule``'s
+training loader resumes within its epoch (``StartsAtFirstBatch``), so it also takes the same batches.
 """
 
 from __future__ import annotations

@@ -56,8 +56,9 @@ class MultiResolutionMelLoss(nn.Module):
         eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        import torchaudio
+        from omni_lightning.torchaudio_import import import_torchaudio
 
+        torchaudio = import_torchaudio()  # a broken install is one line naming the fix, not a traceback
         with _fp32_default():
             self.spectra = MultiResolutionSTFT(n_ffts)
             for n, m in zip(n_ffts, n_mels):
