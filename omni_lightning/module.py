@@ -69,6 +69,7 @@ class Code2WavModule(pl.LightningModule):
         grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
         mel_weight: weight of the multi-resolution mel L1 loss.
         stft_weight: weight of the multi-resolution STFT loss.
+        waveform_weight: weight of the waveform L1 loss (the spectral losses compare magnitudes only).
         freeze: parameter-name prefixes kept frozen.
         train_only: parameter-name prefixes trained, every other parameter frozen.
         ema_decay: EMA of the weights in fit (after fit the model holds them; ``use_ema(False)``: the raw ones).
@@ -102,6 +103,7 @@ class Code2WavModule(pl.LightningModule):
         grad_clip: float | None = 1.0,
         mel_weight: float = 1.0,
         stft_weight: float = 1.0,
+        waveform_weight: float = 0.0,
         freeze: list[str] | None = None,
         train_only: list[str] | None = None,
         ema_decay: float | None = None,
@@ -143,7 +145,7 @@ class Code2WavModule(pl.LightningModule):
         self.register_load_state_dict_post_hook(_weights_loaded)
         freeze_parameters(self.model, freeze or [], train_only)
         rate = resolved.config.sample_rate
-        self.reconstruction_loss = Unregistered(ReconstructionLoss(rate, mel_weight, stft_weight))
+        self.reconstruction_loss = Unregistered(ReconstructionLoss(rate, mel_weight, stft_weight, waveform_weight))
         self.discriminators = Discriminators() if adversarial else None
         self.adversarial_step = AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight,
                                                 grad_clip) if adversarial else None  # fmt: skip

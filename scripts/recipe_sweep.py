@@ -53,6 +53,10 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gan": ("perturbed", dict(adversarial=True), {}),
     "default/net": ("perturbed-net", {}, {}),
     "old-default/net": ("perturbed-net", dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None), {}),
+    **{
+        f"old-default/{part}": (f"only:{part}", dict(learning_rate=1e-3, warmup_steps=0, ema_decay=None), {})
+        for part in ("pre_transformer", "upsample", "decoder")
+    },
     "default/other-seed": ("other-seed", {}, {}),
     "old-default/other-seed": ("other-seed", dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None), {}),
 }
@@ -89,6 +93,10 @@ def student_for(target: str) -> Any:
 
     if target == "other-seed":
         return make_teacher("tiny", seed=7).train()
+    if target.startswith("only:"):  # one part perturbed (the parts: code_embedding, pre_transformer, upsample, decoder)
+        teacher = make_teacher("tiny", seed=21)
+        parts = tuple({n.split(".")[0] for n, _ in teacher.named_parameters()} - {target[5:]})
+        return perturbed(teacher, keep=parts)
     return perturbed(make_teacher("tiny", seed=21), keep=("code_embedding",) if target == "perturbed-net" else ())
 
 
