@@ -31,37 +31,37 @@ from typing import Any
 
 import torch
 
-# name: (target, module settings, data settings); module settings override Code2WavModule's defaults
+# name: (target, module settings, data settings); module settings override Code2WavModule's defaults, and the
+# variants around lr 1e-3 (no warm-up, no EMA) change one thing each
+OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before issue 53
+BASE = dict(learning_rate=1e-3, warmup_steps=0, ema_decay=None)
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "default": ("perturbed", {}, {}),
-    "old-default": ("perturbed", dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None), {"crop_frames": None}),
-    "yaml-before": ("perturbed", dict(learning_rate=1e-4, warmup_steps=100, ema_decay=0.999), {"crop_frames": 50}),
-    "lr-3e-4": ("perturbed", dict(learning_rate=3e-4), {}),
-    "lr-3e-3": ("perturbed", dict(learning_rate=3e-3), {}),
-    "lr-1e-2": ("perturbed", dict(learning_rate=1e-2), {}),
-    "constant-lr": ("perturbed", dict(min_lr_ratio=1.0), {}),
-    "warmup-50": ("perturbed", dict(warmup_steps=50), {}),
-    "ema-0.99": ("perturbed", dict(ema_decay=0.99), {}),
-    "ema-0.999": ("perturbed", dict(ema_decay=0.999), {}),
-    "betas-0.9-0.999": ("perturbed", dict(betas=(0.9, 0.999)), {}),
-    "no-clip": ("perturbed", dict(grad_clip=None), {}),
-    "clip-0.1": ("perturbed", dict(grad_clip=0.1), {}),
-    "mel-only": ("perturbed", dict(stft_weight=0.0), {}),
-    "mel-45": ("perturbed", dict(mel_weight=45.0, stft_weight=1.0), {}),
-    "crop-12": ("perturbed", {}, {"crop_frames": 12}),
-    "no-crop": ("perturbed", {}, {"crop_frames": None}),
-    "gan": ("perturbed", dict(adversarial=True), {}),
+    "old-default": ("perturbed", OLD, {}),
+    "lr-1e-3": ("perturbed", BASE, {}),
+    "lr-3e-4": ("perturbed", {**BASE, "learning_rate": 3e-4}, {}),
+    "lr-3e-3": ("perturbed", {**BASE, "learning_rate": 3e-3}, {}),
+    "lr-1e-2": ("perturbed", {**BASE, "learning_rate": 1e-2}, {}),
+    "lr-3e-3-constant": ("perturbed", {**BASE, "learning_rate": 3e-3, "min_lr_ratio": 1.0}, {}),
+    "warmup-20": ("perturbed", {**BASE, "warmup_steps": 20}, {}),
+    "ema-0.999": ("perturbed", {**BASE, "ema_decay": 0.999}, {}),
+    "betas-0.9-0.999": ("perturbed", {**BASE, "betas": (0.9, 0.999)}, {}),
+    "no-clip": ("perturbed", {**BASE, "grad_clip": None}, {}),
+    "clip-0.1": ("perturbed", {**BASE, "grad_clip": 0.1}, {}),
+    "mel-only": ("perturbed", {**BASE, "stft_weight": 0.0}, {}),
+    "waveform-10": ("perturbed", {**BASE, "waveform_weight": 10.0}, {}),
+    "crop-12": ("perturbed", BASE, {"crop_frames": 12}),
+    "gan": ("perturbed", {**BASE, "adversarial": True}, {}),
+    "frozen-embedding": ("perturbed", {**BASE, "freeze": ["code_embedding"]}, {}),
+    **{f"lr-1e-3/{part}": (f"only:{part}", BASE, {}) for part in ("code_embedding", "pre_transformer", "decoder")},
+    "lr-1e-3/net": ("perturbed-net", BASE, {}),
+    "lr-1e-3/other-seed": ("other-seed", BASE, {}),
     "default/net": ("perturbed-net", {}, {}),
-    "old-default/net": ("perturbed-net", dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None), {}),
-    **{
-        f"old-default/{part}": (f"only:{part}", dict(learning_rate=1e-3, warmup_steps=0, ema_decay=None), {})
-        for part in ("pre_transformer", "upsample", "decoder")
-    },
     "default/other-seed": ("other-seed", {}, {}),
-    "old-default/other-seed": ("other-seed", dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None), {}),
+    "old-default/other-seed": ("other-seed", OLD, {}),
 }
 RECIPE = ("learning_rate", "betas", "warmup_steps", "min_lr_ratio", "grad_clip", "mel_weight", "stft_weight",
-          "ema_decay", "adversarial")  # fmt: skip
+          "waveform_weight", "ema_decay", "adversarial", "freeze")  # fmt: skip
 DATA = {"batch_size": 4, "crop_frames": 25}  # the sweep's data settings unless a variant says otherwise
 
 
