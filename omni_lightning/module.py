@@ -63,7 +63,7 @@ class Code2WavModule(pl.LightningModule):
         learning_rate: the generator's AdamW learning rate.
         betas: AdamW's betas.
         weight_decay: AdamW's weight decay.
-        warmup_steps: linear warm-up steps before the cosine decay.
+        warmup_steps: linear warm-up steps before the cosine decay (at most a tenth of the run's steps).
         min_lr_ratio: the cosine decay's floor, as a fraction of the learning rate.
         total_steps: steps of the schedule; None: the trainer's estimated stepping batches.
         grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
@@ -72,7 +72,7 @@ class Code2WavModule(pl.LightningModule):
         waveform_weight: weight of the waveform L1 loss (the spectral losses compare magnitudes only).
         freeze: parameter-name prefixes kept frozen.
         train_only: parameter-name prefixes trained, every other parameter frozen.
-        ema_decay: EMA of the weights in fit (after fit the model holds them; ``use_ema(False)``: the raw ones).
+        ema_decay: EMA of the weights in fit, warmed up (after fit the model holds them; ``use_ema(False)``: the raw ones).
         adversarial: add the MPD and STFT discriminators (GAN step under manual optimization).
         adversarial_weight: weight of the generator's adversarial loss.
         feature_matching_weight: weight of the feature-matching loss.
@@ -94,7 +94,7 @@ class Code2WavModule(pl.LightningModule):
         graph_frames: int = 512,
         # fine-tuning
         fast_training: bool = True,
-        learning_rate: float = 1e-4,
+        learning_rate: float = 1e-3,
         betas: tuple[float, float] = (0.8, 0.99),
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
