@@ -59,6 +59,7 @@ def test_the_waveform_term_adds_its_weighted_l1_over_real_samples_only():
     expected = torch.stack([(pred[i, 0, :n] - target[i, :n]).abs().mean() for i, n in enumerate(lengths)]).mean()
     torch.testing.assert_close(out["waveform"], expected)
     torch.testing.assert_close(out["loss"], plain["loss"] + 2.0 * expected)
+    assert "waveform" not in plain  # weight 0: not computed, not logged
     padded = pred.clone()
     padded[1, 0, 3000:] = 100.0  # padding never enters it
     torch.testing.assert_close(weighted(padded, target, lengths)["waveform"], expected)

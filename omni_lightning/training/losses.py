@@ -131,7 +131,8 @@ def waveform_l1(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor 
 
 class ReconstructionLoss(nn.Module):
     """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss + ``waveform_weight``
-    * waveform L1, as a dict ``{"loss", "mel", "stft", "waveform"}`` (the parts for logging). One set of
+    * waveform L1, as a dict ``{"loss", "mel", "stft"}`` (the parts for logging; ``"waveform"`` too when its
+    weight is not 0). One set of
     STFTs serves the spectral terms. They compare magnitudes only: a prediction with the target's
     magnitudes and other phases scores near them (see docs/finetuning.md); the waveform term pulls the
     phases too."""
@@ -146,6 +147,8 @@ class ReconstructionLoss(nn.Module):
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> dict[str, torch.Tensor]:
         spectra = self.mel.spectra(pred, target, lengths)
         mel, stft = _reduce(self.mel.item_losses(spectra), "mean"), _reduce(self.stft.item_losses(spectra), "mean")
-        wave = waveform_l1(pred, target, lengths)
-        loss = self.mel_weight * mel + self.stft_weight * stft + self.waveform_weight * wave
-        return {"loss": loss, "mel": mel, "stft": stft, "waveform": wave}
+        out = {"loss": self.mel_weight * mel + self.stft_weight * stft, "mel": mel, "stft": stft}
+        if self.waveform_weight:
+            out["waveform"] = waveform_l1(pred, target, lengths)
+            out["loss"] = out["loss"] + self.waveform_weight * out["waveform"]
+        return out
