@@ -25,8 +25,8 @@ _EVALUATE_DATA = ("--data.batch_size", "--data.num_workers", "--data.on_bad_inpu
                   "--data.duplicate_ids", "--data.config")  # fmt: skip
 _QUALITY = ("--model.quality_metrics", "--model.quality_workers")
 _EVALUATE = (*_EVALUATE_DATA, *_QUALITY, "--model.log_samples", "--model.mel_weight", "--model.stft_weight",
-             "--model.waveform_weight", "--model.fast_training", "--trainer.logger", "--trainer.enable_progress_bar",
-             "--verbose", *_RUN)  # fmt: skip
+             "--model.fast_training", "--trainer.logger", "--trainer.enable_progress_bar", "--verbose",
+             *_RUN)  # fmt: skip
 # descriptions in a subcommand's --help where the parser's (Lightning's docstrings) would mislead or run long;
 # keyed by option, or by (subcommand, option)
 HELP_TEXT = {
@@ -60,8 +60,7 @@ HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("--data.train", "--data.val", "--model.checkpoint", "--ckpt_path", "--model.config", "--trainer.max_steps",
          "--model.learning_rate", "--data.batch_size", "--data.crop_frames", *_DEVICE),
         ("--model.warmup_steps", "--model.min_lr_ratio", "--model.total_steps", "--model.betas", "--model.weight_decay",
-         "--model.grad_clip", "--model.mel_weight", "--model.stft_weight", "--model.waveform_weight",
-         "--model.freeze", "--model.train_only",
+         "--model.grad_clip", "--model.mel_weight", "--model.stft_weight", "--model.freeze", "--model.train_only",
          "--model.ema_decay", "--model.adversarial", "--model.adversarial_weight", "--model.feature_matching_weight",
          "--model.discriminator_lr", "--model.fast_training", "--model.log_samples", *_QUALITY, "--data.num_workers",
          "--data.on_bad_input", "--data.seed", "--data.max_frames", "--data.duplicate_ids", "--data.config",
