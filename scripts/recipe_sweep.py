@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 import warnings
 from pathlib import Path
@@ -52,6 +53,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "waveform-10": ("perturbed", {**BASE, "waveform_weight": 10.0}, {}),
     "crop-12": ("perturbed", BASE, {"crop_frames": 12}),
     "gan": ("perturbed", {**BASE, "adversarial": True}, {}),
+    "96-pairs": ("perturbed", BASE, {"train_pairs": 96}),
     "frozen-embedding": ("perturbed", {**BASE, "freeze": ["code_embedding"]}, {}),
     **{f"lr-1e-3/{part}": (f"only:{part}", BASE, {}) for part in ("code_embedding", "pre_transformer", "decoder")},
     "lr-1e-3/net": ("perturbed-net", BASE, {}),
@@ -62,16 +64,20 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
 }
 RECIPE = ("learning_rate", "betas", "warmup_steps", "min_lr_ratio", "grad_clip", "mel_weight", "stft_weight",
           "waveform_weight", "ema_decay", "adversarial", "freeze")  # fmt: skip
+METRICS = (("mel_distance", ".3f"), ("pesq", ".2f"), ("stoi", ".3f"))
 DATA = {"batch_size": 4, "crop_frames": 25}  # the sweep's data settings unless a variant says otherwise
 
 
-def make_pairs(folder: Path) -> tuple[Path, Path]:
+def make_pairs(folder: Path, train_pairs: int = 24) -> tuple[Path, Path]:
+    """The training and validation manifests (made once in ``folder``); ``train_pairs`` other than 24: a
+    larger training set (the same 24 first, then more), for the data-size check."""
     from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
-    train, val = folder / "train.jsonl", folder / "val.jsonl"
-    if not val.exists():
+    name = "train.jsonl" if train_pairs == 24 else f"train-{train_pairs}.jsonl"
+    train, val = folder / name, folder / "val.jsonl"
+    if not val.exists() or not train.exists():
         teacher = make_teacher("tiny", seed=21)
-        make_demo_data(folder, 24, 1.0, 2.0, teacher=teacher, seed=0, name="train.jsonl")
+        make_demo_data(folder, train_pairs, 1.0, 2.0, teacher=teacher, seed=0, name=name)
         make_demo_data(folder, 6, 1.5, 3.0, teacher=teacher, seed=1, name="val.jsonl")
     return train, val
 
@@ -143,7 +149,10 @@ def run_variant(name: str, train: Path, val: Path, steps: int, eval_every: int, 
     module = Code2WavModule(
         model=student_for(target), quality_metrics=["pesq", "stoi"], quality_workers=1, log_samples=0, **settings
     )
-    datamodule = CodesDataModule(train=str(train), val=str(val), num_workers=0, **data)
+    if data.get("train_pairs", 24) != 24:
+        train, val = make_pairs(train.parent, data["train_pairs"])
+    loader = {k: v for k, v in data.items() if k != "train_pairs"}
+    datamodule = CodesDataModule(train=str(train), val=str(val), num_workers=0, **loader)
     curve = [{"step": 0, **_scores(_trainer().validate(module, datamodule=datamodule, verbose=False)[0], "val")}]
     start = time.perf_counter()
     log = _curve_logger()  # fit's quality scores reach only its loggers (evaluation/quality.py)
@@ -180,18 +189,17 @@ def sweep(names: list[str], out: Path, work: Path, steps: int, eval_every: int, 
 
 
 def table(results: dict[str, Any]) -> str:
+    """Markdown: per variant, the validation pairs' values before and after, and the training pairs' after."""
     rows = [
-        "| variant | target | steps | mel distance | PESQ | STOI | mel on training pairs |",
+        "| variant | target | steps | mel distance | PESQ | STOI | training pairs: mel, PESQ |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
-        first, last = r["curve"][0], r["final"]
-        rows.append(
-            f"| {r['name']} | {r['target']} | {r['steps']} | {first['mel_distance']:.3f} -> {last['mel_distance']:.3f} "
-            f"| {first['pesq']:.2f} -> {last['pesq']:.2f} | {first['stoi']:.3f} -> {last['stoi']:.3f} "
-            f"| {r['train_pairs']['mel_distance']:.3f} |"
-        )
-    return "\n".join(rows)
+        first, last, seen = r["curve"][0], r["final"], r["train_pairs"]
+        cells = [f"{first.get(k, math.nan):{f}} -> {last.get(k, math.nan):{f}}" for k, f in METRICS]
+        trained = f"{seen['mel_distance']:.3f}, {seen.get('pesq', math.nan):.2f}"
+        rows.append(f"| {r['name']} | {r['target']} | {r['steps']} | {' | '.join(cells)} | {trained} |")
+    return "\n".join(rows).replace("nan -> nan", "-").replace("-> nan", "-> -")
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
