@@ -208,7 +208,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     for r in results.values():
         steps = [p["step"] for p in r["curve"]]
         style = "-" if r["target"] == "perturbed" else "--" if r["target"] == "perturbed-net" else ":"
@@ -218,8 +218,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    axes[2].legend(fontsize=6, ncol=2)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=7, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
 
