@@ -72,7 +72,8 @@ class Code2WavModule(pl.LightningModule):
         waveform_weight: weight of the waveform L1 loss (the spectral losses compare magnitudes only).
         freeze: parameter-name prefixes kept frozen.
         train_only: parameter-name prefixes trained, every other parameter frozen.
-        ema_decay: a warmed-up EMA of the weights in fit (after fit the model holds it; ``use_ema(False)``: the raw).
+        ema_decay: EMA of the weights in fit, warmed up so a short fit's average follows its recent steps (after
+            fit the model holds it; ``use_ema(False)``: the raw weights).
         adversarial: add the MPD and STFT discriminators (GAN step under manual optimization).
         adversarial_weight: weight of the generator's adversarial loss.
         feature_matching_weight: weight of the feature-matching loss.

@@ -132,10 +132,8 @@ def waveform_l1(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor 
 class ReconstructionLoss(nn.Module):
     """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss + ``waveform_weight``
     * waveform L1, as a dict ``{"loss", "mel", "stft"}`` (the parts for logging; ``"waveform"`` too when its
-    weight is not 0). One set of
-    STFTs serves the spectral terms. They compare magnitudes only: a prediction with the target's
-    magnitudes and other phases scores near them (see docs/finetuning.md); the waveform term pulls the
-    phases too."""
+    weight is not 0). One set of STFTs serves the spectral terms, which compare magnitudes only; the
+    waveform term compares the samples, phases included."""
 
     def __init__(
         self, sample_rate: int = 24000, mel_weight: float = 1.0, stft_weight: float = 1.0, waveform_weight: float = 0.0
