@@ -9,14 +9,19 @@ The teacher is ``make_teacher("tiny", seed=21)``; ``make_demo_data`` makes 24 tr
 - ``perturbed-net``: the same, but the code embedding left as the teacher's (see docs/finetuning.md:
   most of its rows the validation codes use appear in no training pair, so no recipe can undo their
   perturbation);
-- ``other-seed``: the harder one: the student is ``make_teacher("tiny", seed=7)``, another teacher.
+- ``other-seed``: the harder one: the student is ``make_teacher("tiny", seed=7)``, another teacher;
+- ``only:<part>``: only one part perturbed (``code_embedding``, ``pre_transformer``, ``upsample``, ``decoder``).
 
 Each variant is a ``Code2WavModule`` recipe (the module's defaults overridden by its settings) and
-the data's batch and crop. Results are written to the JSON after each variant (a killed sweep keeps
+the data's batch and crop (``train_pairs``: 96 instead of 24 for ``96-pairs``); ``--set`` overrides
+settings for every variant named, ``--tag`` names such a run. Results are written to the JSON after each variant (a killed sweep keeps
 what it finished); ``--plot`` and ``--table`` make the figure and markdown table from that JSON.
 
     OMP_NUM_THREADS=1 python scripts/recipe_sweep.py --variants default --steps 600 --eval-every 100
     python scripts/recipe_sweep.py --plot docs/results/recipe_curves.png --table
+
+The validation during fit is of the EMA weights where the variant has EMA, as Lightning's is; the
+``train_pairs`` figures are of the module after fit (the same weights) on the training pairs.
 """
 
 from __future__ import annotations
