@@ -14,8 +14,9 @@ The teacher is ``make_teacher("tiny", seed=21)``; ``make_demo_data`` makes 24 tr
 
 Each variant is a ``Code2WavModule`` recipe (the module's defaults overridden by its settings) and
 the data's batch and crop (``train_pairs``: 96 instead of 24 for ``96-pairs``); ``--set`` overrides
-settings for every variant named, ``--tag`` names such a run. Results are written to the JSON after each variant (a killed sweep keeps
-what it finished); ``--plot`` and ``--table`` make the figure and markdown table from that JSON.
+settings for every variant named, ``--tag`` names such a run. Results are written to the JSON after
+each variant (a killed sweep keeps what it finished); ``--plot`` and ``--table`` make the figure and
+markdown table from that JSON.
 
     OMP_NUM_THREADS=1 python scripts/recipe_sweep.py --variants default --steps 600 --eval-every 100
     python scripts/recipe_sweep.py --plot docs/results/recipe_curves.png --table
