@@ -1,11 +1,13 @@
 """What ``lightning_cli`` does around a fit beyond LightningCLI: callbacks a flag turned off dropped from the
-config, a fit that saves where it was when it is stopped (and the line saying how to resume), and a
-``--ckpt_path last`` that would find nothing refused."""
+config, a fit that saves where it was when it is stopped (and the line saying how to resume), a
+``--ckpt_path last`` that would find nothing refused, and what the monitored metric did (the last line)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from lightning.pytorch.callbacks import Callback
 
 from omni_lightning.errors import UsageError
 from omni_lightning.training.interrupted import InterruptedFitCheckpoint
@@ -86,3 +88,37 @@ def drop_callbacks_turned_off(trainer: Any) -> None:
     one = not isinstance(callbacks, (list, tuple))  # a single callback given as one mapping, not a list
     kept = [c for c in ([callbacks] if one else callbacks) if not turned_off(c)]
     trainer.callbacks = (kept[0] if kept else None) if one else kept
+
+
+class MonitoredMetric(Callback):
+    """The monitored metric (the ``ModelCheckpoint``'s, else ``val/mel_distance``) after each validation of
+    a fit, with its step, for the command's last line: a short fit shows whether it learned."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.values = name, []
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        value = trainer.callback_metrics.get(self.name)
+        if not trainer.sanity_checking and value is not None:
+            self.values.append((trainer.global_step, float(value)))
+
+
+def watch_fit(trainer: Any) -> None:
+    """Before a fit: saves on a stop (:func:`save_on_stop`) and records the monitored metric
+    (:class:`MonitoredMetric`, unless the trainer has one) for :func:`fit_moved`."""
+    save_on_stop(trainer)
+    if not any(isinstance(cb, MonitoredMetric) for cb in trainer.callbacks):
+        monitor = getattr(trainer.checkpoint_callback, "monitor", None)
+        trainer.callbacks.append(MonitoredMetric(monitor or "val/mel_distance"))
+
+
+def fit_moved(trainer: Any) -> list[str]:
+    """What the fit's last line says the monitored metric did, its first and last validations' values:
+    ``["val/mel_distance 0.61 (step 20) -> 0.45 (step 40)"]``; [] with no validation."""
+    watcher = next((cb for cb in getattr(trainer, "callbacks", []) if isinstance(cb, MonitoredMetric)), None)
+    if watcher is None or not watcher.values:
+        return []
+    (first_step, first), (last_step, last) = watcher.values[0], watcher.values[-1]
+    if len(watcher.values) == 1:
+        return [f"{watcher.name} {first:.4g} (step {first_step}, one validation)"]
+    return [f"{watcher.name} {first:.4g} (step {first_step}) -> {last:.4g} (step {last_step})"]

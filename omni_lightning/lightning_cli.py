@@ -25,7 +25,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 
 from omni_lightning.callbacks.timings import PhaseProfiler
 from omni_lightning.callbacks.writer import WaveformWriter
-from omni_lightning.cli_fit import check_resume_last, drop_callbacks_turned_off, save_on_stop, stopped_fit_note
+from omni_lightning.cli_fit import check_resume_last, drop_callbacks_turned_off, fit_moved, stopped_fit_note, watch_fit
 from omni_lightning.cli_help import HELP_OPTIONS, short_help
 from omni_lightning.cli_lines import quiet_cli_run, say_start, set_cpu_threads
 from omni_lightning.console import METHOD_GROUP, SUBCOMMAND_HELP, failed_lines, heading, log_places, one_line
@@ -201,7 +201,7 @@ class OmniCLI(LightningCLI):
         (:func:`check_resume_last`); and drops Lightning's warning that a resumed fit checkpoints into
         another folder (``configs/finetune.yaml`` makes a new ``version_N`` per run, by design)."""
         warnings.filterwarnings("ignore", message="The dirpath has changed from .* won't be reloaded")
-        save_on_stop(self.trainer)
+        watch_fit(self.trainer)
         if self.config[self.subcommand].get("ckpt_path") == "last":
             check_resume_last(self.trainer)
         say_start(self)
@@ -251,7 +251,7 @@ class OmniCLI(LightningCLI):
         runs = log_places(self.trainer, wandb_only=True)
         parts += [f"W&B run in {', '.join(runs)}"] if runs else []
         if self.trainer.is_global_zero:
-            print("fit: " + "; ".join(parts))
+            print("fit: " + "; ".join(fit_moved(self.trainer) + parts))
 
     def after_validate(self) -> None:
         if self.trainer.is_global_zero and self._verbose:

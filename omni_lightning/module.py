@@ -63,15 +63,17 @@ class Code2WavModule(pl.LightningModule):
         learning_rate: the generator's AdamW learning rate.
         betas: AdamW's betas.
         weight_decay: AdamW's weight decay.
-        warmup_steps: linear warm-up steps before the cosine decay.
+        warmup_steps: linear warm-up steps before the cosine decay (at most a tenth of the run's steps).
         min_lr_ratio: the cosine decay's floor, as a fraction of the learning rate.
         total_steps: steps of the schedule; None: the trainer's estimated stepping batches.
         grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
         mel_weight: weight of the multi-resolution mel L1 loss.
         stft_weight: weight of the multi-resolution STFT loss.
+        waveform_weight: weight of the waveform L1 loss (the spectral losses compare magnitudes only).
         freeze: parameter-name prefixes kept frozen.
         train_only: parameter-name prefixes trained, every other parameter frozen.
-        ema_decay: EMA of the weights in fit (after fit the model holds them; ``use_ema(False)``: the raw ones).
+        ema_decay: EMA of the weights in fit, warmed up so a short fit's average follows its recent steps (after
+            fit the model holds it; ``use_ema(False)``: the raw weights).
         adversarial: add the MPD and STFT discriminators (GAN step under manual optimization).
         adversarial_weight: weight of the generator's adversarial loss.
         feature_matching_weight: weight of the feature-matching loss.
@@ -93,7 +95,7 @@ class Code2WavModule(pl.LightningModule):
         graph_frames: int = 512,
         # fine-tuning
         fast_training: bool = True,
-        learning_rate: float = 1e-4,
+        learning_rate: float = 1e-3,
         betas: tuple[float, float] = (0.8, 0.99),
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
@@ -102,6 +104,7 @@ class Code2WavModule(pl.LightningModule):
         grad_clip: float | None = 1.0,
         mel_weight: float = 1.0,
         stft_weight: float = 1.0,
+        waveform_weight: float = 0.0,
         freeze: list[str] | None = None,
         train_only: list[str] | None = None,
         ema_decay: float | None = None,
@@ -143,7 +146,7 @@ class Code2WavModule(pl.LightningModule):
         self.register_load_state_dict_post_hook(_weights_loaded)
         freeze_parameters(self.model, freeze or [], train_only)
         rate = resolved.config.sample_rate
-        self.reconstruction_loss = Unregistered(ReconstructionLoss(rate, mel_weight, stft_weight))
+        self.reconstruction_loss = Unregistered(ReconstructionLoss(rate, mel_weight, stft_weight, waveform_weight))
         self.discriminators = Discriminators() if adversarial else None
         self.adversarial_step = AdversarialStep(self.discriminators, adversarial_weight, feature_matching_weight,
                                                 grad_clip) if adversarial else None  # fmt: skip

@@ -94,12 +94,13 @@ class WeightLog(pl.Callback):
         self.steps.append({n: p.detach().clone() for n, p in pl_module.model.named_parameters()})
 
 
-def ema_of(steps, decay, start=None):
-    """The EMA of recorded weights, computed here: from ``start`` (else the first step's weights),
-    then ``lerp`` toward each next step's by ``1 - decay``."""
+def ema_of(steps, decay, start=None, updates=0):
+    """The EMA of recorded weights, computed here: from ``start`` (an average of ``updates`` updates; else
+    the first step's weights, one update), then ``lerp`` toward each next step's by the warmed-up weight
+    ``max(1 - decay, 9 / (10 + n))``, ``n`` the updates before it."""
     avg = {n: t.clone() for n, t in (start or steps[0]).items()}
-    for step in steps if start else steps[1:]:
-        avg = {n: torch.lerp(avg[n], step[n], 1 - decay) for n in avg}
+    for count, step in enumerate(steps if start else steps[1:], start=updates if start else 1):
+        avg = {n: torch.lerp(avg[n], step[n], max(1 - decay, 9 / (10 + count))) for n in avg}
     return avg
 
 
@@ -303,7 +304,7 @@ def test_resume_from_a_lightning_checkpoint_continues_at_the_same_step(pairs, tm
     assert log.first_step == 4 and trainer.global_step == 7 and len(log.losses) == 3
     # the EMA goes on from the checkpoint's average, not from the resumed weights
     average = {n: saved["state_dict"][f"model.{n}"] for n in weights(resumed)}
-    assert_weights(resumed, ema_of(weight_log.steps, 0.9, start=average))
+    assert_weights(resumed, ema_of(weight_log.steps, 0.9, start=average, updates=4))
     restored = Code2WavModule.load_from_checkpoint(str(last))  # the checkpoint's weights are the EMA weights
     assert_weights(restored, weights(first))
     assert restored.weights_origin == "weights from a Lightning checkpoint (step 4)"  # not "random weights"

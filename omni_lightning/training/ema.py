@@ -5,7 +5,8 @@ every optimizer step and swapped in for validation; after fit the module holds i
 test, predict, export) and ``Code2WavModule.use_ema(False)`` puts the raw weights back. Checkpoints
 hold the average as ``state_dict`` and the raw weights under ``current_model_state``, as Lightning does.
 
-Unlike ``EMAWeightAveraging``: the update is ``torch.lerp`` (a frozen parameter never drifts by
+Unlike ``EMAWeightAveraging``: the average warms up (:func:`warmed_up_weight`: a short fit's average is
+not its starting weights); the update is ``torch.lerp`` (a frozen parameter never drifts by
 rounding); buffers are copied, not averaged (Code2Wav's int64 offsets would truncate); the average
 is fp32 whatever the module's dtype; the update never waits for the device; at the end of fit the
 weights are swapped, not copied, so the raw ones can be restored.
@@ -25,9 +26,17 @@ from lightning.pytorch.callbacks import WeightAveraging
 from torch.optim.swa_utils import AveragedModel
 
 
+def warmed_up_weight(weight: float, count: int) -> float:
+    """The weight of update ``count`` (>= 1; update 0 copies): ``1 - decay``, but no less than
+    ``9 / (10 + count)`` (TensorFlow's ``ExponentialMovingAverage(num_updates=...)``), so the average
+    spans about a ninth of the steps so far until ``1 / (1 - decay)`` is shorter. A plain 0.999 average
+    would still hold 55 % of the starting weights after 600 steps, 96 % after 40."""
+    return max(weight, 9.0 / (10.0 + count))
+
+
 @torch.no_grad()
 def _lerp(weight: float, average: torch.Tensor, current: torch.Tensor, n_averaged: Any) -> torch.Tensor:
-    return torch.lerp(average, current.to(average.dtype), weight)
+    return torch.lerp(average, current.to(average.dtype), warmed_up_weight(weight, int(n_averaged)))
 
 
 class _HostCountedAverage(AveragedModel):
@@ -52,7 +61,7 @@ class _HostCountedAverage(AveragedModel):
                     a.copy_(c)
             else:
                 current = [c if c.dtype == a.dtype else c.to(a.dtype) for a, c in zip(averaged, current)]
-                torch._foreach_lerp_(averaged, current, self.weight)
+                torch._foreach_lerp_(averaged, current, warmed_up_weight(self.weight, count))
             self.n_averaged += 1
         self.count = count + 1
 

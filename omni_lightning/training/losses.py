@@ -117,16 +117,37 @@ class MultiResolutionSTFTLoss(nn.Module):
         return _reduce(self.item_losses(self.spectra(pred, target, lengths)), reduction)
 
 
-class ReconstructionLoss(nn.Module):
-    """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss, as a dict
-    ``{"loss", "mel", "stft"}`` (the parts for logging). One set of STFTs serves both terms."""
+def waveform_l1(pred: torch.Tensor, target: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean over items of each item's mean absolute sample difference over its real samples, in fp32."""
+    pred, target = pred.reshape(pred.shape[0], -1), target.reshape(target.shape[0], -1)
+    t = min(pred.shape[-1], target.shape[-1])
+    with torch.autocast(pred.device.type, enabled=False):
+        diff = (pred[:, :t].float() - target[:, :t].float()).abs()
+        if lengths is None:
+            return diff.mean()
+        lengths = lengths.to(pred.device).clamp(1, t)
+        real = torch.arange(t, device=pred.device)[None] < lengths[:, None]
+        return ((diff * real).sum(1) / lengths).mean()
 
-    def __init__(self, sample_rate: int = 24000, mel_weight: float = 1.0, stft_weight: float = 1.0) -> None:
+
+class ReconstructionLoss(nn.Module):
+    """The fine-tuning objective: ``mel_weight`` * mel L1 + ``stft_weight`` * STFT loss + ``waveform_weight``
+    * waveform L1, as a dict ``{"loss", "mel", "stft"}`` (the parts for logging; ``"waveform"`` too when its
+    weight is not 0). One set of STFTs serves the spectral terms, which compare magnitudes only; the
+    waveform term compares the samples, phases included."""
+
+    def __init__(
+        self, sample_rate: int = 24000, mel_weight: float = 1.0, stft_weight: float = 1.0, waveform_weight: float = 0.0
+    ) -> None:
         super().__init__()
         self.mel, self.stft = MultiResolutionMelLoss(sample_rate), MultiResolutionSTFTLoss()
-        self.mel_weight, self.stft_weight = mel_weight, stft_weight
+        self.mel_weight, self.stft_weight, self.waveform_weight = mel_weight, stft_weight, waveform_weight
 
     def forward(self, pred: torch.Tensor, target: torch.Tensor, lengths=None) -> dict[str, torch.Tensor]:
         spectra = self.mel.spectra(pred, target, lengths)
         mel, stft = _reduce(self.mel.item_losses(spectra), "mean"), _reduce(self.stft.item_losses(spectra), "mean")
-        return {"loss": self.mel_weight * mel + self.stft_weight * stft, "mel": mel, "stft": stft}
+        out = {"loss": self.mel_weight * mel + self.stft_weight * stft, "mel": mel, "stft": stft}
+        if self.waveform_weight:
+            out["waveform"] = waveform_l1(pred, target, lengths)
+            out["loss"] = out["loss"] + self.waveform_weight * out["waveform"]
+        return out

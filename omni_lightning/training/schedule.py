@@ -33,12 +33,20 @@ class WarmupCosine:
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def short_run_warmup(warmup_steps: int, total_steps: int) -> int:
+    """The warm-up a run of ``total_steps`` gets: ``warmup_steps``, but at most a tenth of the run, so a
+    short fit (the README's 40 steps under ``configs/finetune.yaml``'s 100 warm-up steps) trains at its
+    learning rate for most of its steps instead of spending them all warming up."""
+    return min(warmup_steps, max(total_steps, 0) // 10)
+
+
 NON_NEGATIVE = (
     "learning_rate",
     "discriminator_lr",
     "weight_decay",
     "mel_weight",
     "stft_weight",
+    "waveform_weight",
     "adversarial_weight",
     "feature_matching_weight",
     "warmup_steps",
@@ -119,13 +127,14 @@ def fine_tuning_optimizers(
 ) -> Any:
     """What ``configure_optimizers`` returns: the trainable generator parameters' AdamW and schedule,
     and with ``discriminators`` theirs too (no weight decay). The schedule spans ``total_steps``
-    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators).
+    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators); its
+    warm-up is at most a tenth of them (:func:`short_run_warmup`).
     ``fused``: torch's fused AdamW kernel (:func:`fused_adamw` decides)."""
     params = [p for p in generator if p.requires_grad]
     if not params:
         raise ValueError("every model parameter is frozen: nothing to fine-tune")
     total = total_steps or int(estimated_stepping_batches) // (1 if discriminators is None else 2)
-    schedule = WarmupCosine(warmup_steps, max(total, 1), min_lr_ratio)
+    schedule = WarmupCosine(short_run_warmup(warmup_steps, total), max(total, 1), min_lr_ratio)
     opt, sched = adamw_with_schedule(
         params, schedule, fused, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay
     )
