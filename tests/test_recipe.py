@@ -89,7 +89,7 @@ def test_a_short_fit_of_the_readme_learns_and_its_last_line_says_what_moved(demo
             "--data.num_workers", "0", "--data.crop_frames", "12", "--data.batch_size", "4",
             "--trainer.enable_progress_bar", "false", "--seed_everything", str(seed)]  # fmt: skip
     assert main(args) == 0
-    (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fit: ")]
+    *_, line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("fit: ")]  # the last: its end
     moved = MOVED.match(line)
     assert moved, line
     first, first_step, last, last_step = float(moved[1]), int(moved[2]), float(moved[3]), int(moved[4])

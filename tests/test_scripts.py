@@ -4,7 +4,7 @@ the GPU machine, where its time is scarce. Their speeds mean nothing here and ar
 is checked is each script's own correctness figure where it has one (fp32 exactness of the job
 against solo decodes, of streaming against the whole decode). ``bench_job.py`` runs inside the device
 battery's dry run, on a before tree and this one. Every script is imported; the ones in ``NOT_RUN``
-take too long for CI and are not run here."""
+take too long for CI and are not run here, and three of ``JOBS`` run in the slow tier only (``SLOW_JOBS``)."""
 
 import importlib
 import json
@@ -39,7 +39,10 @@ def run_script(name, args, tmp_path):
     return proc.stdout
 
 
-@pytest.mark.parametrize("name", sorted(JOBS))
+SLOW_JOBS = ("bench_forward", "bench_train", "profile_engine")  # ~8 s each: pytest -m slow (CI's 10 minutes)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_JOBS else n for n in sorted(JOBS)])
 def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
     out = tmp_path / f"{name}.json"
     run_script(name, [*JOBS[name], "--out", str(out)], tmp_path)
