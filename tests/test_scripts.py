@@ -42,7 +42,7 @@ def run_script(name, args, tmp_path):
 SLOW_JOBS = ("bench_forward", "bench_train", "profile_engine")  # ~8 s each: pytest -m slow (CI's 10 minutes)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_JOBS else n for n in sorted(JOBS)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n in SLOW_JOBS)) for n in sorted(JOBS)])
 def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
     out = tmp_path / f"{name}.json"
     run_script(name, [*JOBS[name], "--out", str(out)], tmp_path)
