@@ -21,7 +21,7 @@ import functools
 import math
 
 import torch
-from workload import median_time, random_model, save
+from workload import device_model, median_time, save
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
@@ -136,10 +136,8 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = random_model(args.preset)
-    model = Code2Wav(base.config).to(device, dtype).eval()
-    model.load_state_dict(base.state_dict())
+    model = device_model(args.preset, device)
+    dtype = next(model.parameters()).dtype
     fused = Kernels.for_inference(device)
     layers = dataclasses.replace(fused, conv_snake=None, name=f"{fused.name}-layers")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "units": [], "forward": []}

@@ -17,9 +17,8 @@ import math
 
 import torch
 import torch.nn.functional as F
-from workload import median_time, random_model, save
+from workload import device_model, median_time, save
 
-from omni_lightning import Code2Wav
 from omni_lightning.engine.graphs import conv_layout
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.layers import CausalConv1d, CausalConvTranspose1d, _nhwc
@@ -66,10 +65,8 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    base = random_model(args.preset)
-    model = Code2Wav(base.config).to(device, dtype).eval()  # cpu: the smoke test (no kernel names)
-    model.load_state_dict(base.state_dict())
+    model = device_model(args.preset, device)  # cpu: the smoke test (no kernel names)
+    dtype = next(model.parameters()).dtype
     cfg, kernels = model.config, Kernels.for_inference(device)
     frames = int(args.seconds * cfg.frame_rate)
     rows = frames * math.prod(cfg.upsampling_ratios)

@@ -70,6 +70,14 @@ def random_model(preset: str, seed: int = 0) -> Code2Wav:
     return randomize_weights(Code2Wav(preset), seed=seed).eval()
 
 
+def device_model(preset: str, device: torch.device) -> Code2Wav:
+    """:func:`random_model` on ``device``, in bf16 on CUDA and fp32 elsewhere (the benchmarks' smoke runs)."""
+    base = random_model(preset)
+    model = Code2Wav(base.config).to(device, torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
 def peer(model: Code2Wav, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """transformers' ``Qwen3OmniMoeCode2Wav`` holding ``model``'s weights (the numerical reference)."""
     from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeCode2WavConfig
