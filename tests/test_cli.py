@@ -132,6 +132,7 @@ def test_exit_status_2_only_for_usage_errors_and_1_with_a_traceback_for_a_bug(tm
     assert "Traceback" in err and "ValueError: an internal check failed" in err and "\nerror: " not in err
 
 
+@pytest.mark.slow  # ~9 s of subprocesses: pytest -m slow (CI under 10 minutes)
 def test_fit_with_the_logger_turned_off_drops_the_configs_learning_rate_monitor(tmp_path):
     """configs/finetune.yaml lists LearningRateMonitor, which Lightning refuses without a logger."""
     train = make_demo_data(tmp_path / "data", 2, 1.0, 1.0, teacher=make_teacher(), seed=0, name="train.jsonl")
@@ -159,6 +160,7 @@ def test_fit_with_the_logger_turned_off_drops_the_configs_learning_rate_monitor(
     assert "LearningRateMonitor" not in log and "error" not in log.lower(), log
 
 
+@pytest.mark.slow  # ~9 s of subprocesses: pytest -m slow (CI under 10 minutes)
 def test_predict_with_the_progress_bar_turned_off_drops_the_configs_bar(tmp_path):
     """configs/predict.yaml lists AudioProgressBar; `--trainer.enable_progress_bar false` must win (Lightning
     refuses a progress bar callback with the flag off)."""

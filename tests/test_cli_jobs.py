@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 from conftest import random_codes
 from helpers import ROOT, cli, rows, save_model, write_manifest
@@ -200,6 +201,7 @@ print(json.dumps({"rc": rc, "out": out.getvalue(), "torch_imported": "torch" in 
 """
 
 
+@pytest.mark.slow  # ~9 s of subprocesses: pytest -m slow (CI under 10 minutes)
 def test_cli_duplicate_ids_refuse_the_job_in_one_listing_and_help_prints_no_warnings(tmp_path):
     items = [(rid, random_codes(1, 3, seed=i)[0].numpy()) for i, rid in enumerate(["a", "b", "a"])]
     manifest = write_manifest(tmp_path / "data", items)

@@ -83,6 +83,7 @@ def hold_lock(folder: Path) -> subprocess.Popen:
     return proc
 
 
+@pytest.mark.slow  # ~9 s of subprocesses: pytest -m slow (CI under 10 minutes)
 def test_a_second_job_on_an_output_folder_in_use_is_refused_and_changes_nothing(tmp_path):
     """Two jobs on one folder used to interleave: ids twice in the manifest, others lost."""
     ckpt = save_model(tmp_path / "ckpt")
