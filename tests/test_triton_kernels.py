@@ -188,7 +188,7 @@ CONV_SNAKE = textwrap.dedent(
     micro = Code2WavConfig.from_name("tiny", name="micro", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, intermediate_size=32, decoder_dim=128)
     model = randomize_weights(Code2Wav(micro), seed=4).eval()
-    small = functools.partial(conv_snake_triton, tiles=None, precise=True)
+    small = functools.partial(conv_snake_triton, precise=True)
     fused = Kernels(snake_beta_reference, inplace=True, name="fused", conv_snake=small,
                     conv_snake_dtypes=(torch.float32,))
     codes = torch.randint(0, 2048, (2, 16, 3), generator=gen)

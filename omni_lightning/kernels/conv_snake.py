@@ -107,7 +107,6 @@ def conv_snake_triton(
     *,
     tiles: Tiles | None = None,
     precise: bool = False,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`conv_snake_reference` as one Triton kernel on CUDA (no autograd). ``a``'s channels must be
     contiguous; ``weight`` is read in place when its input channels are innermost (:func:`channels_innermost`).
@@ -122,7 +121,7 @@ def conv_snake_triton(
     tiles = tiles or launch_tiles(c_in, c_out)
     if tiles.block_n + tiles.block_n2 != c_out or c_in % tiles.block_k:
         raise ValueError(f"tiles {tiles} do not fit {c_in} -> {c_out} channels")
-    h = out if out is not None else torch.empty((batch, length, c_out), dtype=a.dtype, device=a.device)
+    h = torch.empty((batch, length, c_out), dtype=a.dtype, device=a.device)
     args, kwargs = _launch_args(a, w, bias, log_alpha, log_beta, h, length, dilation, taps, tiles, precise)
     _conv_snake_kernel[(triton.cdiv(length, tiles.block_m), batch)](*args, **kwargs)
     return h
