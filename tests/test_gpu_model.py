@@ -65,6 +65,35 @@ def test_conv_snake_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
         assert errors[0] <= 1.1 * errors[1] + 1e-4, (channels, dilation, errors)
 
 
+def _gradients(op, inputs, args, grad, dtype):
+    """``op(*inputs, *args)``'s gradients of every input (all cast to ``dtype``) for the output gradient ``grad``."""
+    leaves = [x.to(dtype).requires_grad_() for x in inputs]
+    out = op(*leaves, *args)
+    return torch.autograd.grad(out, leaves, grad.to(out.dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_conv_snake_backward_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
+    """The fused convolution's gradients (the convolution recomputed, SnakeBeta's backward as its epilogue,
+    cuDNN's dgrad and wgrad) against the reference's autograd in fp64, beside the layers' own error in
+    ``dtype`` (the reference's autograd in ``dtype``): no larger than theirs, for every input."""
+    from omni_lightning.kernels.conv_snake import conv_snake_reference, conv_snake_triton_autograd
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    rand = lambda *s, scale=1.0: torch.randn(*s, device="cuda", generator=gen) * scale  # noqa: E731
+    for channels, dilation, length in ((96, 9, 3001), (192, 3, 3003), (192, 1, 77)):
+        a = rand(2, 6 * dilation + length, channels)
+        w = rand(channels, channels, 7, scale=(7 * channels) ** -0.5)
+        params = rand(channels, scale=0.1), rand(channels, scale=0.3), rand(channels, scale=0.3)
+        g = rand(2, length, channels)
+        inputs, args = (a, w, *params), (dilation, length)
+        want = _gradients(conv_snake_reference, inputs, args, g, torch.float64)
+        ours = _gradients(conv_snake_triton_autograd, inputs, args, g, dtype)
+        for i, (x, y) in enumerate(zip(ours, _gradients(conv_snake_reference, inputs, args, g, dtype))):
+            errors = [float((z.double() - want[i]).norm() / want[i].norm()) for z in (x, y)]
+            assert errors[0] <= 1.1 * errors[1] + 1e-3, (channels, dilation, i, errors)
+
+
 def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
     model = random_model("tiny").cuda()
     ref = reference_model(model).cuda()

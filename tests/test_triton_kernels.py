@@ -210,3 +210,51 @@ def test_conv_snake_in_the_triton_interpreter_equals_the_layers():
     # fp32 only: Triton 3.8's interpreter gets bf16 dots wrong (the CUDA tests check bf16)
     done = run_interpreted(CONV_SNAKE)
     assert done.returncode == 0 and "conv snake ok 9" in done.stdout, done.stderr[-3000:]
+
+
+CONV_SNAKE_BACKWARD = textwrap.dedent(
+    """
+    import torch
+    from omni_lightning.kernels.conv_snake import conv_snake_reference, conv_snake_triton_autograd
+
+    gen = torch.Generator().manual_seed(5)
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+    cases = 0
+    # (c_in, c_out, length, batch, dilation, padding rows): a dilation folded for cuDNN (rows a multiple of
+    # it) and not (padding rows), two parts of N and one, a row tile cut by the length
+    for c_in, c_out, length, batch, dilation, pad in ((96, 96, 40, 2, 3, 3), (32, 48, 20, 2, 1, 2),
+                                                      (64, 64, 30, 1, 9, 0)):
+        a = rand(batch, 6 * dilation + length + pad, c_in)
+        w = rand(c_out, c_in, 7, scale=(7 * c_in) ** -0.5)
+        params = rand(c_out, scale=0.1), rand(c_out, scale=0.3), rand(c_out, scale=0.3)
+        g = rand(batch, c_out, length).transpose(1, 2)  # strided, as autograd hands it
+        grads = {}
+        for name, op in (("ref", conv_snake_reference), ("triton", conv_snake_triton_autograd)):
+            leaves = [x.clone().requires_grad_() for x in (a, w, *params)]
+            extra = dict(precise=True) if name == "triton" else {}
+            out = op(*leaves, dilation, length, **extra)
+            grads[name] = (out.detach(), torch.autograd.grad(out, leaves, g))
+        (want_out, want), (got_out, got) = grads["ref"], grads["triton"]
+        assert float((got_out - want_out).norm() / want_out.norm()) < 1e-5
+        for i, (x, y) in enumerate(zip(want, got)):  # a, weight, bias, log_alpha, log_beta
+            assert x.shape == y.shape and x.dtype == y.dtype, (i, x.shape, y.shape)
+            error = float((x - y).norm() / x.norm())
+            assert error < 1e-5, (c_in, c_out, dilation, i, error)
+        cases += 1
+    # the weight frozen (no gradient asked for it), a without one: the parameters' gradients alone
+    a, w = rand(1, 6 + 9, 32), rand(32, 32, 7, scale=0.1)
+    la = rand(32, scale=0.3).requires_grad_()
+    b, lb = rand(32, scale=0.1), rand(32, scale=0.3)
+    got = torch.autograd.grad(conv_snake_triton_autograd(a, w, b, la, lb, 1, 9, precise=True).sum(), la)[0]
+    want = torch.autograd.grad(conv_snake_reference(a, w, b, la, lb, 1, 9).sum(), la)[0]
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    print("conv snake backward ok", cases + 1)
+    """
+)
+
+
+def test_conv_snake_backward_in_the_triton_interpreter_equals_the_references_autograd():
+    # fp32 only, as the forward's test (the CUDA tests check bf16)
+    done = run_interpreted(CONV_SNAKE_BACKWARD)
+    assert done.returncode == 0 and "conv snake backward ok 4" in done.stdout, done.stderr[-3000:]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from omni_lightning.kernels import snake_beta
-from omni_lightning.kernels.conv_snake import conv_snake_triton, widths_supported
+from omni_lightning.kernels.conv_snake import conv_snake_triton, conv_snake_triton_autograd, widths_supported
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
@@ -30,7 +30,8 @@ class Kernels:
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
     autograd needs the stream's earlier values) and ``conv_snake`` (``kernels/conv_snake.py``: a
     residual unit's dilated convolution with its second SnakeBeta as the epilogue, for the widths it
-    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta)."""
+    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta), also where autograd records
+    when ``conv_snake_grad`` (it is differentiable: ``conv_snake_triton_autograd``)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
@@ -38,16 +39,17 @@ class Kernels:
     conv_transpose: Callable[..., torch.Tensor] = conv_transpose_reference
     conv_snake: Callable[..., torch.Tensor] | None = None
     conv_snake_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+    conv_snake_grad: bool = False
 
     def fuses_conv_snake(self, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
-        """Whether the convolution ``conv`` of the SnakeBeta output ``a`` runs as ``conv_snake``
-        (inference only; its widths and ``a``'s dtype taken; channels contiguous)."""
+        """Whether the convolution ``conv`` of the SnakeBeta output ``a`` runs as ``conv_snake`` (its
+        widths and ``a``'s dtype taken; channels contiguous; no gradient recorded unless ``conv_snake_grad``)."""
         return (
             self.conv_snake is not None
             and a.dtype in self.conv_snake_dtypes
             and a.stride(-1) == 1
             and widths_supported(conv.in_channels, conv.out_channels)
-            and not torch.is_grad_enabled()
+            and (self.conv_snake_grad or not torch.is_grad_enabled())
         )
 
     @classmethod
@@ -67,13 +69,15 @@ class Kernels:
 
     @classmethod
     def for_training(cls, device: torch.device | str, fused: bool = True) -> Kernels:
-        """Triton SnakeBeta forward and backward (one autograd function) on CUDA when Triton is
-        installed (and ``fused``), the torch reference elsewhere; residuals out of place (autograd
-        keeps the stream). On the CPU, whatever ``fused``, transposed convolutions in bf16 take their
+        """Triton SnakeBeta forward and backward (one autograd function) and the residual units' dilated
+        convolutions with their SnakeBeta fused, forward and backward (16-bit, 32-256 channels), on CUDA
+        when Triton is installed (and ``fused``), the torch reference elsewhere; residuals out of place
+        (autograd keeps the stream). On the CPU, whatever ``fused``, transposed convolutions in bf16 take their
         input's gradient in fp32 (oneDNN's bf16 one is wrong on AMX: ``kernels/conv_transpose.py``)."""
         device = torch.device(device)
         if fused and device.type == "cuda" and triton_available():
-            return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd")
+            return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd",
+                       conv_snake=conv_snake_triton_autograd, conv_snake_grad=True)  # fmt: skip
         if device.type == "cpu":
             return cls(conv_transpose=conv_transpose_fp32_input_grad, name="reference, fp32 conv-transpose input grads")
         return cls(snake_beta_reference, inplace=False, name="reference")
