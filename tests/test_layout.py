@@ -52,6 +52,9 @@ LONG_FILES: dict[str, str] = {
     "omni_lightning/kernels/snake_beta.py": "one op per file: SnakeBeta's forward and backward Triton "
     "kernels, their launchers, the autograd function and the torch reference together, and the launch settings the "
     "kernel report compiles (hopper_launches, from the launchers' own settings functions)",
+    "omni_lightning/kernels/conv_snake.py": "one op per file: the fused convolution + SnakeBeta's forward and "
+    "backward Triton kernels, their launchers and tile settings, the autograd function and the torch reference "
+    "together, and the launches the kernel report compiles (hopper_launches)",
     "omni_lightning/runner/session.py": "the one owner of the device weights: every place that points a "
     "parameter elsewhere (host weights held, lent, restored; layouts for graphs) and the session that decides when",
     "omni_lightning/callbacks/writer.py": "the one writer of a job's folder, start to end (what is finished, "

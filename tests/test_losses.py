@@ -171,3 +171,30 @@ def test_the_stft_losss_gradient_does_not_hinge_on_rounding():
     target[1] = 0.0
     silent = gradient(pred, target, lengths)
     assert torch.isfinite(silent).all() and silent.abs().sum() > 0
+
+
+def test_discriminators_pad_their_first_convolution_and_equal_the_plain_layers():
+    """The first convolutions' one or two input channels padded to eight (tensor cores) and the fused bias +
+    leaky ReLU give each discriminator's plain layers' logits and features (conv modules, then leaky ReLU)."""
+    from omni_lightning.training.discriminators import SLOPE, PeriodDiscriminator
+
+    gen = torch.Generator().manual_seed(1)
+    x = 0.1 * torch.randn(2, 1, 3000, generator=gen)
+    for d in Discriminators().discriminators:
+        got_logits, got = d(x)
+        if isinstance(d, PeriodDiscriminator):
+            b, _, t = x.shape
+            pad = (-t) % d.period
+            h = F.pad(x, (0, pad), mode="reflect").view(b, -1, d.period, 1).permute(0, 3, 1, 2)
+        else:
+            spec = torch.stft(x[:, 0], d.n_fft, d.n_fft // 4, window=d.window, return_complex=True).transpose(1, 2)
+            h = torch.stack([spec.real, spec.imag], dim=1)
+        assert h.shape[1] in (1, 2)  # what the padding widens
+        want = []
+        for conv in d.convs:
+            h = F.leaky_relu(conv(h), SLOPE)
+            want.append(h)
+        want.append(d.out(h))
+        torch.testing.assert_close(got_logits, want[-1].flatten(1), rtol=1e-5, atol=1e-6)
+        for u, v in zip(got, want, strict=True):
+            torch.testing.assert_close(u, v, rtol=1e-5, atol=1e-6)

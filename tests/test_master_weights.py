@@ -108,9 +108,30 @@ def test_fused_adamw_where_torch_has_it_under_plain_precision():
     assert fused_adamw(torch.device("cpu"), Precision()) and fused_adamw(torch.device("cuda", 1), Precision())
     assert fused_adamw(torch.device("cuda"), HalfPrecision("bf16-true"))
     assert not fused_adamw(torch.device("meta"), Precision())
-    # bf16-mixed and 16-mixed: a fused AdamW unscales its own gradients, and Lightning refuses to clip those
-    for precision in ("bf16-mixed", "16-mixed"):
-        assert not fused_adamw(torch.device("cuda"), MixedPrecision(precision, "cpu", scaler=None))
+    # bf16-mixed scales nothing: fused (the module clips past Lightning's refusal); 16-mixed's fused AdamW
+    # would unscale its gradients after the clipping
+    assert fused_adamw(torch.device("cuda"), MixedPrecision("bf16-mixed", "cuda"))
+    assert not fused_adamw(torch.device("cuda"), MixedPrecision("16-mixed", "cpu", scaler=None))
+
+
+def test_bf16_mixed_fits_with_fused_adamw_and_clips_its_gradients():
+    """Lightning's bf16-mixed plugin refuses to clip a fused optimizer's gradients; the module clips them
+    itself: the step's gradient norm, measured after clipping, is the clip (the raw one is far above it)."""
+
+    class Norms(pl.Callback):
+        def __init__(self):
+            self.clipped = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # the step's clipped gradients
+            grads = [p.grad for p in pl_module.model.parameters() if p.grad is not None]
+            self.clipped.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    norms = Norms()
+    module = Code2WavModule(model=random_model(micro_config()), total_steps=10, grad_clip=1e-3)
+    trainer = Trainer(**trainer_kwargs(max_steps=2, precision="bf16-mixed", callbacks=[norms]))
+    trainer.fit(module, DataLoader(one_frame_pairs(module.config, 2), batch_size=2, collate_fn=collate_codes))
+    assert type(trainer.optimizers[0]) is torch.optim.AdamW and trainer.optimizers[0].defaults["fused"]
+    assert len(norms.clipped) == 2 and all(abs(n - 1e-3) < 1e-5 for n in norms.clipped), norms.clipped
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -1,10 +1,12 @@
 """The fast training path against the plain one: 10 optimizer steps of a real fit from the same seed,
 in fp32, give the same losses and gradients, and validation after them the same losses.
 
-The fast path is ``Kernels.for_training``'s Triton SnakeBeta forward and backward; here they run in
-Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess), with libdevice's sine
-(``precise=True``: the interpreter cannot run inline PTX), chosen through the module's
-``configure_training_kernels`` hook. The plain path is ``fast_training=False``. The script counts the
+The fast path is ``Kernels.for_training``'s Triton SnakeBeta forward and backward and the residual units'
+fused convolution + SnakeBeta forward and backward (``kernels/conv_snake.py``, in fp32 here: on CUDA it
+takes 16-bit only, and the micro model's 32-channel units take it); here they run in Triton's
+interpreter (``TRITON_INTERPRET=1``, in a subprocess), with libdevice's sine (``precise=True``: the
+interpreter cannot run inline PTX), chosen through the module's ``configure_training_kernels`` hook.
+The plain path is ``fast_training=False``. The script counts the
 Triton calls of each path, so a module that ignored its kernels fails rather than comparing the
 reference with itself. The CUDA twin of this test is in ``test_gpu_model.py``.
 
@@ -39,9 +41,10 @@ def fit_both_paths() -> dict:
 
     from omni_lightning import Code2Wav, Code2WavModule, Trainer, collate_codes
     from omni_lightning.kernels import Kernels
+    from omni_lightning.kernels.conv_snake import conv_snake_triton_autograd
     from omni_lightning.kernels.snake_beta import snake_beta_triton_autograd
 
-    calls = {"triton": 0}
+    calls = {"triton": 0, "conv_snake": 0}
 
     class Interpreted(Code2WavModule):
         def configure_training_kernels(self, device):
@@ -49,7 +52,12 @@ def fit_both_paths() -> dict:
                 calls["triton"] += 1
                 return snake_beta_triton_autograd(*args, precise=True, **kwargs)
 
-            return Kernels(snake_beta, name="triton-autograd, interpreted")
+            def conv_snake(*args, **kwargs):
+                calls["conv_snake"] += 1
+                return conv_snake_triton_autograd(*args, precise=True, **kwargs)
+
+            return Kernels(snake_beta, name="triton-autograd, interpreted", conv_snake=conv_snake,
+                           conv_snake_dtypes=(torch.float32,), conv_snake_grad=True)  # fmt: skip
 
     class Record(pl.Callback):
         def __init__(self):
@@ -61,7 +69,7 @@ def fit_both_paths() -> dict:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             self.losses.append(float(outputs["loss"]))
 
-    config = micro_config()
+    config = micro_config(decoder_dim=64)  # the first decoder block's units: 32 channels, which conv_snake takes
     base = random_model(config, seed=3)
     gen = torch.Generator().manual_seed(0)
     items = []
@@ -80,14 +88,14 @@ def fit_both_paths() -> dict:
     val = DataLoader(items[2 * STEPS :], batch_size=2, collate_fn=collate_codes)
     runs = {}
     for fast in (True, False):
-        calls["triton"] = 0
+        calls["triton"] = calls["conv_snake"] = 0
         model = Code2Wav(config)
         model.load_state_dict(base.state_dict())
         module = Interpreted(model=model, fast_training=fast, learning_rate=1e-3, total_steps=10**6, stft_weight=0.0)
         record = Record()
         trainer = Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[record]))  # fit: no validation
         trainer.fit(module, train_dataloaders=train)
-        fit_calls = calls["triton"]
+        fit_calls, fit_conv = calls["triton"], calls["conv_snake"]
         validated = trainer.validate(module, dataloaders=val, verbose=False)[0]
         runs[fast] = dict(
             losses=record.losses,
@@ -96,6 +104,7 @@ def fit_both_paths() -> dict:
             kernels=module.training_kernels.name,
             fit_calls=fit_calls,
             val_calls=calls["triton"] - fit_calls,
+            conv_calls=[fit_conv, calls["conv_snake"] - fit_conv],
         )
     fast, plain = runs[True], runs[False]
     loss_errors = [abs(a - b) / abs(b) for a, b in zip(fast["losses"], plain["losses"])]
@@ -111,6 +120,7 @@ def fit_both_paths() -> dict:
         "steps": [len(fast["losses"]), len(plain["losses"]), len(fast["grads"]), len(plain["grads"])],
         "kernels": [fast["kernels"], plain["kernels"]],
         "calls": [fast["fit_calls"], fast["val_calls"], plain["fit_calls"], plain["val_calls"]],
+        "conv_calls": fast["conv_calls"] + plain["conv_calls"],
         "loss": loss_errors,
         "grad": grad_errors,
         "parameter": parameter_errors,
@@ -128,9 +138,11 @@ def test_fast_training_path_gives_the_reference_losses_and_gradients_over_ten_st
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["steps"] == [STEPS] * 4
     assert result["kernels"] == ["triton-autograd, interpreted", "reference, fp32 conv-transpose input grads"]
-    snake_layers = 29  # micro's SnakeBetas: 4 decoder blocks of 7 and the last one
+    fused_units = 3  # the first decoder block's (32 channels); the later blocks' are narrower than conv_snake takes
+    snake_layers = 29 - fused_units  # micro's SnakeBetas (4 decoder blocks of 7 and the last one) less the fused
     fast_fit, fast_val, plain_fit, plain_val = result["calls"]
     assert fast_fit == STEPS * snake_layers and fast_val == snake_layers and plain_fit == plain_val == 0
+    assert result["conv_calls"] == [STEPS * fused_units, fused_units, 0, 0], result["conv_calls"]
     assert max(result["loss"]) <= LOSS_TOLERANCE, result["loss"]
     for key, (first, any_step) in (("grad", GRAD_TOLERANCE), ("parameter", PARAMETER_TOLERANCE)):
         assert result[key][0] <= first and max(result[key]) <= any_step, (key, result[key])

@@ -172,13 +172,14 @@ def test_shapes_that_keep_changing_stop_being_captured_after_max_captures(caplog
     assert graph.stats["eager"] == 6 and graph.stats["replays"] == 2
 
 
-def test_graphs_are_allowed_on_cuda_with_a_plain_precision_one_process_and_no_accumulation(long_pairs):
+def test_graphs_are_allowed_on_cuda_with_a_plain_precision_or_bf16_mixed_one_process_no_accumulation(long_pairs):
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
     for plugin in (Precision(), HalfPrecision("bf16-true"), HalfPrecision("16-true"), DoublePrecision()):
         assert training_graphs_allowed(gpu, plugin, 1, 1)
     assert not training_graphs_allowed(cpu, Precision(), 1, 1)
-    for precision in ("bf16-mixed", "16-mixed"):  # autocast's cache cannot be captured
-        assert not training_graphs_allowed(gpu, MixedPrecision(precision, "cuda"), 1, 1)
+    # bf16-mixed: Lightning's autocast keeps no weight cache (which could not be captured), and scales nothing
+    assert training_graphs_allowed(gpu, MixedPrecision("bf16-mixed", "cuda"), 1, 1)
+    assert not training_graphs_allowed(gpu, MixedPrecision("16-mixed", "cuda"), 1, 1)  # a scaled backward
     assert not training_graphs_allowed(gpu, Precision(), 2, 1)  # DDP: not run on several GPUs
     assert not training_graphs_allowed(gpu, Precision(), 1, 2)  # accumulation: static gradients
     assert fit(Code2WavModule(model=random_model("tiny")), long_pairs, 1) is None  # the CPU: the eager model
@@ -235,16 +236,17 @@ def test_cuda_replays_give_the_eager_gradients_at_the_moving_weights(no_tf32):
 
 
 @cuda
+@pytest.mark.parametrize("precision", ["bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("adversarial", [False, True], ids=["rec", "gan"])
-def test_cuda_bf16_fit_replays_then_predicts_in_place(long_pairs, adversarial):
+def test_cuda_bf16_fit_replays_then_predicts_in_place(long_pairs, adversarial, precision):
     module = Graphed(capture=None, adversarial=adversarial)
     module.configure_training_graph = Code2WavModule.configure_training_graph.__get__(module)  # the default
     losses = Losses()
     graph = fit(module, long_pairs, 10 if adversarial else 5, callbacks=[losses], accelerator="gpu",
-                precision="bf16-true")  # fmt: skip
+                precision=precision)  # fmt: skip
     assert graph.failed is None and graph.stats["captures"] == 1 and graph.stats["replays"] == 4
     assert all(torch.isfinite(torch.tensor(losses.losses)))
-    trainer = Trainer(**{**trainer_kwargs(), "accelerator": "gpu", "precision": "bf16-true"})
+    trainer = Trainer(**{**trainer_kwargs(), "accelerator": "gpu", "precision": precision})
     out = trainer.predict(module, datamodule=CodesDataModule(predict=str(long_pairs), batch_size=3))
     waves = [p["model_outputs"] for o in out for p in o.pooler_output]
     assert len(waves) == 6 and all(torch.isfinite(w).all() for w in waves)

@@ -1,5 +1,6 @@
 """The Triton SnakeBeta kernels' index and mask logic and the backward's arithmetic, run by Triton's
-interpreter on the CPU.
+interpreter on the CPU (and, at the end, the fused convolution + SnakeBeta forward and backward, and the
+discriminators' bias + leaky ReLU, the same way).
 
 ``TRITON_INTERPRET=1`` (set in a subprocess, before Triton is imported) runs ``@triton.jit`` kernels
 on CPU tensors with NumPy, so every machine checks the launchers and kernels against the torch
@@ -258,3 +259,36 @@ def test_conv_snake_backward_in_the_triton_interpreter_equals_the_references_aut
     # fp32 only, as the forward's test (the CUDA tests check bf16)
     done = run_interpreted(CONV_SNAKE_BACKWARD)
     assert done.returncode == 0 and "conv snake backward ok 4" in done.stdout, done.stderr[-3000:]
+
+
+BIAS_LEAKY_RELU = textwrap.dedent(
+    """
+    import torch
+    from omni_lightning.kernels.bias_leaky_relu import bias_leaky_relu_reference, bias_leaky_relu_triton
+
+    gen = torch.Generator().manual_seed(0)
+    cases = 0
+    # channels in one tile, two tiles with a cut one, eight (the padded first layer's output is wider);
+    # rows over several backward programs; an output gradient in another layout (copied)
+    for shape in ((2, 32, 37, 5), (3, 96, 11, 3), (1, 8, 1300, 1)):
+        x = torch.randn(*shape, generator=gen).to(memory_format=torch.channels_last)
+        b = torch.randn(shape[1], generator=gen)
+        g = torch.randn(*shape, generator=gen)
+        results = []
+        for op in (bias_leaky_relu_reference, bias_leaky_relu_triton):
+            leaves = [x.clone().requires_grad_(), b.clone().requires_grad_()]
+            y = op(*leaves, 0.1)
+            results.append((y.detach(), *torch.autograd.grad(y, leaves, g)))
+        for want, got in zip(*results):
+            scale = max(1.0, float(want.abs().max()))
+            assert want.shape == got.shape and float((want - got).abs().max()) <= 1e-5 * scale
+        assert results[1][0].is_contiguous(memory_format=torch.channels_last)
+        cases += 1
+    print("bias leaky relu ok", cases)
+    """
+)
+
+
+def test_bias_leaky_relu_in_the_triton_interpreter_equals_the_torch_reference():
+    done = run_interpreted(BIAS_LEAKY_RELU)
+    assert done.returncode == 0 and "bias leaky relu ok 3" in done.stdout, done.stderr[-3000:]

@@ -7,6 +7,16 @@ their weights' dtype. 2-D convolutions run channels-last (NHWC), cuDNN's layout 
 weights converted once, spectrograms built in that layout. Real and generated audio share one pass
 where both need the same gradients (no layer mixes items, so that is exact); the losses loop over
 discriminators and layers, never over items.
+
+At speed: the first convolutions' one or two input channels are zero-padded to
+:data:`INPUT_CHANNELS` (input and weight: exact), as cuDNN's tensor-core NHWC convolutions take 16-byte
+channel rows and ran one or two channels on a direct fallback engine; each hidden convolution's bias
+and leaky ReLU are one pass (``kernels/bias_leaky_relu.py``, on CUDA with Triton), not torch's
+broadcast bias add and then the activation. Weight norm is computed once per pass: the discriminators'
+own pass scores real and generated audio together, and the generator's pass caches it for both
+(``parametrize.cached``); the weights change between the two (the discriminators' step), so once per
+step is not possible. Not done: CUDA graphs of the discriminators (the GAN's memory is at its limit, and
+a graph pool would hold a second copy of their activations).
 """
 
 from __future__ import annotations
@@ -17,12 +27,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_lightning.kernels import triton_available
+from omni_lightning.kernels.bias_leaky_relu import bias_leaky_relu_reference, bias_leaky_relu_triton
+
+INPUT_CHANNELS = 8  # the first convolutions' input channels, zero-padded (16 bytes in bf16: tensor cores)
+SLOPE = 0.1  # the leaky ReLU's
+
 
 def _conv_stack(convs: nn.ModuleList, out: nn.Module, h: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Leaky-ReLU conv stack; the logits and every layer's feature map (for feature matching)."""
+    """Leaky-ReLU conv stack on channels-last ``h``; the logits and every layer's feature map (for feature
+    matching). The first convolution's input channels padded to :data:`INPUT_CHANNELS` (module docstring)."""
+    fused = h.is_cuda and triton_available()
     features = []
-    for conv in convs:
-        h = F.leaky_relu(conv(h), 0.1)
+    for i, conv in enumerate(convs):
+        weight = conv.weight
+        if i == 0 and h.shape[1] < INPUT_CHANNELS:
+            pad = INPUT_CHANNELS - h.shape[1]  # NHWC memory [B, H, W, C] padded along C, then viewed as NCHW
+            h = F.pad(h.permute(0, 2, 3, 1), (0, pad)).permute(0, 3, 1, 2)
+            weight = F.pad(weight, (0, 0, 0, 0, 0, pad)).contiguous(memory_format=torch.channels_last)
+        h = F.conv2d(h, weight, None, conv.stride, conv.padding)
+        h = bias_leaky_relu_triton(h, conv.bias, SLOPE) if fused else bias_leaky_relu_reference(h, conv.bias, SLOPE)
         features.append(h)
     h = out(h)
     features.append(h)

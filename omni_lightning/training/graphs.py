@@ -11,8 +11,9 @@ launches two graphs instead of each kernel through autograd (``docs/performance.
   (:class:`~omni_lightning.engine.graphs.BoundWeights`); weights moved since are copied there and
   pointed back (``runner/session.point_at``); a change of dtype or shape drops the graph.
 - A failed capture logs one warning and leaves the fit eager (a failed capture can spoil its pool).
-- Allowed (:func:`training_graphs_allowed`): CUDA, a plain precision (autocast's weight cache cannot
-  be captured), one process (graphed backwards under DDP's gradient hooks are untested), no
+- Allowed (:func:`training_graphs_allowed`): CUDA, a plain precision or Lightning's bf16-mixed (its
+  autocast keeps no weight cache, which could not be captured: the casts are captured with the rest;
+  16-mixed's scaled backward is not tried), one process (graphed backwards under DDP's gradient hooks are untested), no
   gradient accumulation (the graph's gradients are static buffers a second backward would overwrite).
 
 Not done: the losses, discriminators and optimizers stay eager. ``capture`` is injectable (tests).
@@ -33,7 +34,7 @@ from torch import nn
 from omni_lightning.engine.graphs import BoundWeights
 from omni_lightning.kernels import Kernels
 from omni_lightning.runner.session import point_at
-from omni_lightning.training.schedule import plain_precision
+from omni_lightning.training.schedule import bf16_autocast, plain_precision
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,8 @@ def thread_local_graphs() -> Iterator[None]:
 
 def training_graphs_allowed(device: torch.device, precision_plugin: Any, world_size: int, accumulate: int) -> bool:
     """Whether fit may replay the generator as CUDA graphs (module docstring: why each condition)."""
-    return device.type == "cuda" and plain_precision(precision_plugin) and world_size == 1 and accumulate == 1
+    precision = plain_precision(precision_plugin) or bf16_autocast(precision_plugin)
+    return device.type == "cuda" and precision and world_size == 1 and accumulate == 1
 
 
 class TrainingGraph:
@@ -115,6 +117,8 @@ class TrainingGraph:
             id(model),
             id(kernels),
             tuple(p.requires_grad for p in model.parameters()),
+            torch.is_autocast_enabled(codes.device.type),  # a graph holds the casts autocast made, or none
+            torch.get_autocast_dtype(codes.device.type),
         )
         last, self._last = self._last, key
         if self._graphed is not None and key == self._key:

@@ -86,16 +86,45 @@ def plain_precision(precision_plugin: Any) -> bool:
     return type(precision_plugin) in (Precision, HalfPrecision, DoublePrecision)
 
 
+def bf16_autocast(precision_plugin: Any) -> bool:
+    """Whether ``precision_plugin`` is Lightning's own ``MixedPrecision`` in ``bf16-mixed``: autocast
+    with no weight cache (``cache_enabled=False``: each cast runs where the weight is used) and no
+    gradient scaler, so gradients are never scaled."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return (
+        type(precision_plugin) is MixedPrecision
+        and precision_plugin.precision == "bf16-mixed"
+        and precision_plugin.scaler is None
+    )
+
+
 def fused_adamw(device: torch.device, precision_plugin: Any) -> bool:
     """Whether fine-tuning's AdamW uses torch's fused kernel for parameters on ``device``: on a device
-    torch has fused AdamW for (CUDA, the CPU, ...), under Lightning's plain precision plugins only
-    (:func:`plain_precision`). Not under its ``MixedPrecision`` (bf16-mixed, 16-mixed): a fused
-    optimizer unscales its own gradients, so that plugin refuses to clip them, scaler or not; nor
-    under plugins this does not know. The fused step agrees with the foreach one to rounding
-    (``tests/test_master_weights.py``)."""
+    torch has fused AdamW for (CUDA, the CPU, ...), under Lightning's plain precision plugins
+    (:func:`plain_precision`) and bf16-mixed (:func:`bf16_autocast`: no scaler, so nothing to unscale;
+    Lightning's plugin refuses to clip a fused optimizer's gradients all the same, so the module clips
+    them itself: :func:`clip_gradients`). Not under 16-mixed (a fused optimizer unscales its own
+    gradients, after the clipping), nor under plugins this does not know. The fused step agrees with
+    the foreach one to rounding (``tests/test_master_weights.py``)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    return plain_precision(precision_plugin) and device.type in _get_fused_kernels_supported_devices()
+    plain = plain_precision(precision_plugin) or bf16_autocast(precision_plugin)
+    return plain and device.type in _get_fused_kernels_supported_devices()
+
+
+def clip_gradients(module: Any, optimizer: torch.optim.Optimizer, value: float, algorithm: str | None) -> None:
+    """``module.clip_gradients``, except under :func:`bf16_autocast`, where Lightning's plugin would refuse
+    a fused AdamW: there its base class clips, as under a plain precision (no scaler: nothing to unscale)."""
+    plugin = module.trainer.precision_plugin
+    if not bf16_autocast(plugin):
+        module.clip_gradients(optimizer, gradient_clip_val=value, gradient_clip_algorithm=algorithm)
+        return
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+
+    algorithm = GradClipAlgorithmType(algorithm or module.trainer.gradient_clip_algorithm or "norm")
+    Precision.clip_gradients(plugin, optimizer, value, algorithm)
 
 
 def adamw_with_schedule(
