@@ -13,6 +13,13 @@ first ``--warmup`` batches are not timed, nor is the last, whose optimizer step 
 only the rows a batch looks up get a gradient). In bf16-true, an AdamW update smaller than half a
 bf16 step of its weight is rounded away. Peak memory: GPU memory allocated
 (``torch.cuda.max_memory_allocated``) on CUDA, process RSS on the CPU. Prints a table; writes JSON.
+
+``--fit-cli`` also runs the user's command at the same settings, after each benchmark fit:
+``omni-lightning fit --config configs/finetune.yaml`` (its EMA, progress bar, CSV logging, learning-rate
+monitor, checkpoints and data loader workers) on the same pairs written to disk (codes ``.npy``, float
+WAV), with the same preset, precision, batch, crop and batches, timed over the same batches by a
+callback the command line adds (:class:`FitClock`). Its row follows the benchmark's, with
+``fit / bench``; a subprocess, so the CUDA memory figure is the benchmark's only.
 """
 
 from __future__ import annotations
@@ -21,8 +28,11 @@ import argparse
 import gc
 import json
 import logging
+import os
 import resource
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -158,6 +168,74 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
     }
 
 
+class FitClock(StepClock):
+    """:class:`StepClock` for ``omni-lightning fit`` (``--trainer.callbacks+=bench_train.FitClock``): its
+    settings and the JSON file it writes at the end of the fit come in ``BENCH_TRAIN_CLOCK`` as
+    ``warmup,batches,path`` (the command line gives a callback no arguments here)."""
+
+    def __init__(self) -> None:
+        warmup, batches, self.out = os.environ["BENCH_TRAIN_CLOCK"].split(",", 2)
+        super().__init__(int(warmup), int(batches))
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        super().on_train_end(trainer, pl_module)
+        Path(self.out).write_text(json.dumps({"seconds": self.seconds, "timed": self.timed, "graph": self.graph}))
+
+
+def write_pairs(folder: Path, loader: DataLoader, sample_rate: int) -> Path:
+    """The loader's pairs as a manifest in ``folder``: ``codes/<id>.npy`` and ``audio/<id>.wav`` (float)."""
+    import numpy as np
+    import soundfile as sf
+
+    (folder / "codes").mkdir(parents=True, exist_ok=True)
+    (folder / "audio").mkdir(exist_ok=True)
+    lines = []
+    for item in loader.dataset:
+        np.save(folder / "codes" / f"{item['id']}.npy", item["codes"].numpy())
+        sf.write(folder / "audio" / f"{item['id']}.wav", item["audio"].numpy(), sample_rate, subtype="FLOAT")
+        lines.append(
+            json.dumps({"id": item["id"], "codes": f"codes/{item['id']}.npy", "audio": f"audio/{item['id']}.wav"})
+        )
+    manifest = folder / "train.jsonl"
+    manifest.write_text("\n".join(lines) + "\n")
+    return manifest
+
+
+def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: int) -> dict[str, Any]:
+    """``omni-lightning fit`` with ``configs/finetune.yaml`` at the benchmark's settings (module docstring)."""
+    config = base.config
+    frames = round(args.crop_seconds * config.frame_rate)
+    batches = args.warmup + args.steps + 1
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        manifest = write_pairs(Path(tmp), paired_loader(config, batch, frames, batches), config.sample_rate)
+        clock = Path(tmp) / "clock.json"
+        command = [sys.executable, "-m", "omni_lightning.cli", "fit", "--config", str(root / "configs/finetune.yaml"),
+                   "--data.train", str(manifest), "--data.val", str(manifest), "--data.batch_size", str(batch),
+                   "--data.crop_frames", str(frames), "--model.config", args.preset, "--model.random_weights", "true",
+                   "--model.learning_rate", str(args.learning_rate), "--model.total_steps", str(10**6),
+                   "--model.adversarial", str(args.adversarial).lower(), "--trainer.precision", precision,
+                   "--trainer.accelerator", "gpu" if args.device == "cuda" else args.device,
+                   "--trainer.max_steps", str(batches * (2 if args.adversarial else 1)),
+                   "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
+                   "--trainer.callbacks+=bench_train.FitClock"]  # fmt: skip
+        path = os.pathsep.join([str(root / "scripts"), str(root), os.environ.get("PYTHONPATH", "")])
+        env = {**os.environ, "PYTHONPATH": path, "BENCH_TRAIN_CLOCK": f"{args.warmup},{batches},{clock}"}
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode or not clock.exists():
+            raise RuntimeError(f"omni-lightning fit failed ({done.returncode}): {done.stderr[-3000:]}")
+        timed = json.loads(clock.read_text())
+    audio_s = timed["timed"] * batch * config.output_length(frames) / config.sample_rate
+    seconds, steps = timed["seconds"], timed["timed"]
+    return {
+        **{"preset": args.preset, "device": args.device, "precision": precision, "batch": batch},
+        **{"crop_s": args.crop_seconds, "adversarial": args.adversarial, "run": "omni-lightning fit"},
+        **{"steps": steps, "seconds": seconds, "step_s": seconds / max(steps, 1)},
+        **{"audio_s_per_s": audio_s / max(seconds, 1e-9), "peak_memory_gib": float("nan")},
+        **{"updated": float("nan"), "graphs": True, "graph": timed["graph"]},
+    }
+
+
 def machine(device: str) -> str:
     return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
@@ -189,6 +267,7 @@ def parser() -> argparse.ArgumentParser:
         help="fit's CUDA graphs of the generator (training/graphs.py): as by default, off, or both",
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--fit-cli", action="store_true", help="also time `omni-lightning fit` at the same settings")
     parser.add_argument("--out", default="bench_train.json")
     return parser
 
@@ -209,17 +288,24 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
+            if args.fit_cli:
+                rows.append(fit_cli_one(base, args, precision, batch))
+                rows[-1]["fit_over_bench"] = rows[-1]["audio_s_per_s"] / rows[-2]["audio_s_per_s"]
+                print(f"  done omni-lightning fit: {rows[-1]['fit_over_bench']:.2f} of the benchmark", file=sys.stderr)
             write_json(args.out, args, rows)  # after every row: a later crash keeps the earlier ones
     memory = "peak GPU memory allocated" if args.device == "cuda" else "peak process RSS"
     gan = ", GAN" if args.adversarial else ""
     print(f"\n{args.preset} fine-tuning on {machine(args.device)}, {args.crop_seconds:g} s crops{gan}")
-    print(f"| batch | precision | generator graphs | step (ms) | audio s/s | {memory} (GiB) | updated |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"| run | batch | precision | generator graphs | step (ms) | audio s/s | {memory} (GiB) | updated |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         used = "replayed" if r["graph"].get("replays") else ("off" if not r["graphs"] else "not used")
+        run = f"omni-lightning fit ({r['fit_over_bench']:.2f} of the benchmark)" if "fit_over_bench" in r else "bench"
         print(
-            f"| {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | {r['audio_s_per_s']:.1f} "
-            f"| {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |"
+            f"| {run} | {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | "
+            f"{r['audio_s_per_s']:.1f} | {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |".replace(
+                "nan%", "-"
+            ).replace("nan", "-")
         )
 
 
