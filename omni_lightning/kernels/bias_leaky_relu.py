@@ -81,7 +81,7 @@ def _forward_args(rows, bias, out, slope: float) -> tuple:
 
 
 def _backward_args(out, grad, dx, partial, slope: float) -> tuple:
-    return (out, grad, dx, partial, out.shape[0], out.shape[1], slope, BLOCK_ROWS, BLOCK_C, BACKWARD_ROWS)
+    return (out, grad, dx, partial, out.shape[0], out.shape[1], slope, BACKWARD_ROWS, BLOCK_ROWS, BLOCK_C)
 
 
 def hopper_launches(layers) -> list[KernelLaunch]:
@@ -94,8 +94,8 @@ def hopper_launches(layers) -> list[KernelLaunch]:
     out = [launch("bias_leaky_relu", _forward_kernel, args[:-2], dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_C=BLOCK_C),
                   "discriminators", "bf16")]  # fmt: skip
     args = _backward_args(x, x, x, partial, 0.1)
-    kwargs = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_C=BLOCK_C, STEPS=BACKWARD_ROWS)
-    out.append(launch("bias_leaky_relu.backward", _backward_kernel, args[:-3], kwargs, "discriminators", "bf16"))
+    kwargs = dict(BLOCK_ROWS=BLOCK_ROWS, BLOCK_C=BLOCK_C)
+    out.append(launch("bias_leaky_relu.backward", _backward_kernel, args[:-2], kwargs, "discriminators", "bf16"))
     return out
 
 
@@ -104,25 +104,28 @@ if triton is not None:
     @triton.jit(do_not_specialize=["n_rows", "channels", "slope"])
     def _forward_kernel(x_ptr, bias_ptr, y_ptr, n_rows, channels, slope, BLOCK_ROWS: tl.constexpr,
                         BLOCK_C: tl.constexpr):  # fmt: skip
-        r = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        first = tl.program_id(0).to(tl.int64) * BLOCK_ROWS  # 64-bit where the tile starts, 32-bit within it
+        r = tl.arange(0, BLOCK_ROWS)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (r < n_rows)[:, None] & (c < channels)[None, :]
+        mask = (first + r < n_rows)[:, None] & (c < channels)[None, :]
         offsets = r[:, None] * channels + c[None, :]
+        x_ptr += first * channels
+        y_ptr += first * channels
         v = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         v += tl.load(bias_ptr + c, mask=c < channels, other=0.0).to(tl.float32)[None, :]
         v = tl.where(v > 0, v, v * slope)
         tl.store(y_ptr + offsets, v.to(y_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit(do_not_specialize=["n_rows", "channels", "slope"])
-    def _backward_kernel(y_ptr, g_ptr, dx_ptr, partial_ptr, n_rows, channels, slope, BLOCK_ROWS: tl.constexpr,
-                         BLOCK_C: tl.constexpr, STEPS: tl.constexpr):  # fmt: skip
-        """``STEPS`` row tiles from program ``p``'s first; ``dx = g`` where ``y > 0``, else ``slope * g``;
-        the channels' sums of ``dx`` (the bias's gradient) into ``partial[p]``."""
+    @triton.jit(do_not_specialize=["n_rows", "channels", "slope", "steps"])
+    def _backward_kernel(y_ptr, g_ptr, dx_ptr, partial_ptr, n_rows, channels, slope, steps, BLOCK_ROWS: tl.constexpr,
+                         BLOCK_C: tl.constexpr):  # fmt: skip
+        """``steps`` row tiles from program ``p``'s first (a runtime count: not unrolled, which spilled);
+        ``dx = g`` where ``y > 0``, else ``slope * g``; the channels' sums of ``dx`` into ``partial[p]``."""
         p = tl.program_id(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         total = tl.zeros([BLOCK_ROWS, BLOCK_C], dtype=tl.float32)
-        for i in range(STEPS):
-            r = (p.to(tl.int64) * STEPS + i) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        for i in range(steps):
+            r = (p.to(tl.int64) * steps + i) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
             mask = (r < n_rows)[:, None] & (c < channels)[None, :]
             offsets = r[:, None] * channels + c[None, :]
             y = tl.load(y_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
