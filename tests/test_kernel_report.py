@@ -116,6 +116,35 @@ def test_the_report_compiles_what_the_snake_beta_launchers_launch(layers, defaul
             assert one.tiles == f"{tiles.block_t}x{tiles.block_c}"
 
 
+def test_the_report_compiles_what_the_conv_snake_launchers_launch(layers, default_path, monkeypatch):
+    """The fused convolution's forward and backward at each width the model gives it: the launchers' calls
+    (recorded, on CPU tensors, as the model makes them: ``a`` with history rows, the weight as a parameter
+    holds it), bound as Triton's JIT binds them, equal the launches ``hopper_launches`` lists."""
+    from omni_lightning.kernels import conv_snake
+
+    forward = Recorder(conv_snake._conv_snake_kernel)
+    monkeypatch.setattr(conv_snake, "_conv_snake_kernel", forward)
+    backward = Recorder(conv_snake._conv_snake_backward_kernel)
+    monkeypatch.setattr(conv_snake, "_conv_snake_backward_kernel", backward)
+    listed = {(one.kernel, one.label.split(" ")[0]): one for one in default_path if one.kernel.startswith("conv_snake")}
+    assert sorted({int(label) for _, label in listed}) == [96, 192]
+    for channels in (96, 192):
+        length, dilation = 45, 3
+        a = torch.zeros(2, 6 * dilation + length, channels, dtype=torch.bfloat16)
+        w, params = (
+            torch.zeros(channels, channels, 7, dtype=torch.bfloat16),
+            torch.zeros(channels, dtype=torch.bfloat16),
+        )
+        conv_snake.conv_snake_triton(a, w, params, params, params, dilation, length)
+        grad = torch.zeros(2, length, channels, dtype=torch.bfloat16)
+        conv_snake.conv_snake_triton_backward(grad, a, w, params, params, params, dilation, length)
+        for kernel, recorder in (("conv_snake", forward), ("conv_snake.backward", backward)):
+            one = listed[(kernel, str(channels))]
+            args, kwargs = recorder.calls.pop()
+            listed_as = (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages)
+            assert launches.bind(recorder.fn, args, kwargs) == listed_as, (kernel, channels)
+
+
 def test_occupancy_follows_the_sm90_limits():
     assert hopper.occupancy(4, 64, 512) == 32  # registers: 65,536 / (64 x 32) = 32 warps
     assert hopper.occupancy(4, 32, 0) == 64  # threads: 2,048 per SM
