@@ -94,11 +94,16 @@ def backward_tiles(c_in: int, c_out: int) -> Tiles:
     return Tiles(64, first, rest, 32, 8, 3)
 
 
-def channels_innermost(weight: torch.Tensor) -> torch.Tensor:
+def channels_innermost(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A ``[C_out, C_in, taps]`` convolution weight with its input channels innermost (strides
-    ``(taps * C_in, 1, C_in)``): itself when it is so already, else a copy."""
+    ``(taps * C_in, 1, C_in)``) in ``dtype`` (default its own): itself when it is so already, else one
+    copy (the cast and the transpose in one pass: under bf16-mixed the weights are fp32)."""
     w = weight.reshape(weight.shape[0], weight.shape[1], -1) if weight.dim() != 3 else weight
-    return w if w.stride(1) == 1 and w.stride(2) == w.shape[1] else w.transpose(1, 2).contiguous().transpose(1, 2)
+    dtype = dtype or w.dtype
+    if w.dtype == dtype and w.stride(1) == 1 and w.stride(2) == w.shape[1]:
+        return w
+    out = torch.empty((w.shape[0], w.shape[2], w.shape[1]), dtype=dtype, device=w.device)
+    return out.copy_(w.transpose(1, 2)).transpose(1, 2)
 
 
 def conv_snake_reference(
@@ -133,7 +138,7 @@ def conv_snake_triton(
     contiguous; ``weight`` is read in place when its input channels are innermost (:func:`channels_innermost`).
     ``tiles``: default :func:`launch_tiles`. ``precise``: libdevice's sine (the interpreter's)."""
     batch, rows, c_in = a.shape
-    w = channels_innermost(weight.to(a.dtype))  # under autocast the weight is fp32: the dot takes a's dtype
+    w = channels_innermost(weight, a.dtype)  # under autocast the weight is fp32: the dot takes a's dtype
     c_out, taps = w.shape[0], w.shape[2]
     if a.stride(2) != 1:
         raise ValueError(f"conv_snake_triton needs a's channels contiguous, got strides {a.stride()}")
@@ -196,7 +201,7 @@ def conv_snake_triton_backward(
     (any strides): one Triton pass (the convolution recomputed, SnakeBeta's backward as its epilogue:
     ``dy`` and fp32 per-channel sums), then one ``convolution_backward`` of ``dy`` (module docstring)."""
     batch, rows, c_in = a.shape
-    w = channels_innermost(weight.to(a.dtype))
+    w = channels_innermost(weight, a.dtype)
     c_out, taps = w.shape[0], w.shape[2]
     out_rows = rows - (taps - 1) * dilation  # the valid convolution's rows: the layers' layout for cuDNN
     if a.stride(2) != 1 or out_rows < length:
