@@ -94,6 +94,26 @@ def test_conv_snake_backward_matches_the_reference_at_qwen3_omni_widths(dtype, n
             assert errors[0] <= 1.1 * errors[1] + 1e-3, (channels, dilation, i, errors)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_bias_leaky_relu_matches_the_reference_on_cuda(dtype):
+    """The discriminators' fused bias + leaky ReLU, forward and backward, against torch's (bias in fp32,
+    as the mixed precisions hold it; an output gradient in another layout)."""
+    from omni_lightning.kernels.bias_leaky_relu import bias_leaky_relu_reference, bias_leaky_relu_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    for shape in ((4, 32, 3001, 5), (2, 128, 375, 129), (3, 8, 999, 1)):
+        x = torch.randn(*shape, device="cuda", generator=gen).to(dtype, memory_format=torch.channels_last)
+        bias, grad = torch.randn(shape[1], device="cuda", generator=gen), torch.randn(*shape, device="cuda").to(dtype)
+        results = []
+        for op in (bias_leaky_relu_reference, bias_leaky_relu_triton):
+            leaves = [x.clone().requires_grad_(), bias.clone().requires_grad_()]
+            y = op(*leaves, 0.1)
+            results.append((y.float(), *(g.float() for g in torch.autograd.grad(y, leaves, grad))))
+        for i, (want, got) in enumerate(zip(*results)):
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            assert float((want - got).norm() / want.norm()) <= tol, (shape, i)
+
+
 def test_cuda_forward_matches_transformers_with_either_kernels(no_tf32):
     model = random_model("tiny").cuda()
     ref = reference_model(model).cuda()
