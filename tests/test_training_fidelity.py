@@ -10,9 +10,13 @@ The plain path is ``fast_training=False``. The script counts the
 Triton calls of each path, so a module that ignored its kernels fails rather than comparing the
 reference with itself. The CUDA twin of this test is in ``test_gpu_model.py``.
 
-The objective is the mel loss alone (``stft_weight=0``): the STFT loss's log magnitudes amplify fp32
-rounding, so any two implementations part over ten steps (with the floored log of issue 41 the losses
-still part by 1.5e-3 at step 10, measured on the CPU; with the old clamped log, after a step or two). Tolerances allow
+The objective is the mel loss alone (``stft_weight=0``) at a learning rate of 1e-4. The STFT loss's
+log magnitudes amplify fp32 rounding, so any two implementations part over ten steps with it (with the
+floored log of issue 41 the losses still part by 1.5e-3 at step 10, measured on the CPU; with the old
+clamped log, after a step or two). AdamW at 1e-3 amplifies it too on this 64-channel decoder (its step
+does not shrink with a gradient near zero): from gradients 1.5e-6 apart at step 1, the losses parted by
+1e-4 at step 10 with the SnakeBeta kernels alone and with the fused convolution too (measured on the
+CPU); at 1e-4 they stay within 3e-7. Tolerances allow
 fp32 rounding carried by AdamW through ten steps: loss <= 1e-5; all gradients <= 1e-5 at step 1 and
 <= 2e-4 at every step; any parameter's <= 1e-3 at step 1 and <= 2e-2 at every step. A wrong
 gradient of any one input of the op misses these by orders of magnitude.
@@ -91,7 +95,7 @@ def fit_both_paths() -> dict:
         calls["triton"] = calls["conv_snake"] = 0
         model = Code2Wav(config)
         model.load_state_dict(base.state_dict())
-        module = Interpreted(model=model, fast_training=fast, learning_rate=1e-3, total_steps=10**6, stft_weight=0.0)
+        module = Interpreted(model=model, fast_training=fast, learning_rate=1e-4, total_steps=10**6, stft_weight=0.0)
         record = Record()
         trainer = Trainer(**trainer_kwargs(max_steps=STEPS, callbacks=[record]))  # fit: no validation
         trainer.fit(module, train_dataloaders=train)

@@ -44,7 +44,8 @@ class _HostCountedAverage(AveragedModel):
 
     torch's own ``update_parameters`` reads the update count from the device (a host sync) and
     launches per parameter. Here the count is read once per fit and then kept on the host, and every
-    parameter is averaged in one ``torch._foreach_lerp_`` (bit for bit :func:`_lerp`). The device's
+    parameter is averaged in one ``torch._foreach_lerp_`` (bit for bit :func:`_lerp`), after one
+    ``torch._foreach_copy_`` casting parameters held below fp32 (bf16-true). The device's
     count still advances, for checkpoints. :class:`EMAWeights` gives Lightning's model this class.
     """
 
@@ -60,7 +61,10 @@ class _HostCountedAverage(AveragedModel):
                 for a, c in zip(averaged, current):
                     a.copy_(c)
             else:
-                current = [c if c.dtype == a.dtype else c.to(a.dtype) for a, c in zip(averaged, current)]
+                if any(c.dtype != a.dtype for a, c in zip(averaged, current)):  # bf16-true: cast in one launch
+                    cast = [torch.empty_like(a) for a in averaged]  # per dtype, not one per parameter
+                    torch._foreach_copy_(cast, current)
+                    current = cast
                 torch._foreach_lerp_(averaged, current, warmed_up_weight(self.weight, count))
             self.n_averaged += 1
         self.count = count + 1
