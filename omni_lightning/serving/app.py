@@ -35,7 +35,8 @@ from omni_lightning.serving.audio_encoding import (
     sample_bytes,
     wav_header,
 )
-from omni_lightning.serving.decode_loop import DecodeLoop, Job, Overloaded, queue_sink
+from omni_lightning.serving.decode_loop import DecodeLoop
+from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
 
