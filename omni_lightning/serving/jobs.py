@@ -40,6 +40,8 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     first_audio: float | None = None
     done: bool = False
+    key: int = 0  # its number in a front process (engine_client.py)
+    engine: int = 0  # which engine process decodes it (engine_client.py)
 
     @property
     def is_stream(self) -> bool:
