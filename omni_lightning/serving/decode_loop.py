@@ -16,7 +16,8 @@ a whole request takes one when one frees, waiting in a queue of at most ``max_qu
 forward raises fails the clients in that step (each told why) and no other.
 
 Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``); the loop answers through
-the job's ``sink``, called on the loop's thread: ``("audio", [samples, ...])``, ``("end", None)`` or
+the job's ``sink``, called on the loop's thread: ``("audio", [samples, ...])`` (views of a buffer the next
+step reuses: a sink that keeps them copies them), ``("end", None)`` or
 ``("error", (status, message))``. The loop runs on a thread of its own (``start``: an app in one process)
 or on its caller's (``warm`` then ``run_step`` in a loop: the engine process, ``engine_process.py``, which
 reads its sockets while the device computes, ``between``). Not done: a deadline per request (a client
@@ -61,6 +62,7 @@ class DecodeLoop:
         self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
         self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
         self.config, self.bulk_slice_s, self.cost = decoder.config, bulk_slice_s, FrameCost()
+        self._host: torch.Tensor | None = None  # the steps' audio on the host (see _to_host)
         self.ready, self.warmup_error = threading.Event(), None
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
         self._active: list[Job] = []  # holding a slot (or about to open one)
@@ -230,7 +232,7 @@ class DecodeLoop:
             if between is not None:
                 between()
             sids = [job.sid for job in pushed]
-            host = torch.cat([out[sid] for sid in sids], dim=-1).cpu()  # one copy for the whole step
+            host = self._to_host([out[sid] for sid in sids])
         except Exception as err:
             n = len(pushed)
             why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
@@ -245,6 +247,21 @@ class DecodeLoop:
         pieces = host.split([out[sid].shape[-1] for sid in sids], dim=-1)
         for (job, frames), samples in zip(pushed.items(), pieces):
             self._deliver(job, self._split(samples, frames, first=job.sent_frames == sum(frames)))
+
+    def _to_host(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """A step's outputs side by side in one host buffer, reused from step to step (pinned under CUDA: one
+        fast copy, not a pageable one per client). Sinks get views of it: one that keeps a piece copies it."""
+        total = sum(o.shape[-1] for o in outs)
+        if self._host is None or self._host.shape[-1] < total:
+            pinned = outs[0].is_cuda
+            self._host = torch.empty((1, max(total, 1 << 16) * 2), dtype=torch.float32, pin_memory=pinned)
+        host = self._host[:, :total]
+        if outs[0].is_cuda:
+            host.copy_(torch.cat(outs, dim=-1), non_blocking=True)
+            torch.cuda.current_stream(outs[0].device).synchronize()
+        else:
+            torch.cat(outs, dim=-1, out=host)
+        return host
 
     def _push(self, job: Job, take: int | None) -> list[int]:
         if job.codes is not None:

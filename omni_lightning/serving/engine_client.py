@@ -114,7 +114,7 @@ class RemoteLoop:
         frames = [wire.pack(op, job.key, 0 if codes is None else codes.shape[1], job.rid)]
         if codes is not None:
             frames.append(wire.codes_frame(codes))
-        self.sockets[job.engine].send_multipart(frames, copy=codes is None)
+        self.sockets[job.engine].send_multipart(frames)  # small: a copy is cheaper than a zero-copy frame
 
     async def _read(self, sock: Any) -> None:
         while True:

@@ -85,8 +85,8 @@ class EngineServer:
     def _sink(self, ident: bytes, key: int) -> Callable[[str, Any], None]:
         def sink(kind: str, value: Any) -> None:
             if kind == "audio":
-                sizes, buffers = wire.audio_frames(value)
-                self.socket.send_multipart([ident, wire.pack("audio", key, sizes), *buffers], copy=False)
+                sizes, buffers = wire.audio_frames(value)  # copied by ZeroMQ: the step's buffer is reused
+                self.socket.send_multipart([ident, wire.pack("audio", key, sizes), *buffers])
                 return
             self.jobs.pop((ident, key), None)
             self._send(ident, key, kind, list(value) if value is not None else None)

@@ -53,6 +53,8 @@ def queue_sink(queue: asyncio.Queue) -> Sink:
     loop = asyncio.get_running_loop()
 
     def sink(kind: str, value: Any) -> None:
+        if kind == "audio":  # views of the decode loop's host buffer, which its next step reuses
+            value = [piece.clone() for piece in value]
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is waiting
             loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
 
