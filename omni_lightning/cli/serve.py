@@ -152,11 +152,18 @@ def _load(cli: ServeCLI, argv: list[str]) -> Any:
 
 def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | None) -> tuple[Any, dict]:
     """``module`` on the trainer's device and precision, in a decode loop; and what the start-up line says."""
+    import torch
+
     from omni_lightning.callbacks.progress import what_runs
+    from omni_lightning.runner.cpu_threads import choose_threads
     from omni_lightning.serving.decode_loop import DecodeLoop
     from omni_lightning.serving.metrics import ServeMetrics
 
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
+    if device.type == "cpu":
+        choose_threads()  # the cores free to this process (its fronts' load counted), as predict does
+    else:
+        torch.set_num_threads(1)  # the host only launches: threads would spin against the fronts
     module = plugin.convert_module(module.to(device)).eval()
     params = sum(p.numel() for p in module.model.parameters())
     what = what_runs(module, module.config, params, ckpt_path, device, trainer.precision)

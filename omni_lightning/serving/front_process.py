@@ -26,6 +26,9 @@ class FrontSettings:
 
 def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any, settings: FrontSettings) -> None:
     """Serves until drained (SIGTERM or SIGINT from the supervisor)."""
+    import torch
+
+    torch.set_num_threads(1)  # a front never computes: torch's pool would only spin against the engines
     request_log()
     loop = RemoteLoop(addresses, info["config"], settings.max_streams)
     app = app_over(loop, ServeMetrics(), settings.max_body_bytes)

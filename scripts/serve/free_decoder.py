@@ -68,6 +68,7 @@ def free_loop(args: argparse.Namespace):
 def free_engine(index: int, address: str, conn, args: argparse.Namespace) -> None:
     from omni_lightning.serving.engine_process import run_engine
 
+    torch.set_num_threads(1)
     run_engine(lambda: free_loop(args), address, conn)
 
 
