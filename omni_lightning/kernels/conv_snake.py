@@ -18,7 +18,7 @@ is K-major, as wgmma takes it; another layout is copied into that one first (a p
 on the GPU: 0.5 MB at 192 channels per call). The SnakeBeta epilogue computes in fp32 from the
 fp32 accumulator (the layers round the convolution's output to bf16 first: this is the more exact of
 the two). Tile settings are data (:func:`launch_tiles`, :func:`backward_tiles`), each compiled clean for sm_90a
-(wgmma, no spills, within shared memory: ``scripts/kernel_report.py``).
+(wgmma, no spills, within shared memory: ``scripts/kernels/kernel_report.py``).
 
 The backward (:func:`conv_snake_triton_autograd`, one autograd function; training) saves what the
 forward read (``a`` and the parameters), not the convolution's output: its kernel recomputes the
@@ -89,7 +89,7 @@ def backward_tiles(c_in: int, c_out: int) -> Tiles:
     """The tile setting :func:`conv_snake_triton_backward` uses: the forward's K steps and stages, 64 rows
     and two warpgroups, as the epilogue holds SnakeBeta's backward besides the accumulator. Compiled for
     sm_90a at 192 channels, 128 rows spill with four or eight warps, as do 64 rows with four; this one
-    does not (``scripts/kernel_report.py``); its speed against them is not measured yet."""
+    does not (``scripts/kernels/kernel_report.py``); its speed against them is not measured yet."""
     first, rest = split_channels(c_out)
     return Tiles(64, first, rest, 32, 8, 3)
 
