@@ -25,6 +25,7 @@ callback the command line adds (:class:`FitClock`). Its row follows the benchmar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -84,11 +85,26 @@ class EagerGenerator(Code2WavModule):
         return None
 
 
-def fresh_module(base: Code2Wav, adversarial: bool, learning_rate: float, graphs: bool = True) -> Code2WavModule:
+class LayersInTraining(Code2WavModule):
+    """The module with the residual units' convolution and SnakeBeta unfused in fit (``--no-conv-snake``)."""
+
+    def configure_training_kernels(self, device):
+        return dataclasses.replace(super().configure_training_kernels(device), conv_snake=None)
+
+
+class EagerLayers(EagerGenerator, LayersInTraining):
+    """Both: ``--graphs off --no-conv-snake``."""
+
+
+def fresh_module(
+    base: Code2Wav, adversarial: bool, learning_rate: float, graphs: bool = True, conv_snake: bool = True
+) -> Code2WavModule:
     model = Code2Wav(base.config)
     model.load_state_dict(base.state_dict())
     # a schedule far longer than the run: the measured update is at the nominal rate, not the cosine's tail
-    cls = Code2WavModule if graphs else EagerGenerator
+    cls = {(True, True): Code2WavModule, (False, True): EagerGenerator, (True, False): LayersInTraining}.get(
+        (graphs, conv_snake), EagerLayers
+    )
     return cls(model=model, adversarial=adversarial, learning_rate=learning_rate, total_steps=10**6)
 
 
@@ -135,7 +151,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
     frames = round(args.crop_seconds * config.frame_rate)
     batches = args.warmup + args.steps + 1
     clock = StepClock(args.warmup, batches)
-    module = fresh_module(base, args.adversarial, args.learning_rate, graphs)
+    module = fresh_module(base, args.adversarial, args.learning_rate, graphs, not args.no_conv_snake)
     trainer = fit_trainer(args.device, precision, batches, args.adversarial, [clock])
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -164,6 +180,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
         "peak_memory_gib": peak / 2**30,
         "updated": clock.updated,
         "graphs": graphs,
+        "conv_snake": not args.no_conv_snake,
         "graph": clock.graph,
     }
 
@@ -268,6 +285,9 @@ def parser() -> argparse.ArgumentParser:
         help="fit's CUDA graphs of the generator (training/step_graph.py): as by default, off, or both",
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument(
+        "--no-conv-snake", action="store_true", help="the residual units' convolution and SnakeBeta unfused in fit"
+    )
     parser.add_argument("--fit-cli", action="store_true", help="also time `omni-lightning fit` at the same settings")
     parser.add_argument("--out", default="bench_train.json")
     return parser
