@@ -281,7 +281,7 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
     """Ctrl-C before configs/finetune.yaml's first checkpoint (every 200 steps) left nothing to resume from,
     and the command said only "error: interrupted". Stopped within an epoch (4 pairs, 2 a batch), the resumed
     fit goes on there, where Lightning warned that the loader was "not resumable"; Lightning's seed,
-    KeyboardInterrupt, restoring and model-table lines are left out."""
+    KeyboardInterrupt, restoring, model-table and "`Trainer.fit` stopped" lines are left out."""
     import torch
 
     from omni_lightning.cli import main
@@ -307,8 +307,8 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
     last = torch.load("runs/finetune/version_1/checkpoints/last.ckpt", weights_only=False)
     assert last["global_step"] == 2 and not (tmp_path / "runs/finetune/version_1/checkpoints/interrupted.ckpt").exists()
     said = first.out + first.err + captured.out + captured.err + caplog.text
-    assert "`Trainer.fit` stopped: `max_steps=2` reached" in said  # Lightning's info lines are seen
     said += "\n".join(str(w.message) for w in recwarn)
     for noise in ("Total Flops", "FLOPs", "weights_only", "current_model_state", "dirpath has changed", "Seed set",
-                  "Restored all states", "Trainable params", "KeyboardInterrupt", "not resumable"):  # fmt: skip
+                  "Restored all states", "Trainable params", "KeyboardInterrupt", "not resumable",
+                  "`Trainer.fit` stopped"):  # fmt: skip
         assert noise not in said, noise
