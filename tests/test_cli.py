@@ -31,7 +31,8 @@ def test_fit_then_predict_with_the_checkpoint_then_validate_and_test(tmp_path):
               "--trainer.max_steps", "4", "--trainer.val_check_interval", "2", "--trainer.precision", "32-true",
               "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(runs),
               "--data.num_workers", "0", "--data.crop_frames", "12", "--data.batch_size", "3")  # fmt: skip
-    assert "fit: best checkpoint" in log
+    (said,) = [line for line in log.splitlines() if line.startswith("fit: val/mel_distance ")]
+    assert " (step 2) -> " in said and "(step 4); best checkpoint " in said, said  # what the metric did, where
     for noise in ("litlogger", "litmodels", "LeafSpec", "Epoch 3/-", "\x1b"):  # nothing a user cannot act on
         assert noise not in log, noise
     ckpt = next(runs.rglob("last.ckpt"))
