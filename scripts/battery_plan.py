@@ -122,6 +122,12 @@ def _get(result: dict, *keys: Any) -> float | None:
     return result if isinstance(result, (int, float)) else None
 
 
+def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
+    """``bench_units``' forward row of ``kernels`` at its first (0) or last (-1) batch size."""
+    rows = [r for r in result.get("forward", ()) if isinstance(r, dict) and r.get("kernels") == kernels]
+    return _get(rows, which, key) if rows else None
+
+
 def _sum(result: dict, key: str, **where: Any) -> float | None:
     rows = [r for r in result.get("rows", ()) if all(r.get(k) == v for k, v in where.items())]
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
@@ -149,10 +155,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
     ),
     "bench_units": (
-        ("fused units, batch x real time", lambda r: _get(r, "forward", 0, "x_realtime"), ",.0f"),
-        ("layers, batch x real time", lambda r: _get(r, "forward", 1, "x_realtime"), ",.0f"),
-        ("fused units, batch 1 ms", lambda r: _get(r, "forward", 3, "ms"), ".2f"),
-        ("layers, batch 1 ms", lambda r: _get(r, "forward", 4, "ms"), ".2f"),
+        ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
+        ("layers, batch x real time", lambda r: _forward(r, "layers", 0, "x_realtime"), ",.0f"),
+        ("one-kernel units, batch x real time", lambda r: _forward(r, "one-kernel units", 0, "x_realtime"), ",.0f"),
+        ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
+        ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
+        ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
     ),
     "probe_convs": (
         ("convolutions, as run, ms", lambda r: _sum(r, "ms", variant="as run"), ".2f"),
