@@ -83,3 +83,101 @@ def test_residual_unit_in_the_triton_interpreter_equals_its_reference_and_the_la
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "residual unit ok 16" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_report_compiles_what_the_launchers_launch(monkeypatch):
+    """At 96 and 192 channels, both launchers' calls (recorded, on CPU tensors), bound as Triton's JIT binds
+    them, equal the launches ``hopper_launches`` lists at the launchers' default setting."""
+    pytest.importorskip("triton")
+    import torch
+
+    from omni_lightning.kernels import launches, residual_unit
+    from omni_lightning.models.shapes import layer_shapes
+
+    calls = []
+
+    class Recorder:
+        fn = residual_unit._residual_unit_kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((args, kwargs))
+
+    listed = {(one.kernel, one.label.split()[0], one.num_warps, one.tiles): one
+              for one in residual_unit.hopper_launches(layer_shapes("qwen3-omni"))}  # fmt: skip
+    monkeypatch.setattr(residual_unit, "_residual_unit_kernel", Recorder())
+    for channels in (96, 192):
+        bf16 = torch.bfloat16
+        x, a = torch.zeros(2, 40, channels, dtype=bf16), torch.zeros(2, 40 + 54, channels, dtype=bf16)
+        w1, w2 = torch.zeros(channels, channels, 7, dtype=bf16), torch.zeros(channels, channels, 1, dtype=bf16)
+        p = torch.zeros(channels, dtype=bf16)
+        residual_unit.residual_unit_triton(x, a, w1, p, p, p, w2, 3)
+        pending, history = torch.zeros(channels), torch.zeros(2, 18, channels, dtype=bf16)
+        residual_unit.residual_unit_prologue_triton(x, pending, history, True, 6, p, p, w1, p, p, p, w2, 3)
+        t = residual_unit.unit_tiles(channels)
+        tiles = f"{t.block_m}x{t.block_n}x{t.block_n2}x{t.block_k}"
+        for kernel in ("residual_unit.prologue", "residual_unit"):
+            one = listed[(kernel, str(channels), t.num_warps, tiles)]
+            args, kwargs = calls.pop()
+            bound = launches.bind(Recorder.fn, args, kwargs)
+            assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_residual_unit_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
+    """Both launchers (tensor-core dots, fast sine) against the torch reference in fp64, beside the layers'
+    own error in ``dtype`` (cuDNN, SnakeBeta, the GEMM): no larger than theirs."""
+    import torch
+
+    from omni_lightning.kernels import residual_unit as ru
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rand = lambda *s, scale=1.0: torch.randn(*s, device="cuda", generator=gen) * scale  # noqa: E731
+    for c, d, length in ((96, 9, 3001), (192, 3, 3001), (192, 1, 77), (64, 1, 5)):
+        x, a, hist = rand(2, length, c), rand(2, 6 * d + length + 4, c), rand(2, 6 * d, c)
+        w1, w2 = rand(c, c, 7, scale=(7 * c) ** -0.5), rand(c, c, 1, scale=c**-0.5)
+        b1, la2, lb2, pending, la1, lb1 = (rand(c, scale=s) for s in (0.1, 0.3, 0.3, 0.1, 0.3, 0.3))
+        fresh = torch.tensor([True, False], device="cuda")
+        high = [v.double() for v in (x, a, w1, b1, la2, lb2, w2)]
+        low = [x.to(dtype), a.to(dtype), w1.to(dtype).transpose(1, 2).contiguous().transpose(1, 2), b1, la2, lb2,
+               w2.to(dtype)]  # fmt: skip
+        cases = {
+            "in place": (ru.residual_unit_reference(*high, d), ru.residual_unit_triton(low[0].clone(), *low[1:], d),
+                         ru.residual_unit_reference(*low, d)),
+            "prologue": (ru.residual_unit_prologue_reference(high[0], pending.double(), hist.double(), fresh, 5,
+                                                             la1.double(), lb1.double(), *high[2:], d),
+                         ru.residual_unit_prologue_triton(low[0], pending, hist.to(dtype), fresh, 5, la1, lb1, *low[2:],
+                                                          d),
+                         ru.residual_unit_prologue_reference(low[0], pending, hist.to(dtype), fresh, 5, la1, lb1,
+                                                             *low[2:], d)),
+        }  # fmt: skip
+        for name, (want, ours, theirs) in cases.items():
+            errors = [float((y.double() - want).norm() / want.norm()) for y in (ours, theirs)]
+            assert errors[0] <= 1.1 * errors[1] + 1e-4, (name, c, d, errors)
+
+
+@pytest.mark.gpu
+def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(no_tf32):
+    """qwen3-omni widths in bf16: the whole forward with ``Kernels.for_inference(fused_units=True)`` against
+    the fp32 forward, no further off than the layers in bf16."""
+    import dataclasses
+
+    import torch
+    from conftest import random_model
+    from helpers import random_codes
+
+    from omni_lightning.kernels import Kernels
+
+    model = random_model("qwen3-omni", seed=0).cuda()
+    codes = random_codes(2, 40, model.config, seed=1).cuda()
+    with torch.inference_mode():
+        want = model(codes, kernels=Kernels()).double()
+        low = model.to(torch.bfloat16)
+        units = Kernels.for_inference("cuda", fused_units=True)
+        errors = {}
+        for name, kernels in (("units", units), ("layers", dataclasses.replace(units, conv_snake=None,
+                                                                               residual_unit=None))):  # fmt: skip
+            got = low(codes, kernels=kernels).double()
+            errors[name] = float((got - want).norm() / want.norm())
+    assert errors["units"] <= 1.1 * errors["layers"] + 1e-3, errors
