@@ -20,14 +20,14 @@ import websockets
 from helpers import ROOT
 from serve_helpers import LiveServer, tiny_module, wait_until
 
-from omni_lightning.arguments import unknown_option
 from omni_lightning.cli import main
+from omni_lightning.cli.arguments import unknown_option
 
 pytest.importorskip("fastapi")
 
 
 def test_serve_help_is_short_and_lists_what_serve_uses(capsys):
-    from omni_lightning.cli_help import HELP_OPTIONS
+    from omni_lightning.cli.help import HELP_OPTIONS
 
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--help"])
