@@ -79,7 +79,6 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
     "recipe_sweep": ("--variants lr-1e-3 --steps 2 --eval-every 2 --out r.json --work data", "~20 s: 30 pairs"),
     "lightning_predict_tests": ("--lightning-src PATH", "needs a checkout of Lightning's repository and its tests"),
-    "load_test_serve": ("--clients 2 --seconds 2", "~60 s: a server process, then the offline engine twice"),
     "bench_litserve": ("--clients 2 --seconds 2", "needs litserve (not a dependency); two servers in turn"),
 }
 
@@ -88,10 +87,15 @@ def test_every_script_imports_and_is_run_here_or_says_why_not():
     scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
+    run |= {"load_test_serve", "serve_clients", "free_decoder"}  # by test_the_serve_load_test_runs_on_the_cpu
     run |= {s.script for s in STEPS}
     assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
     for name in sorted(scripts):  # a name the package no longer has fails here, not on the GPU machine
-        assert callable(getattr(importlib.import_module(name), "main", None)) or name in ("battery_plan", "workload")
+        assert callable(getattr(importlib.import_module(name), "main", None)) or name in (
+            "battery_plan",
+            "workload",
+            "serve_clients",
+        )
 
 
 def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
@@ -207,3 +211,17 @@ def test_long_tailed_job_is_mostly_short_with_a_few_over_a_minute_and_the_mixed_
     assert len(bench_job.job(config, args, parser)) == 3
     with pytest.raises(SystemExit):  # a range belongs to the mixed job
         bench_job.job(config, parser.parse_args(["--job", "long-tailed", "--max-s", "5"]), parser)
+
+
+@pytest.mark.slow
+def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
+    """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
+    free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
+    out = tmp_path / "load.json"
+    run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
+                                   "--out", str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
+    assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
+    run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["lost"] == 0

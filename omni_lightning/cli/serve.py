@@ -12,7 +12,7 @@ its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (t
 
 from __future__ import annotations
 
-import logging
+import os
 import sys
 from types import SimpleNamespace
 from typing import Any
@@ -23,6 +23,7 @@ from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.trainer import Trainer, quiet_cli_trainer
 
+ROUTES = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
 # serve's own options: (name, type, default, help)
 OPTIONS = (
     ("host", str, "127.0.0.1", "the address to listen on (0.0.0.0: every interface)"),
@@ -31,8 +32,16 @@ OPTIONS = (
     ("max_queue", int, 256, "whole requests waiting for a slot; more get 503 with Retry-After"),
     ("max_body_bytes", int, 8 * 2**20, "a request body or WebSocket message past this gets 413"),
     ("request_frames", int, 32, "frames of a whole request decoded per step (streams interleave between)"),
+    ("bulk_slice_ms", float, 10.0, "while a stream is open, the engine time a step gives whole requests"),
     ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
-    ("devices", int, 1, "processes behind the port, each its own engine on its own GPU (on a CPU: CPU workers)"),
+    ("devices", int, 1, "engine processes, each its own engine on its own GPU (on a CPU: CPU engines)"),
+    (
+        "front_processes",
+        int,
+        -1,
+        "HTTP/WebSocket processes in front of the engines (-1: a quarter of the cores, "
+        "1 to 8; 0: one process, the app and its decode thread together)",
+    ),
 )
 
 
@@ -65,32 +74,48 @@ def run_serve_cli(argv: list[str] | None = None, full_help: bool = False, **igno
 def main(argv: list[str], full_help: bool = False) -> int:
     """Serves ``argv`` (after ``serve``); returns 0 once stopped."""
     values = read_arguments(["serve", *argv], ("serve",)).values
-    devices = str(values.get("devices") or 1)
+    devices, fronts = str(values.get("devices") or 1), str(values.get("front_processes") or -1)
     if not devices.isdigit() or int(devices) < 1:
         raise UsageError(f"--devices must be an integer >= 1, got {devices}")
-    if int(devices) > 1 and not {"-h", "--help"} & set(argv):  # a process per device, each parsing this line
-        from omni_lightning.serving.workers import run_workers
-
-        host, port = str(values.get("host") or "127.0.0.1"), int(values.get("port") or 8000)
-        try:
-            run_workers(int(devices), host, port, worker_main, (host, argv))
-        except ValueError as err:
-            raise UsageError(str(err)) from err
+    if not fronts.lstrip("-").isdigit() or int(fronts) < -1:
+        raise UsageError(f"--front_processes must be an integer >= -1 (-1: chosen from the cores), got {fronts}")
+    fronts_n = int(fronts) if int(fronts) >= 0 else max(1, min(8, (os.cpu_count() or 4) // 4))
+    if fronts_n == 0 and int(devices) > 1:
+        raise UsageError(f"--front_processes 0 (one process) serves one device: --devices {devices} needs fronts")
+    if fronts_n == 0 or {"-h", "--help"} & set(argv):
+        cli = _parse(argv, full_help)
+        serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
         return 0
-    cli = _parse(argv, full_help)
-    serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
+    from omni_lightning.serving.front_process import FrontSettings, run_front
+    from omni_lightning.serving.supervisor import ChildDied, Supervisor
+
+    host, port = str(values.get("host") or "127.0.0.1"), int(values.get("port") or 8000)
+    settings = FrontSettings(host, int(values.get("max_streams") or 64), int(values.get("max_body_bytes") or 8 * 2**20),
+                             float(values.get("drain_timeout") or 30.0))  # fmt: skip
+
+    def on_ready(info: dict, host: str, port: int) -> None:
+        processes = f"{devices} engine process{'es' * (int(devices) > 1)}, {fronts_n} front{'s' * (fronts_n > 1)}"
+        print(f"serve: {info['what']}; {info['limits']}; {processes}; listening on http://{host}:{port} ({ROUTES})",
+              flush=True)  # fmt: skip
+
+    try:
+        Supervisor(int(devices), fronts_n, host, port, engine_main, (argv,), run_front, (settings,), on_ready).run()
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    except ChildDied as err:
+        raise SystemExit(f"error: {err}") from None
     return 0
 
 
-def worker_main(index: int, count: int, port: int, host: str, argv: list[str]) -> None:
-    """One of ``--devices`` processes: the same command line, its own engine, listening with ``SO_REUSEPORT``."""
-    from omni_lightning.serving.workers import reuse_port_socket
+def engine_main(index: int, address: str, conn: Any, argv: list[str]) -> None:
+    """An engine process: this command line's module on this process's device, its decode loop served."""
+    from omni_lightning.serving.engine_process import run_engine
 
-    cli = _parse(argv)
-    sock = reuse_port_socket(host, port)
-    serve_module(
-        _load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path, sock, f"worker {index + 1} of {count}"
-    )
+    def build() -> tuple[Any, dict]:
+        cli = _parse(argv)
+        return decode_loop_for(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
+
+    run_engine(build, address, conn)
 
 
 def _parse(argv: list[str], full_help: bool = False) -> ServeCLI:
@@ -125,37 +150,44 @@ def _load(cli: ServeCLI, argv: list[str]) -> Any:
     return type(cli.model).load_from_checkpoint(ckpt_path, map_location="cpu", weights_only=False, **settings)
 
 
-def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, sock: Any = None,
-                 worker: str | None = None) -> None:  # fmt: skip
-    """Puts ``module`` on the trainer's device and precision and serves it until stopped (``sock``: a bound
-    socket to listen on, a worker's)."""
-    from omni_lightning.callbacks.progress import what_runs
-    from omni_lightning.serving import build_app, server_for
+def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | None) -> tuple[Any, dict]:
+    """``module`` on the trainer's device and precision, in a decode loop; and what the start-up line says."""
+    import torch
 
-    log = logging.getLogger("omni_lightning.serving")  # a line per request and stream, with its id
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
+    from omni_lightning.callbacks.progress import what_runs
+    from omni_lightning.runner.cpu_threads import choose_threads
+    from omni_lightning.serving.decode_loop import DecodeLoop
+    from omni_lightning.serving.metrics import ServeMetrics
+
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
+    if device.type == "cpu":
+        choose_threads()  # the cores free to this process (its fronts' load counted), as predict does
+    else:
+        torch.set_num_threads(1)  # the host only launches: threads would spin against the fronts
     module = plugin.convert_module(module.to(device)).eval()
     params = sum(p.numel() for p in module.model.parameters())
     what = what_runs(module, module.config, params, ckpt_path, device, trainer.precision)
     cuda_graphs = bool(module.fast_path and module.hparams.get("graph_frames", 512))
     share = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    app = build_app(module, config.max_streams, config.max_queue, config.max_body_bytes, config.request_frames,
-                    cuda_graphs, share, context=plugin.forward_context)  # fmt: skip
+    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share)
+    loop = DecodeLoop(decoder, config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
+                      bulk_slice_s=config.bulk_slice_ms / 1000)  # fmt: skip
+    limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
+    return loop, {"config": module.config, "what": what, "limits": limits}
+
+
+def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None) -> None:
+    """Serves ``module`` in this process (``--front_processes 0``): the app and its decode thread together."""
+    from omni_lightning.serving.app import app_over
+    from omni_lightning.serving.server import request_log, server_for
+
+    request_log()
+    loop, info = decode_loop_for(module, trainer, config, ckpt_path)
+    app = app_over(loop, loop.metrics, config.max_body_bytes)
 
     def on_listen(host: str, port: int) -> None:
-        limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
-        routes = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
-        who = f"{worker}: " if worker else ""
-        print(f"serve: {who}{what}; {limits}; listening on http://{host}:{port} ({routes})", flush=True)
+        print(f"serve: {info['what']}; {info['limits']}; one process; listening on http://{host}:{port} ({ROUTES})",
+              flush=True)  # fmt: skip
 
-    server = server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning")
-    if sock is not None:
-        sock.listen(2048)
-    server.run(sockets=[sock] if sock is not None else None)
+    server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning").run()
     sys.stdout.flush()
