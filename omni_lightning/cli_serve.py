@@ -12,12 +12,15 @@ its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (t
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
-from omni_lightning.arguments import read_arguments
+from omni_lightning.arguments import SUBCOMMANDS, config_paths, read_arguments, section_for, subcommand_at
+from omni_lightning.cli_lines import quiet_cli_run
 from omni_lightning.errors import UsageError
 from omni_lightning.lightning_cli import RUN_SETTINGS, OmniCLI, OneLineErrorParser
 from omni_lightning.module import Code2WavModule
@@ -53,17 +56,34 @@ class ServeCLI(OmniCLI):
             super().instantiate_classes()
 
 
+def serves(argv: list[str]) -> bool:
+    """Whether ``argv`` (the arguments after the program) runs ``serve``, config files given before it too."""
+    try:
+        return argv[subcommand_at(argv, SUBCOMMANDS)] == "serve"
+    except UsageError:
+        return False
+
+
+def serve_arguments(argv: list[str]) -> list[str]:
+    """``argv``'s arguments after ``serve``, each config file given before ``serve`` first as its ``serve``
+    section (inline YAML, as the parser takes ``--config``)."""
+    sub_at = subcommand_at(argv, SUBCOMMANDS)
+    sections = [section_for(path, "serve") for path in config_paths(argv[:sub_at])]
+    return [*(a for s in sections if s for a in ("--config", json.dumps(s))), *argv[sub_at + 1 :]]
+
+
 def run_serve_cli(argv: list[str] | None = None, full_help: bool = False, **ignored: Any) -> Any:
     """``omni-lightning serve``: builds and serves until SIGTERM or Ctrl-C (drained first). ``argv``: the
-    command line from ``serve`` on (None: ``sys.argv``), checked before torch loaded (``cli.main`` runs
-    ``preflight.check_command_line``). Returns what ``cli`` reads of a run (no predict writer)."""
-    argv = list(sys.argv[1:] if argv is None else argv)[1:]
-    main(argv, full_help)
-    return SimpleNamespace(subcommand="serve", writer=None)
+    command line (None: ``sys.argv``), checked before torch loaded (``cli.main`` runs
+    ``preflight.check_command_line``). Returns what ``cli`` reads of a run: its exit status."""
+    argv = serve_arguments(list(sys.argv[1:] if argv is None else argv))
+    with quiet_cli_run():  # Lightning's "Seed set to 0"
+        status = main(argv, full_help)
+    return SimpleNamespace(subcommand="serve", writer=None, exit_status=status)
 
 
 def main(argv: list[str], full_help: bool = False) -> int:
-    """Serves ``argv`` (after ``serve``); returns 0 once stopped."""
+    """Serves ``argv`` (after ``serve``) until stopped; returns the exit status (:func:`stop_line`)."""
     values = read_arguments(["serve", *argv], ("serve",)).values
     devices = str(values.get("devices") or 1)
     if not devices.isdigit() or int(devices) < 1:
@@ -78,8 +98,21 @@ def main(argv: list[str], full_help: bool = False) -> int:
             raise UsageError(str(err)) from err
         return 0
     cli = _parse(argv, full_help)
-    serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
-    return 0
+    server = serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
+    status, line = stop_line(server)
+    print(line, file=sys.stderr if status else sys.stdout, flush=True)
+    return status
+
+
+def stop_line(server: Any) -> tuple[int, str]:
+    """How a stopped server ended: 0 and a ``serve:`` line when every client in flight was answered;
+    130 (Ctrl-C) or 143 (SIGTERM) and an ``error:`` line when some were cut off."""
+    n, by = server.cut_off, server.stopped_by or "request"
+    if server.cut_reason is not None:
+        cut = f"{n} {'request or stream' if n == 1 else 'requests and streams'} in flight cut off, each told so"
+        return (130 if by == "Ctrl-C" else 143), f"error: serve: {server.cut_reason}: {cut}"
+    took = time.monotonic() - (server.drain_started or time.monotonic())
+    return 0, f"serve: stopped on {by}, every request and stream in flight answered (drained in {took:.1f} s)"
 
 
 def worker_main(index: int, count: int, port: int, host: str, argv: list[str]) -> None:
@@ -126,11 +159,12 @@ def _load(cli: ServeCLI, argv: list[str]) -> Any:
 
 
 def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, sock: Any = None,
-                 worker: str | None = None) -> None:  # fmt: skip
+                 worker: str | None = None) -> Any:  # fmt: skip
     """Puts ``module`` on the trainer's device and precision and serves it until stopped (``sock``: a bound
-    socket to listen on, a worker's)."""
+    socket to listen on, a worker's); returns the stopped ``DrainingServer``."""
     from omni_lightning.callbacks.progress import what_runs
     from omni_lightning.serving import build_app, server_for
+    from omni_lightning.serving.app import ROUTES
 
     log = logging.getLogger("omni_lightning.serving")  # a line per request and stream, with its id
     if not log.handlers:
@@ -150,12 +184,12 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, 
 
     def on_listen(host: str, port: int) -> None:
         limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
-        routes = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
         who = f"{worker}: " if worker else ""
-        print(f"serve: {who}{what}; {limits}; listening on http://{host}:{port} ({routes})", flush=True)
+        print(f"serve: {who}{what}; {limits}; listening on http://{host}:{port} ({ROUTES})", flush=True)
 
     server = server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning")
     if sock is not None:
         sock.listen(2048)
     server.run(sockets=[sock] if sock is not None else None)
     sys.stdout.flush()
+    return server
