@@ -163,5 +163,5 @@ async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asy
             else:
                 status, message = value
                 await ws.send_text(json.dumps({"error": message, "status": status}))
-                await ws.close(1011 if status == 500 else 1013)
+                await ws.close(1011 if status == 500 else 1013, message[:120])
                 return str(status)
