@@ -16,7 +16,9 @@ import tarfile
 import pytest
 from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their neighbours as a script run does
+# scripts/<group>/<name>.py by name; each group's folder on the path, as a script run has its own
+SCRIPTS = {p.stem: p for p in sorted((ROOT / "scripts").glob("*/*.py"))}
+sys.path[:0] = sorted({str(p.parent) for p in SCRIPTS.values()}) + [str(ROOT / "scripts")]
 from battery_plan import STEPS  # noqa: E402
 
 JOBS = {
@@ -33,7 +35,7 @@ JOBS = {
 
 def run_script(name, args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS[name]), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -60,7 +62,7 @@ def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
 
 def test_simulate_plan_prices_every_job():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_plan.py"), "--frames", "1024"], env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS["simulate_plan"]), "--frames", "1024"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
@@ -83,7 +85,7 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
 
 
 def test_every_script_imports_and_is_run_here_or_says_why_not():
-    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
     run |= {s.script for s in STEPS}
@@ -105,7 +107,7 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
 
 def battery(*args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "device_battery.py"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(SCRIPTS["device_battery"]), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 

@@ -21,8 +21,8 @@ import websockets
 from helpers import ROOT
 from serve_helpers import LiveServer, tiny_module, wait_until
 
-from omni_lightning.arguments import unknown_option
 from omni_lightning.cli import main
+from omni_lightning.cli.arguments import unknown_option
 
 pytest.importorskip("fastapi")
 TIMED_OUT = (
@@ -31,7 +31,7 @@ TIMED_OUT = (
 
 
 def test_serve_help_is_short_and_lists_what_serve_uses(capsys):
-    from omni_lightning.cli_help import HELP_OPTIONS
+    from omni_lightning.cli.help import HELP_OPTIONS
 
     with pytest.raises(SystemExit) as exited:
         main(["serve", "--help"])
@@ -133,7 +133,7 @@ def test_a_drain_refuses_new_work_and_finishes_the_streams_in_flight():
 def test_past_the_drain_timeout_the_clients_in_flight_are_told_and_the_server_stops():
     """``drain_timeout`` is a hard limit: a stream still open past it gets an error message and close 1013,
     and the server stops (the command's last line and status 143 come from ``stop_line``)."""
-    from omni_lightning.cli_serve import stop_line
+    from omni_lightning.cli.serve import stop_line
 
     live = LiveServer(tiny_module(), max_streams=4, drain_timeout=1)
 
@@ -162,7 +162,7 @@ def test_past_the_drain_timeout_the_clients_in_flight_are_told_and_the_server_st
 def test_a_second_signal_stops_at_once_each_client_told_in_json(capfd):
     """A second Ctrl-C while a long request and a stream are in flight: the request gets a JSON 503 (not
     uvicorn's plain-text 500), the stream its error message, no traceback is printed, and the server stops."""
-    from omni_lightning.cli_serve import stop_line
+    from omni_lightning.cli.serve import stop_line
 
     live = LiveServer(tiny_module(), max_streams=4)
     codes = torch.randint(0, 2048, (16, 8000))  # hundreds of steps: still decoding when the signals come
