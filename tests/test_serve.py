@@ -91,9 +91,12 @@ async def stream(ws_url: str, codes: torch.Tensor, rng: random.Random) -> np.nda
 
 def test_32_concurrent_clients_each_get_exactly_decode(server):
     """16 whole requests (JSON to WAV, .npy to PCM, safetensors streamed as WAV) and 16 WebSocket streams of
-    random chunk sizes at once: each client's audio equals decode of its codes alone."""
+    random chunk sizes at once, 10 of them copies of one request: each client's audio equals decode of its
+    codes alone within EXACT_ATOL."""
     rng = random.Random(0)
     codes = [torch.randint(0, 2048, (16, rng.randint(1, 48))) for _ in range(32)]
+    for i in [*range(2, 16, 2), 16, 17]:  # copies of one request, whole and streamed: within EXACT_ATOL each too
+        codes[i] = codes[0]
     hows = ["json-wav", "npy-pcm", "safetensors-streamed"]
 
     async def main():
@@ -109,12 +112,14 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     assert next(s.value for s in steps if s.name.endswith("_count")) < sum(c.shape[1] for c in codes) / 4  # batched
 
 
-@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2, 3))])
+@pytest.mark.slow  # (the test above has copies of one request among its 32 clients)
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_identical_requests_at_once_are_each_within_the_documented_tolerance_of_decode_alone(server, seed):
     """docs/serving.md's guarantee: in fp32 each sample is within ``EXACT_ATOL`` of ``decode`` of the request
     alone, whatever else was in its steps. 10 copies of one request at once (whole and streamed: they land in
     steps beside different clients, so their bytes may differ in the last bits) beside 6 others. The worst
-    difference seen on a CPU is ~5e-7, so the tolerance has a margin of ~20x."""
+    difference seen on a CPU is under 7e-7 (3 or 4 different byte strings among the copies), so the
+    tolerance has a margin of ~15x."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     same = torch.randint(0, 2048, (16, rng.randint(8, 32)))
