@@ -8,6 +8,9 @@ run settings given beside it (``RUN_SETTINGS``). A true precision (``bf16-true``
 mixed one (``bf16-mixed``) runs the decode thread under the precision plugin's autocast.
 ``--devices N`` runs N worker processes behind the port, each parsing this same command line and serving
 its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (that is what the tests run).
+A config file given before ``serve`` holds a section per subcommand: its ``serve:`` section is passed to the
+parser inline (``serve_arguments``). A stopped server's last line and exit status are ``stop_line``'s (not
+with ``--devices N``: the workers' own).
 """
 
 from __future__ import annotations
