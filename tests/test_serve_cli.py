@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -93,6 +94,23 @@ def test_a_config_before_serve_routes_to_serve(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
         main(["-c", str(path), "serve", "--help"])
     assert exited.value.code == 0 and capsys.readouterr().out.startswith("usage: omni-lightning serve")
+
+
+@pytest.mark.slow  # (a process loading torch and Lightning: ~10 s)
+def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads():
+    """A port another process listens on: one ``error:`` line naming it, status 2 (not uvicorn's start-up
+    failure, 3, after the model loaded)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", str(port)]
+        proc = subprocess.run([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, text=True,
+                              capture_output=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use): give another --port, "
+        "or 0 for a free one"
+    ], proc.stderr
 
 
 async def _stream_across_a_drain(ws_url: str, codes: torch.Tensor, drain, url: str) -> tuple[np.ndarray, dict]:

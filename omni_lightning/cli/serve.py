@@ -100,8 +100,16 @@ def main(argv: list[str], full_help: bool = False) -> int:
         except ValueError as err:
             raise UsageError(str(err)) from err
         return 0
-    cli = _parse(argv, full_help)
-    server = serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
+    from omni_lightning.serving.server import bound_socket
+
+    help_only = bool({"-h", "--help"} & set(argv))
+    sock = None if help_only else bound_socket(str(values.get("host") or "127.0.0.1"), int(values.get("port") or 8000))
+    try:  # (bound before the model loads: a port in use is said at once)
+        cli = _parse(argv, full_help)
+        server = serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path, sock)
+    finally:
+        if sock is not None:
+            sock.close()
     status, line = stop_line(server)
     print(line, file=sys.stderr if status else sys.stdout, flush=True)
     return status

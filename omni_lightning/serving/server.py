@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -101,6 +102,28 @@ class DrainingServer(uvicorn.Server):
         """After a cut-off, uvicorn's lines about the tasks it cancels (a traceback each) are left out: the
         cut-off's own line said it."""
         return self.cut_at is None or not str(record.msg).startswith(("Exception in ASGI", "Cancel "))
+
+
+def bound_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``(host, port)`` (port 0: a free one), not yet listening: bound before the model
+    loads, so a port in use is said at once. UsageError naming the address when it cannot be bound."""
+    from omni_lightning.errors import UsageError
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as err:
+        raise UsageError(f"--host {host}: not an address to listen on ({err.strerror or err})") from err
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own: a restart reuses the port)
+    try:
+        sock.bind(address)
+    except OSError as err:
+        sock.close()
+        raise UsageError(
+            f"--port {port}: cannot listen on {host}:{port} ({err.strerror or err}): give another --port, "
+            "or 0 for a free one"
+        ) from err
+    return sock
 
 
 def websocket_protocol(max_message_bytes: int) -> Any:
