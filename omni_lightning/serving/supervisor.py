@@ -86,8 +86,11 @@ class Supervisor:
         gpus = _gpus()
         if gpus and self.engines > len(gpus):
             raise ValueError(f"--devices {self.engines}: this machine shows {len(gpus)} GPUs: give at most {len(gpus)}")
-        reserved = reuse_port_socket(self.host, self.port)  # holds the port (0: chooses it) until the fronts listen
-        port = reserved.getsockname()[1]
+        from omni_lightning.serving.server import bound_socket
+
+        with bound_socket(self.host, self.port) as probe:  # in use by anyone (even with SO_REUSEPORT): said now
+            port = probe.getsockname()[1]  # (port 0: a free one, chosen)
+        reserved = reuse_port_socket(self.host, port)  # held until the fronts listen on it
         folder = tempfile.mkdtemp(prefix="omni-serve-")
         metrics_dir = os.path.join(folder, "metrics")
         os.mkdir(metrics_dir)
