@@ -56,7 +56,8 @@ class DecodeEngine(EngineStats):
     ``max_rows``: slots, so requests (or open streams) at once. ``cuda_graphs``: capture buckets on
     CUDA, forwards of up to ``graph_frames`` padded frames, whose pool takes at most ``graph_share`` of
     the budget (``budget.py``; ``graph_frames`` is halved until it does). ``capture`` replaces
-    ``torch.cuda.graph`` (tests). ``kernels``: default for the device.
+    ``torch.cuda.graph`` (tests). ``kernels``: default for the device. ``new_shape_cost``: the
+    planner's price of a shape not run yet on CUDA (``plan.py``; a streaming decoder's is higher).
     Call :meth:`refresh` when the model's weights may have changed place (each predict start).
     """
 
@@ -73,6 +74,7 @@ class DecodeEngine(EngineStats):
         out_dtype: torch.dtype = torch.float32,
         graph_frames: int = 512,
         graph_share: float = 0.25,
+        new_shape_cost: int = Planner.new_shape_cost,
     ) -> None:
         if graph_frames < 0:
             raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
@@ -86,7 +88,7 @@ class DecodeEngine(EngineStats):
         self.device, self.dtype = ref.device, ref.dtype
         self.out_dtype = out_dtype
         self.kernels = kernels or Kernels.for_inference(self.device)
-        self.max_rows = max_rows
+        self.max_rows, self.new_shape_cost = max_rows, new_shape_cost
         self.state = DecodeState(model, max_rows + 1)  # the last slot is scratch: padding rows
         self.scratch = max_rows
         self._free = deque(range(max_rows))
@@ -118,7 +120,7 @@ class DecodeEngine(EngineStats):
             max_rows=self.max_rows,
             graph_frames=min(self.graph_frames, frames),
             exact_eager=self.graph_frames > 0,
-            new_shape_cost=0 if self.device.type != "cuda" else Planner.new_shape_cost,
+            new_shape_cost=0 if self.device.type != "cuda" else self.new_shape_cost,
         )
 
     @property

@@ -31,6 +31,7 @@ from omni_lightning.models.code2wav import Code2Wav
 from omni_lightning.models.codes import check_request_codes
 
 STEP_FRAMES = 16  # frames per stream a full step may push and still replay a CUDA graph (default budget)
+NEW_SHAPE_COST = 1024  # a step that captures a new shape waits for it: streams keep to the shapes they have
 
 
 @dataclass
@@ -82,6 +83,7 @@ class StreamingDecoder:
             graph_share=0.75,
             gpu_memory_utilization=gpu_memory_utilization,
             capture=capture,
+            new_shape_cost=NEW_SHAPE_COST,
         )
         self.max_streams = self.engine.max_rows
         self.cuda_graphs = cuda_graphs
