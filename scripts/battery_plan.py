@@ -106,6 +106,74 @@ STEPS = (
         75,
     ),  # fmt: skip
     Step("train-bf16-mixed", "throughput", "bench_train", (*TRAIN, "--precision", "bf16-mixed"), TRAIN_SMOKE, 60),
+    # the engine at the forward's speed: a smaller share, the default budget at 6 and 8 GiB (this tree, same
+    # call), whole-budget graphs under a cap (the fallback that crashed, under compute-sanitizer too)
+    Step(
+        "job-0.02",
+        "engine",
+        "bench_job",
+        ("--share", "0.02", "--check", "4"),
+        (*JOB_SMOKE, "--share", "0.02"),
+        45,
+        ab=True,
+    ),
+    Step(
+        "job-6g",
+        "engine",
+        "bench_job",
+        ("--default-budget-gib", "6", "--check", "4"),
+        (*JOB_SMOKE, "--default-budget-gib", "6"),
+        45,
+    ),
+    Step(
+        "job-8g",
+        "engine",
+        "bench_job",
+        ("--default-budget-gib", "8", "--check", "4"),
+        (*JOB_SMOKE, "--default-budget-gib", "8"),
+        45,
+    ),
+    Step(
+        "forward-6g",
+        "engine",
+        "bench_forward",
+        ("--budget-gib", "6", "--no-fidelity"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--no-fidelity"),
+        45,
+    ),
+    Step(
+        "forward-8g",
+        "engine",
+        "bench_forward",
+        ("--budget-gib", "8", "--no-fidelity"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--no-fidelity"),
+        45,
+    ),
+    Step(
+        "capped-graphs",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        90,
+    ),
+    Step(
+        "capped-graphs-ab",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03", "--modes", "forced"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        45,
+        ab=True,
+    ),
+    Step(
+        "capped-graphs-sanitize",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03", "--batches", "1", "--modes", "forced", "eager", "--sanitize"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        240,
+    ),
 )
 PARTS = tuple(dict.fromkeys(s.part for s in STEPS))
 

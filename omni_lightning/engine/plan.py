@@ -25,6 +25,8 @@ take any shape within the budget. Not done: look-ahead over several forwards.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -124,18 +126,21 @@ class Planner:
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")
         seen = {s for s in seen if s[0] * s[1] <= self.frames}
-        best: tuple[float, Plan] | None = None
-        longest = remaining[order[0]]
+        # real frames of the n longest rows at a chunk, without a pass over them (64 streams: ~300 candidates)
+        left = [remaining[i] for i in order]  # longest first
+        rising, before = left[::-1], list(itertools.accumulate(left, initial=0))
+        best: tuple[float, int, int, int] | None = None
+        longest = left[0]
         for chunk, rows, n in self._all_candidates(len(order), longest, seen, pad_in_time):
-            picked = order[:n]
-            take = tuple(min(chunk, remaining[i]) for i in picked)
+            full = min(n, len(left) - bisect.bisect_left(rising, chunk))  # rows with a whole chunk left
             cost = rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
             if n == len(order) and chunk < longest:  # every row still left: one more forward at least
                 cost += self.step_cost
-            score = sum(take) / cost
+            score = (full * chunk + before[n] - before[full]) / cost
             if best is None or score > best[0] + 1e-12:
-                best = (score, Plan(rows, chunk, tuple(picked), take))
-        return best[1]
+                best = (score, rows, chunk, n)
+        _, rows, chunk, n = best
+        return Plan(rows, chunk, tuple(order[:n]), tuple(min(chunk, r) for r in left[:n]))
 
     def _all_candidates(
         self, n_rows: int, longest: int, seen: set[tuple[int, int]], pad_in_time: bool = False
