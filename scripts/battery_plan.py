@@ -167,6 +167,22 @@ STEPS = (
         ab=True,
     ),
     Step(
+        "stream-first-audio-profile",
+        "engine",
+        "bench_stream",
+        ("--profile", "--steps", "4", "--ttfa-trials", "10", "--fidelity-requests", "1"),
+        STREAM_SMOKE,
+        60,
+    ),
+    Step(
+        "job-600s-profile",
+        "engine",
+        "bench_job",
+        (*LONE, "--min-s", "600", "--max-s", "600", "--repeats", "1", "--check", "0", "--profile"),
+        (*JOB_SMOKE, *LONE, "--min-s", "20", "--max-s", "20", "--check", "0"),
+        60,
+    ),
+    Step(
         "capped-graphs-sanitize",
         "engine",
         "repro_capped_graphs",
