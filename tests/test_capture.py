@@ -10,7 +10,7 @@ from conftest import micro_config, random_codes, random_model
 from helpers import RecordingCapture
 
 from omni_lightning import DecodeEngine
-from omni_lightning.engine.graphs import CaptureError
+from omni_lightning.engine.bucket_graphs import CaptureError
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def test_a_capture_that_fails_mid_capture_leaves_the_stream_and_pool_as_they_wer
     """A forward that breaks its own capture (a synchronize inside it) makes ``capture_end`` raise;
     the caller's stream is current again, nothing routes to the failed pool, and the next capture
     replays what eager computes."""
-    from omni_lightning.engine.capture import TorchGraphCapture
+    from omni_lightning.engine.cuda_capture import TorchGraphCapture
 
     capture, x = TorchGraphCapture(), torch.randn(64, 64, device="cuda")
     calls = []

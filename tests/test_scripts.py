@@ -16,7 +16,9 @@ import tarfile
 import pytest
 from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their neighbours as a script run does
+# scripts/<group>/<name>.py by name; each group's folder on the path, as a script run has its own
+SCRIPTS = {p.stem: p for p in sorted((ROOT / "scripts").glob("*/*.py"))}
+sys.path[:0] = sorted({str(p.parent) for p in SCRIPTS.values()}) + [str(ROOT / "scripts")]
 from battery_plan import STEPS  # noqa: E402
 
 JOBS = {
@@ -33,7 +35,7 @@ JOBS = {
 
 def run_script(name, args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS[name]), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -60,11 +62,11 @@ def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
 
 def test_simulate_plan_prices_every_job():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_plan.py"), "--frames", "1024"], env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS["simulate_plan"]), "--frames", "1024"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
-    assert [r.split("|")[5].strip() for r in rows] == ["job", "b1x125", "b32x125", "lone7500"]
+    assert [r.split("|")[5].strip() for r in rows] == ["job", "long-tailed", "b1x125", "b32x125", "lone7500"]
     assert "| b1x125 | 1, " in proc.stdout  # a lone 10 s request is one forward (plan.py)
 
 
@@ -77,19 +79,23 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
     "recipe_sweep": ("--variants lr-1e-3 --steps 2 --eval-every 2 --out r.json --work data", "~20 s: 30 pairs"),
     "lightning_predict_tests": ("--lightning-src PATH", "needs a checkout of Lightning's repository and its tests"),
-    "load_test_serve": ("--clients 2 --seconds 2", "~60 s: a server process, then the offline engine twice"),
     "bench_litserve": ("--clients 2 --seconds 2", "needs litserve (not a dependency); two servers in turn"),
 }
 
 
 def test_every_script_imports_and_is_run_here_or_says_why_not():
-    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
+    run |= {"load_test_serve", "serve_clients", "free_decoder"}  # by test_the_serve_load_test_runs_on_the_cpu
     run |= {s.script for s in STEPS}
     assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
     for name in sorted(scripts):  # a name the package no longer has fails here, not on the GPU machine
-        assert callable(getattr(importlib.import_module(name), "main", None)) or name in ("battery_plan", "workload")
+        assert callable(getattr(importlib.import_module(name), "main", None)) or name in (
+            "battery_plan",
+            "workload",
+            "serve_clients",
+        )
 
 
 def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
@@ -105,7 +111,7 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
 
 def battery(*args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "device_battery.py"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(SCRIPTS["device_battery"]), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -183,3 +189,17 @@ def test_long_tailed_job_is_mostly_short_with_a_few_over_a_minute_and_the_mixed_
     assert len(bench_job.job(config, args, parser)) == 3
     with pytest.raises(SystemExit):  # a range belongs to the mixed job
         bench_job.job(config, parser.parse_args(["--job", "long-tailed", "--max-s", "5"]), parser)
+
+
+@pytest.mark.slow
+def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
+    """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
+    free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
+    out = tmp_path / "load.json"
+    run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
+                                   "--out", str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
+    assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
+    run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["lost"] == 0

@@ -11,7 +11,7 @@ left and scores the forward by real frames over cost, all in frames: ``rows * ch
 new cuDNN plans), plus another ``step_cost`` when the forward leaves rows unfinished (one-step
 look-ahead). Shapes run before are candidates too, rows padded up; batch decode (``pad_in_time``)
 also pads chunks up to a shape it has, streaming does not (a padded step delays its audio).
-``scripts/simulate_plan.py`` prices plans. ``new_shape_cost`` is low (:data:`NEW_SHAPE_COST`): a
+``scripts/profiling/simulate_plan.py`` prices plans. ``new_shape_cost`` is low (:data:`NEW_SHAPE_COST`): a
 greedy planner that prices a new shape near a whole forward never finds the few small shapes that
 end a batch's requests without padding (at a 0.03 share of an H100, 512 frames a forward, the 2-30 s
 job padded 12.5 % and the long-tailed one 14 % at 1024; 2.8 % and 4.8 % at 64), and an engine keeps

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_lightning.engine.bucket_graphs import GraphCapture
 from omni_lightning.engine.engine import DecodeEngine
-from omni_lightning.engine.graphs import GraphCapture
 from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from omni_lightning.engine import DecodeEngine, StreamingDecoder
-from omni_lightning.engine.graphs import GraphCapture, conv_layout, conv_weights
+from omni_lightning.engine.bucket_graphs import GraphCapture, conv_layout, conv_weights
 from omni_lightning.kernels import Kernels
 from omni_lightning.runner.host_weights import CASTS, pack, packable, pinned_bytes, stamp, unchanged
 
