@@ -14,11 +14,12 @@ their pool while the process goes on decoding):
   are dropped (:meth:`reset`) every workspace is cleared after the device is idle, so none a dropped
   graph recorded is reused.
 - **a failed capture's state**: ``torch.cuda.graph`` leaves the capture stream current and the pool's
-  allocation routing open when ``capture_end`` raises; both are undone here, and the failed graph
-  and its pool are kept alive (never destroyed mid-run: freeing a pool a failed capture allocated
-  from is what the allocator cannot do safely), later captures going to a fresh pool.
-Not done: graphs shared across processes or devices; cuDNN keeps no workspace between calls (a
-capture's own are the graph's), so nothing of it is primed.
+  allocation routing open when ``capture_end`` raises (later allocations on that stream would go to
+  a pool being freed); both are undone here. The failed graph is kept alive (destroying it mid-run
+  can leave the pool's bookkeeping unusable), later captures go to a fresh pool.
+Not done: graphs shared across processes or devices; priming cuDNN (it keeps no workspace between
+calls: a capture's own are the graph's). Clearing the workspaces is process-wide: another thread's
+GEMM in flight at that moment is not waited for (the engine's own calls are serialized).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ class TorchGraphCapture:
     def __init__(self) -> None:
         self.pool: Any = None
         self.stream: torch.cuda.Stream | None = None
-        self.failed: list[tuple[torch.cuda.CUDAGraph, Any]] = []  # kept alive, with their pools
+        self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
         self.primed = False  # the side stream's GEMM workspaces made outside the pool
 
     @staticmethod
@@ -103,7 +104,7 @@ class TorchGraphCapture:
                 out = fn()
         except Exception as err:
             self._undo_failed_capture(caller, pool_id)
-            self.failed.append((graph, self.pool))
+            self.failed.append(graph)
             self.pool = None
             raise CaptureError(f"{type(err).__name__}: {err}") from err
         return graph.replay, out
