@@ -109,6 +109,28 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
         assert "tiny" in step.smoke and "cpu" in step.smoke, step.name
 
 
+def test_battery_summary_has_a_line_for_every_step_whatever_its_script_reports(monkeypatch):
+    device_battery = importlib.import_module("device_battery")
+    from battery_plan import FIGURES
+
+    runs = []
+    for step in STEPS:  # the summary under test: its input fabricated, every step, both versions, a failure
+        labels = [label for label, _, _ in FIGURES.get(step.script, ())]
+        for version in ("before", "after") if step.ab else ("after",):
+            for result in ({}, {"rows": [], "forward": [{}], "x_realtime": "?"}):  # readers of an odd result
+                assert device_battery.figures(step, result) == {}
+            got = {"passed": 3} if step.script == "pytest" else dict.fromkeys(labels, 1.0)
+            runs.append({"step": step.name, "version": version, "round": 1, "rc": int(step.name == "convs"),
+                         "figures": got, "tail": []})  # fmt: skip
+    lines = device_battery.summary(runs)
+    for step in STEPS:
+        assert any(line.startswith(f"| {step.name} |") for line in lines), step.name
+        assert step.script == "pytest" or step.script in FIGURES, f"{step.script}: no FIGURES entry"
+    assert lines[-1] == "FAILED: convs after r1 (exit 1)"
+    monkeypatch.delitem(FIGURES, "probe_convs")  # a script with no figures: its exit status, not a KeyError
+    assert "| convs | exit status |  | 1 | |" in device_battery.summary(runs)
+
+
 def battery(*args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, str(SCRIPTS["device_battery"]), *args], cwd=cwd, env=env,

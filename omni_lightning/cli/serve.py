@@ -169,9 +169,14 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     what = what_runs(module, module.config, params, ckpt_path, device, trainer.precision)
     cuda_graphs = bool(module.fast_path and module.hparams.get("graph_frames", 512))
     share = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share)
+    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
+    # on a GPU, the shapes steps take (streams' chunks, whole requests' pieces, at each row bucket) are
+    # captured before the first client, not in its way; on a CPU there is nothing to capture
+    warm = (1, 8, 10, 16, config.request_frames) if device.type == "cuda" else (1, 8)
+    rows = tuple(2**i for i in range(8)) if device.type == "cuda" else (1,)
     loop = DecodeLoop(decoder, config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
-                      bulk_slice_s=config.bulk_slice_ms / 1000)  # fmt: skip
+                      warmup=tuple(sorted(set(warm))), bulk_slice_s=config.bulk_slice_ms / 1000,
+                      warmup_rows=rows)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
     return loop, {"config": module.config, "what": what, "limits": limits}
 

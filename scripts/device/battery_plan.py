@@ -3,7 +3,8 @@
 Standard library only. ``args`` are a step's arguments on the GPU, ``smoke`` the dry run's (the tiny
 preset on the CPU); ``est_s`` is a guess at one run on an H200 until a run of that step is timed;
 ``ab`` steps run on the before tree and on this one, ``rounds`` times, interleaved (before, after,
-before, after); ``limit`` is a figure's ceiling, said in the summary.
+before, after); ``limit`` is a figure's ceiling, said in the summary. ``FIGURES`` are keyed by script; a script
+without an entry (pytest aside) shows no figures, only its exit status.
 """
 
 from __future__ import annotations
@@ -205,6 +206,18 @@ def _get(result: dict, *keys: Any) -> float | None:
     return result if isinstance(result, (int, float)) else None
 
 
+def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
+    """``bench_units``' forward row of ``kernels`` at its first (0) or last (-1) batch size."""
+    rows = [r for r in result.get("forward", ()) if isinstance(r, dict) and r.get("kernels") == kernels]
+    return _get(rows, which, key) if rows else None
+
+
+def _sum(result: dict, key: str, **where: Any) -> float | None:
+    rows = [r for r in result.get("rows", ()) if all(r.get(k) == v for k, v in where.items())]
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(values) if values else None
+
+
 Figure = tuple[str, Callable[[dict], float | None], str]  # label, reader, format
 FIGURES: dict[str, tuple[Figure, ...]] = {
     "bench_job": (
@@ -226,10 +239,20 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
     ),
     "bench_units": (
-        ("fused units, batch x real time", lambda r: _get(r, "forward", 0, "x_realtime"), ",.0f"),
-        ("layers, batch x real time", lambda r: _get(r, "forward", 1, "x_realtime"), ",.0f"),
-        ("fused units, batch 1 ms", lambda r: _get(r, "forward", 3, "ms"), ".2f"),
-        ("layers, batch 1 ms", lambda r: _get(r, "forward", 4, "ms"), ".2f"),
+        ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
+        ("layers, batch x real time", lambda r: _forward(r, "layers", 0, "x_realtime"), ",.0f"),
+        ("one-kernel units, batch x real time", lambda r: _forward(r, "one-kernel units", 0, "x_realtime"), ",.0f"),
+        ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
+        ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
+        ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
+    ),
+    "probe_convs": (
+        ("convolutions, as run, ms", lambda r: _sum(r, "ms", variant="as run"), ".2f"),
+        ("convolutions, cudnn.benchmark, ms", lambda r: _sum(r, "benchmark_ms", variant="as run"), ".2f"),
+    ),
+    "profile_memory": (
+        ("qwen share 0.03, peak reserved GiB", lambda r: _get(r, "qwen-0.03", "peak_reserved_gib"), ".2f"),
+        ("tiny share 0.02, peak reserved GiB", lambda r: _get(r, "tiny-0.02", "peak_reserved_gib"), ".2f"),
     ),
     "bench_train": (
         ("audio s/s", lambda r: _get(r, "rows", 0, "audio_s_per_s"), ",.1f"),
