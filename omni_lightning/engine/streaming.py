@@ -83,8 +83,7 @@ class StreamingDecoder:
             capture=capture,
             new_shape_cost=NEW_SHAPE_COST,
         )
-        self.max_streams = self.engine.max_rows
-        self.cuda_graphs = cuda_graphs
+        self.max_streams, self.cuda_graphs = self.engine.max_rows, cuda_graphs
         ref = next(model.parameters())
         self._param = (ref.data_ptr(), ref.dtype)
         self._streams: dict[Hashable, _Stream] = {}
@@ -274,17 +273,16 @@ class StreamingDecoder:
             self._closed.popitem(last=False)
 
     def _checked_all(self, chunks: dict[Hashable, tuple[_Stream, torch.Tensor]]) -> dict[Hashable, torch.Tensor]:
-        """Each stream's ``codes`` as int64 ``[Q, n]`` after ``decode``'s checks, the values of all chunks
-        of a device in one pass (one sync on a GPU); where any fails, chunk by chunk, so the first bad
-        one raises, named at its frame in its stream."""
+        """Each stream's ``codes`` as int64 ``[Q, n]`` after ``decode``'s checks, all values in one pass (one
+        sync on a GPU); where any fails, chunk by chunk: the first bad one raises, named at its frame."""
         out: dict[Hashable, torch.Tensor] = {}
         with contextlib.suppress(ValueError):  # a bad layout: named below
             out = {sid: check_request_codes(c, self.config, "", False, 0) for sid, (_, c) in chunks.items()}
             if all_codes(list(out.values()), self.config):
                 return out
         for sid, (stream, codes) in chunks.items():
-            first = stream.frames + sum(p.shape[1] for p in stream.pending)
-            out[sid] = check_request_codes(codes, self.config, f"stream {sid!r}", chunk_from=first)
+            first, who = stream.frames + sum(p.shape[1] for p in stream.pending), f"stream {sid!r}"
+            out[sid] = check_request_codes(codes, self.config, who, chunk_from=first)
         return out
 
 
