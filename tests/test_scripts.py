@@ -66,7 +66,7 @@ def test_simulate_plan_prices_every_job():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
-    assert [r.split("|")[5].strip() for r in rows] == ["job", "b1x125", "b32x125", "lone7500"]
+    assert [r.split("|")[5].strip() for r in rows] == ["job", "long-tailed", "b1x125", "b32x125", "lone7500"]
     assert "| b1x125 | 1, " in proc.stdout  # a lone 10 s request is one forward (plan.py)
 
 
@@ -79,7 +79,6 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
     "recipe_sweep": ("--variants lr-1e-3 --steps 2 --eval-every 2 --out r.json --work data", "~20 s: 30 pairs"),
     "lightning_predict_tests": ("--lightning-src PATH", "needs a checkout of Lightning's repository and its tests"),
-    "load_test_serve": ("--clients 2 --seconds 2", "~60 s: a server process, then the offline engine twice"),
     "bench_litserve": ("--clients 2 --seconds 2", "needs litserve (not a dependency); two servers in turn"),
 }
 
@@ -88,10 +87,15 @@ def test_every_script_imports_and_is_run_here_or_says_why_not():
     scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
+    run |= {"load_test_serve", "serve_clients", "free_decoder"}  # by test_the_serve_load_test_runs_on_the_cpu
     run |= {s.script for s in STEPS}
     assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
     for name in sorted(scripts):  # a name the package no longer has fails here, not on the GPU machine
-        assert callable(getattr(importlib.import_module(name), "main", None)) or name in ("battery_plan", "workload")
+        assert callable(getattr(importlib.import_module(name), "main", None)) or name in (
+            "battery_plan",
+            "workload",
+            "serve_clients",
+        )
 
 
 def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
@@ -103,6 +107,28 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
             parsed = parser.parse_args([*args, "--out", "x.json"])
             assert parsed.out == "x.json"
         assert "tiny" in step.smoke and "cpu" in step.smoke, step.name
+
+
+def test_battery_summary_has_a_line_for_every_step_whatever_its_script_reports(monkeypatch):
+    device_battery = importlib.import_module("device_battery")
+    from battery_plan import FIGURES
+
+    runs = []
+    for step in STEPS:  # the summary under test: its input fabricated, every step, both versions, a failure
+        labels = [label for label, _, _ in FIGURES.get(step.script, ())]
+        for version in ("before", "after") if step.ab else ("after",):
+            for result in ({}, {"rows": [], "forward": [{}], "x_realtime": "?"}):  # readers of an odd result
+                assert device_battery.figures(step, result) == {}
+            got = {"passed": 3} if step.script == "pytest" else dict.fromkeys(labels, 1.0)
+            runs.append({"step": step.name, "version": version, "round": 1, "rc": int(step.name == "convs"),
+                         "figures": got, "tail": []})  # fmt: skip
+    lines = device_battery.summary(runs)
+    for step in STEPS:
+        assert any(line.startswith(f"| {step.name} |") for line in lines), step.name
+        assert step.script == "pytest" or step.script in FIGURES, f"{step.script}: no FIGURES entry"
+    assert lines[-1] == "FAILED: convs after r1 (exit 1)"
+    monkeypatch.delitem(FIGURES, "probe_convs")  # a script with no figures: its exit status, not a KeyError
+    assert "| convs | exit status |  | 1 | |" in device_battery.summary(runs)
 
 
 def battery(*args, cwd):
@@ -185,3 +211,17 @@ def test_long_tailed_job_is_mostly_short_with_a_few_over_a_minute_and_the_mixed_
     assert len(bench_job.job(config, args, parser)) == 3
     with pytest.raises(SystemExit):  # a range belongs to the mixed job
         bench_job.job(config, parser.parse_args(["--job", "long-tailed", "--max-s", "5"]), parser)
+
+
+@pytest.mark.slow
+def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
+    """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
+    free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
+    out = tmp_path / "load.json"
+    run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
+                                   "--out", str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
+    assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
+    run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["lost"] == 0

@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from omni_lightning.serving.audio_encoding import (
@@ -35,13 +37,16 @@ from omni_lightning.serving.audio_encoding import (
     sample_bytes,
     wav_header,
 )
-from omni_lightning.serving.decode_loop import DecodeLoop, Job, Overloaded, queue_sink
+from omni_lightning.serving.decode_loop import DecodeLoop
+from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
+from omni_lightning.serving.request_log import ended
 
 log = logging.getLogger("omni_lightning.serving")
 MAX_BODY_BYTES = 8 * 2**20  # a JSON body of ~100 k frames (2 h of audio); .npy int16 takes 32 bytes a frame
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
+ROUTES = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
 
 
 @dataclass
@@ -70,6 +75,7 @@ def build_app(
     gpu_memory_utilization: float | None = None,
     context: Callable[[], Any] = contextlib.nullcontext,
     warmup: tuple[int, ...] = (1, 8),
+    bulk_slice_s: float = 0.01,
 ) -> FastAPI:
     """The app serving ``module`` (a ``Code2WavModule``, e.g. one fine-tuned in this process, or a bare
     ``Code2Wav``) on the device and in the dtype it has now.
@@ -77,13 +83,13 @@ def build_app(
     ``max_streams``: clients decoded at once (WebSocket streams past it get 503); ``max_queue``: whole
     requests waiting for a slot (past it, 503); ``max_body_bytes``: a body or a WebSocket message past it
     gets 413; ``request_frames``: frames of a whole request per decode step; ``context``: entered on the
-    decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready.
+    decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready;
+    ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``).
     A module's decoder is retired when ``trainer.fit`` starts on it: every request then fails with a 500
     saying so (build a new app after a fit).
     """
     from omni_lightning.engine.streaming import StreamingDecoder
     from omni_lightning.errors import check_count
-    from omni_lightning.serving.stream_route import add_stream_route
 
     for name, value, least in (("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
                                ("request_frames", request_frames, 1)):  # fmt: skip
@@ -93,7 +99,15 @@ def build_app(
     else:
         decoder = StreamingDecoder(module, max_streams, cuda_graphs, gpu_memory_utilization=gpu_memory_utilization)
     metrics = ServeMetrics()
-    loop = DecodeLoop(decoder, max_queue, request_frames, context, metrics, warmup)
+    loop = DecodeLoop(decoder, max_queue, request_frames, context, metrics, warmup, bulk_slice_s)
+    return app_over(loop, metrics, max_body_bytes)
+
+
+def app_over(loop: Any, metrics: ServeMetrics, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The routes over ``loop``: a :class:`DecodeLoop` in this process (``build_app``), or a front process's
+    ``RemoteLoop`` over engine processes (``engine_client.py``); started and stopped with the app."""
+    from omni_lightning.serving.stream_route import add_stream_route
+
     state = ServeState(loop, metrics, max_body_bytes)
 
     @contextlib.asynccontextmanager
@@ -136,12 +150,22 @@ def build_app(
         finally:
             state.handlers -= 1
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        """A wrong path or method (404, 405) as every other error: ``{"error": "<one line>"}``."""
+        where = f"{request.method} {request.url.path}"
+        said = {404: f"{where}: no such route", 405: f"{where}: the route does not take {request.method}"}
+        message = said.get(err.status_code, f"{where}: {err.detail}")
+        if err.status_code in (404, 405):
+            message += f" (routes: {ROUTES})"
+        return JSONResponse({"error": message}, err.status_code, headers=err.headers)
+
     add_stream_route(app, state)
     return app
 
 
 async def _whole_request(state: ServeState, request: Request, rid: str) -> Response:
-    query = request.query_params
+    started, query = time.perf_counter(), request.query_params
     audio_format, subtype = query.get("format", "wav").lower(), query.get("subtype", "FLOAT").upper()
     stream = query.get("stream", "false").lower()
     if stream not in ("true", "false", "1", "0"):
@@ -155,7 +179,6 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
     body = await read_body(request, state.max_body_bytes, f"request {rid}")
     codes = body_codes(body, request.headers.get("content-type"), state.loop.config, f"request {rid}")
     config = state.loop.config
-    n_samples = config.output_length(codes.shape[1])
     log.info(
         "serve: %s POST /v1/code2wav %d frames, %s %s%s",
         rid,
@@ -171,7 +194,7 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
         headers["X-Sample-Format"] = PCM_NAMES[subtype]
     if stream_out:
         state.handlers += 1  # until the body is sent
-        body_iter = _streamed(state, job, queue, audio_format, subtype, n_samples)
+        body_iter = _streamed(state, job, queue, audio_format, subtype, codes.shape[1], started)
         return StreamingResponse(body_iter, media_type=MEDIA_TYPES[audio_format], headers=headers)
     pieces: list[torch.Tensor] = []
     try:
@@ -181,11 +204,13 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
             except TimeoutError:
                 if await request.is_disconnected():
                     log.info("serve: %s client went away: slot freed", rid)
+                    ended(rid, "499", codes.shape[1], started)
                     return Response(status_code=499)
                 continue
             if kind == "audio":
                 pieces.extend(value)
             elif kind == "error":
+                ended(rid, str(value[0]), codes.shape[1], started)
                 return _error(state, "code2wav", rid, *value)
             else:
                 break
@@ -199,18 +224,20 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
         data = sample_bytes(samples, subtype)
         data = wav_header(samples.shape[-1], config.sample_rate, subtype) + data if audio_format == "wav" else data
     state.metrics.requests.labels("code2wav", "200").inc()
+    ended(rid, "200", codes.shape[1], started)
     return Response(data, media_type=MEDIA_TYPES[audio_format], headers=headers)
 
 
 async def _streamed(
-    state: ServeState, job: Job, queue: asyncio.Queue, audio_format: str, subtype: str, n_samples: int
+    state: ServeState, job: Job, queue: asyncio.Queue, audio_format: str, subtype: str, frames: int, started: float
 ) -> AsyncIterator[bytes]:
     """The body of a streamed response: the WAV header first (its length known from the codes), then each
     piece as it is decoded. A decode that fails after the header ends the body short (the log says why)."""
     status = "200"
     try:
         if audio_format == "wav":
-            yield wav_header(n_samples, state.loop.config.sample_rate, subtype)
+            config = state.loop.config
+            yield wav_header(config.output_length(frames), config.sample_rate, subtype)
         while True:
             kind, value = await queue.get()
             if kind == "audio":
@@ -228,6 +255,7 @@ async def _streamed(
             status = "499"
         state.metrics.requests.labels("code2wav", status).inc()
         state.handlers -= 1
+        ended(job.rid, status, frames, started)
 
 
 async def read_body(request: Request, limit: int, who: str) -> bytes:

@@ -232,10 +232,12 @@ def summary(step_runs: list[dict]) -> list[str]:
         if not runs:
             continue
         if step.script == "pytest":
-            counts = ", ".join(f"{n} {k}" for k, n in runs[-1]["figures"].items()) or runs[-1]["tail"][-1]
-            lines.append(f"| {step.name} | pytest -m gpu | | {counts} (exit {runs[-1]['rc']}) | |")
+            last = runs[-1]
+            counts = ", ".join(f"{n} {k}" for k, n in last["figures"].items()) or (last["tail"] or ["no output"])[-1]
+            lines.append(f"| {step.name} | pytest -m gpu | | {counts} (exit {last['rc']}) | |")
             continue
-        for label, _, fmt in FIGURES[step.script]:
+        shown = len(lines)
+        for label, _, fmt in FIGURES.get(step.script, ()):
             got = {v: [r["figures"][label] for r in runs if r["version"] == v and label in r["figures"]]
                    for v in ("before", "after")}  # fmt: skip
             if not any(got.values()):
@@ -247,6 +249,9 @@ def summary(step_runs: list[dict]) -> list[str]:
                 ratio += f" (limit {step.limit[1]:g}: {'ok' if max(got['after']) <= step.limit[1] else 'OVER'})"
             cells = [", ".join(format(v, fmt) for v in got[k]) for k in ("before", "after")]
             lines.append(f"| {step.name} | {label} | {cells[0]} | {cells[1]} | {ratio} |")
+        if len(lines) == shown:  # a script without figures (or none read): its exit statuses
+            exits = {v: ", ".join(str(r["rc"]) for r in runs if r["version"] == v) for v in ("before", "after")}
+            lines.append(f"| {step.name} | exit status | {exits['before']} | {exits['after']} | |")
     failed = [f"{r['step']} {r['version']} r{r['round']} (exit {r['rc']})" for r in step_runs if r["rc"]]
     return lines + ([f"FAILED: {'; '.join(failed)}"] if failed else [])
 
