@@ -225,3 +225,14 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
+
+
+def test_every_script_is_in_the_readmes_table():
+    """scripts/README.md names each script (its question, where it runs, the figure it prints)."""
+    readme = (ROOT / "scripts" / "README.md").read_text()
+    missing = [
+        str(p.relative_to(ROOT / "scripts"))
+        for p in SCRIPTS.values()
+        if f"`{p.relative_to(ROOT / 'scripts')}`" not in readme
+    ]
+    assert not missing, f"scripts not in scripts/README.md: {missing}"

@@ -40,12 +40,12 @@ LONE = ("--requests", "1", "--batch", "1", "--check", "1")  # one request of --m
 UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
 
 STEPS = (
-    # issues 41-43, first in a short loan: the fused residual units against the layers, stage by stage and
+    # first, where GPU time is short: the fused residual units against the layers, stage by stage and
     # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
     Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
     Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
     Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
-    # issue 35: the predict job, uncapped and at 0.03, and streaming, before and after
+    # the predict job, uncapped and at 0.03, and streaming, before and after
     Step("job", "ab", "bench_job", ("--check", "4"), JOB_SMOKE, 45, ab=True, rounds=2),
     Step(
         "job-0.03",
@@ -68,9 +68,9 @@ STEPS = (
         limit=("outside batches s", 0.03),
     ),  # fmt: skip
     Step("stream", "ab", "bench_stream", (), STREAM_SMOKE, 60, ab=True, rounds=2),
-    # issue 35: every CUDA test on the GPU
+    # every CUDA test on the GPU
     Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
-    # issues 34 and 37: forward and fine-tuning throughput, the long-tailed job
+    # forward and fine-tuning throughput, the long-tailed job
     Step(
         "long-tailed-0.03",
         "throughput",

@@ -1,15 +1,15 @@
-"""The GPU checks and benchmarks a device call runs: a past commit (before) against this tree (after),
-interleaved, in one command that ends inside its time; results as JSON under ``--out`` ($OUT).
+"""The GPU tests and benchmarks, on a GPU machine: a past commit (before) against this tree (after),
+interleaved, in one command that ends inside its time; results as JSON under ``--out``.
 
-    python scripts/device/device_battery.py --prepare --wheels    # here, just before the call: .bench/ and .whl/
-    python3 scripts/device/device_battery.py --parts ab           # on the device (carry .bench and .whl)
+    python scripts/device/device_battery.py --prepare --wheels    # where git works: .bench/ and .whl/
+    python3 scripts/device/device_battery.py --parts ab           # on a GPU machine (with .bench/ and .whl/)
     python3 scripts/device/device_battery.py --parts tests throughput
     python scripts/device/device_battery.py --dry-run --out DIR   # any CPU: every step on the tiny preset
     python scripts/device/device_battery.py --plan                # the steps and commands, nothing run
 
-Before every device call, ``python scripts/kernels/kernel_report.py`` runs here (no GPU needed): every Triton
+Before a GPU run, ``python scripts/kernels/kernel_report.py`` runs on any machine (no GPU needed): every Triton
 launch the code makes on qwen3-omni's shapes compiled for sm_90a, exit status 1 where one on the
-default path spills or exceeds shared memory; a device call then confirms a design the report passed.
+default path spills or exceeds shared memory; a GPU run then confirms a design the report passed.
 
 The steps are ``battery_plan.STEPS``. This tree's scripts time both versions; only the package on
 ``PYTHONPATH`` differs. The before tree comes from ``--before-tar`` (``--prepare`` makes it with

@@ -1,4 +1,4 @@
-"""The fine-tuning recipe's evidence (issue 53): distils a teacher into a student, tiny preset, CPU, and
+"""The fine-tuning recipe's evidence: distils a teacher into a student, tiny preset, CPU, and
 logs mel distance, PESQ and STOI on the validation pairs against steps, per recipe variant.
 
 The teacher is ``make_teacher("tiny", seed=21)``; ``make_demo_data`` makes 24 training pairs of 1-2 s
@@ -40,7 +40,7 @@ import torch
 
 # name: (target, module settings, data settings); module settings override Code2WavModule's defaults, and the
 # variants around lr 1e-3 (no warm-up, no EMA) change one thing each
-OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before issue 53
+OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before this recipe
 BASE = dict(learning_rate=1e-3, warmup_steps=0, ema_decay=None)
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "default": ("perturbed", {}, {}),
