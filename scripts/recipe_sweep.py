@@ -258,13 +258,13 @@ def sweep(names: list[str], out: Path, work: Path, steps: int, eval_every: int, 
 def table(results: dict[str, Any]) -> str:
     """Markdown: per variant, the validation pairs' values before and after, and the training pairs' after."""
     rows = [
-        "| variant | target | steps | mel distance | PESQ | STOI | training pairs: mel, PESQ |",
+        "| variant | target | steps | mel distance | PESQ | STOI | training pairs: mel, PESQ, STOI |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         first, last, seen = r["curve"][0], r["final"], r["train_pairs"]
         cells = [f"{first.get(k, math.nan):{f}} -> {last.get(k, math.nan):{f}}" for k, f in METRICS]
-        trained = f"{seen['mel_distance']:.3f}, {seen.get('pesq', math.nan):.2f}"
+        trained = f"{seen['mel_distance']:.3f}, {seen.get('pesq', math.nan):.2f}, {seen.get('stoi', math.nan):.3f}"
         rows.append(f"| {r['name']} | {r['target']} | {r['steps']} | {' | '.join(cells)} | {trained} |")
     return "\n".join(rows).replace("nan -> nan", "-").replace("-> nan", "-> -")
 
@@ -278,10 +278,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     for r in results.values():
         steps = [p["step"] for p in r["curve"]]
-        style = "-" if r["target"] == "perturbed" else "--" if r["target"] == "perturbed-net" else ":"
+        style = {"decoder": "-", "covered": "--"}.get(r["target"], ":")
         for ax, key in zip(axes, ("mel_distance", "pesq", "stoi")):
             ax.plot(steps, [p.get(key, float("nan")) for p in r["curve"]], style, label=r["name"], linewidth=1.2)
-    for ax, title in zip(axes, ("mel distance (val)", "PESQ (val)", "STOI (val)")):
+    for ax, title, target in zip(axes, ("mel distance (val)", "PESQ (val)", "STOI (val)"), (None, 3.5, 0.8)):
+        if target:  # the recipe's target on this benchmark
+            ax.axhline(target, color="gray", linestyle="-.", linewidth=0.8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
