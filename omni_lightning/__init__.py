@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_lightning.lazy import lazy_exports
+from omni_lightning.imports.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -34,6 +34,7 @@ _EXPORTS = {
     "OmniPredictionLoop": "omni_lightning.runner",
     "build_pooler_output": "omni_lightning.runner",
     "Trainer": "omni_lightning.trainer",
+    "UsageError": "omni_lightning.errors",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from omni_lightning.callbacks import AsyncD2HCallback, WaveformWriter
     from omni_lightning.data import CodesDataModule, CodesDataset, LengthBucketBatchSampler, collate_codes
     from omni_lightning.engine import DecodeEngine, StreamingDecoder
+    from omni_lightning.errors import UsageError
     from omni_lightning.models import (
         Code2Wav,
         Code2WavConfig,

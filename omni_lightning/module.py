@@ -24,11 +24,11 @@ from omni_lightning.training.adversarial import AdversarialStep, find_unused_par
 from omni_lightning.training.discriminators import Discriminators
 from omni_lightning.training.ema import EMAWeights
 from omni_lightning.training.freeze import freeze_parameters
-from omni_lightning.training.graphs import TrainingGraph
-from omni_lightning.training.kernels import TrainingKernels, default_training_graph
+from omni_lightning.training.kernel_choice import TrainingKernels, default_training_graph
 from omni_lightning.training.losses import ReconstructionLoss
 from omni_lightning.training.schedule import check_fine_tuning_settings, fine_tuning_optimizers, fused_adamw
 from omni_lightning.training.skipped import SkippedRequests
+from omni_lightning.training.step_graph import TrainingGraph
 from omni_lightning.training.unregistered import Unregistered
 
 # The module validates codes in `on_before_batch_transfer` by design, datamodule or not.
@@ -46,7 +46,7 @@ class Code2WavModule(pl.LightningModule):
 
     Predict and streaming run through an :class:`~omni_lightning.runner.session.InferenceSession`
     (the engine, kept across predicts, and the one owner of the device weights); fine-tuning through
-    ``training/`` (losses, GAN step, optimizers, EMA, :class:`~omni_lightning.training.kernels.TrainingKernels`);
+    ``training/`` (losses, GAN step, optimizers, EMA, :class:`~omni_lightning.training.kernel_choice.TrainingKernels`);
     evaluation logs ``evaluation/metrics.py`` (W&B media: ``EvaluationMedia`` from ``configure_callbacks``).
     The model comes from ``model``, else ``checkpoint``, else ``config`` (random weights: predict warns
     unless ``random_weights=True``).
@@ -131,7 +131,9 @@ class Code2WavModule(pl.LightningModule):
         self.hparams["config"] = asdict(resolved.config)
         self.frames_per_forward, self.fast_path, self.fast_training = frames_per_forward, fast_path, fast_training
         self.session = InferenceSession()  # the decode engine and the device weights (runner/session.py)
-        self.training_run = TrainingKernels()  # fit's, validate's and test's kernels and graph (training/kernels.py)
+        self.training_run = (
+            TrainingKernels()
+        )  # fit's, validate's and test's kernels and graph (training/kernel_choice.py)
         self.skipped_requests = SkippedRequests()  # bad requests fit and evaluation left out, each warned once
         # random weights nobody asked for: predict warns once (a fit, a load or random_weights=True says otherwise)
         self.unasked_random_weights = model is None and checkpoint is None and not random_weights
@@ -203,17 +205,19 @@ class Code2WavModule(pl.LightningModule):
         self.session.release_engine()
 
     def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
-                          gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
+                          gpu_memory_utilization: float | None = None,
+                          step_frames: int = 16) -> StreamingDecoder:  # fmt: skip
         """A :class:`StreamingDecoder` over the model (``gpu_memory_utilization``: its budget's share of the
-        GPU), retired when the module starts fit; refused on another thread while fit runs."""
-        return self.session.streaming_decoder(self, max_streams, cuda_graphs, gpu_memory_utilization)
+        GPU; a step of up to ``step_frames`` a stream replays a CUDA graph), retired when the module starts
+        fit; refused on another thread while fit runs."""
+        return self.session.streaming_decoder(self, max_streams, cuda_graphs, gpu_memory_utilization, step_frames)
 
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
         """Decodes one request as its code chunks ``[Q, n]`` arrive: float32 ``[1, m]`` per chunk, which
         concatenate to ``decode`` of all its frames; up to 8 may interleave. Current weights (no EMA swap)."""
         return self.session.stream(self, code_chunks, cuda_graphs)
 
-    # --- training kernels and graph (training/kernels.py) --------------------------------------------
+    # --- training kernels and graph (training/kernel_choice.py) --------------------------------------------
 
     @property
     def training_kernels(self) -> Kernels:

@@ -121,7 +121,7 @@ class ReplayCapture:
         from torch.utils._python_dispatch import TorchDispatchMode
         from torch.utils._pytree import tree_leaves
 
-        from omni_lightning.engine.graphs import CaptureError
+        from omni_lightning.engine.bucket_graphs import CaptureError
 
         ops = []
 

@@ -9,13 +9,13 @@ import sys
 import pytest
 from helpers import ROOT
 
-from omni_lightning.arguments import unknown_option
 from omni_lightning.cli import main
-from omni_lightning.console import SUBCOMMAND_HELP
+from omni_lightning.cli.arguments import unknown_option
+from omni_lightning.cli.console import SUBCOMMAND_HELP
 
 IN_A_FRESH_PROCESS = """
 import contextlib, io, json, sys
-from omni_lightning.arguments import unknown_option
+from omni_lightning.cli.arguments import unknown_option
 from omni_lightning.cli import main
 out, err = io.StringIO(), io.StringIO()
 with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -107,7 +107,7 @@ def predict_help(capsys, sub: str = "predict", flag: str = "--help-all") -> str:
 def test_a_subcommands_help_shows_what_it_uses_the_usual_options_first_and_every_option_one_flag_away(capsys, sub):
     """predict --help was 529 lines, listed fit-only options (--model.adversarial) and showed --out_dir
     on line 97."""
-    from omni_lightning.cli_help import HELP_OPTIONS
+    from omni_lightning.cli.help import HELP_OPTIONS
 
     text = predict_help(capsys, sub, "--help")  # a name HELP_OPTIONS lists that the parser lacks: a KeyError
     lines = text.splitlines()

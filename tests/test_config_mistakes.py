@@ -12,12 +12,12 @@ from helpers import cli
 from jsonargparse import Namespace
 
 from omni_lightning import Code2WavModule, CodesDataModule
-from omni_lightning.cli_fit import drop_callbacks_turned_off
+from omni_lightning.cli.fit import drop_callbacks_turned_off
+from omni_lightning.cli.preflight import check_command_line, finished_job
 from omni_lightning.data import folder_lock
 from omni_lightning.data.output_folder import file_name
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.errors import UsageError
-from omni_lightning.preflight import check_command_line, finished_job
 
 PREDICT = ["predict", "--config", "configs/predict.yaml", "--model.random_weights", "true"]
 
@@ -136,7 +136,7 @@ def test_run_settings_given_beside_ckpt_path_are_used_not_the_checkpoints(tmp_pa
 
 def test_settings_a_user_gave_are_known_even_at_their_default_value(tmp_path):
     """Beside --ckpt_path, a run setting given at its default (or a config's null) lost to the fit's."""
-    from omni_lightning.preflight import set_by_user
+    from omni_lightning.cli.preflight import set_by_user
 
     keys = ["model.frames_per_forward", "model.log_samples", "model.fast_path"]
     argv = ["predict", "--config", "configs/predict.yaml", "--model.log_samples", "4", "--ckpt_path", "x.ckpt"]

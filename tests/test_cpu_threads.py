@@ -6,7 +6,7 @@ import re
 import numpy as np
 import torch
 
-from omni_lightning.cpu_threads import free_cores
+from omni_lightning.runner.cpu_threads import free_cores
 
 
 def test_a_cpu_run_takes_the_free_cores_less_its_loader_workers_and_says_so(tmp_path, monkeypatch, capsys):

@@ -8,7 +8,7 @@ import pytest
 
 
 def test_demo_reruns_only_in_its_own_folder(tmp_path):
-    from omni_lightning.demo import prepare_work_dir
+    from omni_lightning.cli.demo import prepare_work_dir
 
     work = tmp_path / "demo"
     assert prepare_work_dir(work) is False and (work / ".omni_lightning_demo").is_file()
@@ -25,7 +25,7 @@ def test_demo_reruns_only_in_its_own_folder(tmp_path):
 
 @pytest.mark.parametrize(("flag", "value"), [("--threads", "0"), ("--requests", "0"), ("--steps", "-1")])
 def test_demo_refuses_counts_below_one_before_any_work(tmp_path, flag, value):
-    from omni_lightning.demo import main as demo_main
+    from omni_lightning.cli.demo import main as demo_main
 
     with pytest.raises(SystemExit) as stop:  # argparse: exit 2 with the flag and value named
         demo_main(["--work-dir", str(tmp_path / "demo"), flag, value])
@@ -35,7 +35,7 @@ def test_demo_refuses_counts_below_one_before_any_work(tmp_path, flag, value):
 def test_every_path_the_demo_prints_exists(tmp_path, monkeypatch, capsys, recwarn):
     """The data folder was printed as given (relative to where the demo ran), the W&B hint named no run to
     sync, and fewer requests than two batches' worth brought Lightning's warning about the logging interval."""
-    from omni_lightning.demo import main as demo_main
+    from omni_lightning.cli.demo import main as demo_main
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_SILENT", raising=False)

@@ -68,7 +68,7 @@ def run_block(name: str, line: int, code: str, folder: Path, demo_data: Path) ->
 def _child(names: list[str]) -> None:
     import warnings
 
-    from omni_lightning.demo import demo_data
+    from omni_lightning.cli.demo import demo_data
 
     # an example must say which weights it predicts with (checkpoint= or random_weights=True)
     warnings.filterwarnings("error", message="predicting with random weights", category=UserWarning)

@@ -16,13 +16,13 @@ from conftest import micro_config, random_codes, random_model
 from helpers import RecordingCapture, ReplayCapture, loader, requests, trainer_kwargs
 
 from omni_lightning import Code2WavModule, DecodeEngine, Trainer
+from omni_lightning.engine.bucket_graphs import CaptureError
 from omni_lightning.engine.budget import (
     activation_bytes_per_frame,
     frames_for_budget,
     graph_frames_for_budget,
     graph_pool_bytes,
 )
-from omni_lightning.engine.graphs import CaptureError
 from omni_lightning.engine.plan import Planner
 
 

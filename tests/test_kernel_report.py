@@ -5,7 +5,7 @@ the launchers launch.
 Skipped, with the reason, where Triton's NVIDIA backend or its ptxas is missing. Each distinct
 compile runs once (``kernels/hopper.py`` caches within the process); Triton's disk cache points at a
 fresh folder, so nothing is reused across runs. Opt-in launches (``default_path=False``) are not
-compiled here (``scripts/kernel_report.py --opt-in`` reports them).
+compiled here (``scripts/kernels/kernel_report.py --opt-in`` reports them).
 """
 
 import json
@@ -55,7 +55,7 @@ def test_every_default_path_launch_compiles_for_sm90a_clean(default_path, fresh_
 
 def test_the_report_runs_and_writes_its_json(tmp_path, fresh_cache, capsys):
     """After the test above, in the same process: its compiles are cached, so this costs the walk and the table."""
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT / "scripts" / "kernels"))
     import kernel_report
 
     assert kernel_report.main(["--json", str(tmp_path / "report.json")]) == 0

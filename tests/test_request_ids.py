@@ -116,7 +116,7 @@ def test_a_name_that_is_not_utf8_is_printed_escaped_not_a_traceback(tmp_path, ca
 
 
 def test_failed_requests_print_a_line_each_whatever_their_ids_hold(tmp_path):
-    from omni_lightning.console import failed_lines
+    from omni_lightning.cli.console import failed_lines
 
     failed = {"a\nb": "codes out of range\n(2048)", "x\ty/é z": "empty", **{f"r{i}": "bad" for i in range(30)}}
     lines = failed_lines(failed, tmp_path)

@@ -16,7 +16,9 @@ import tarfile
 import pytest
 from helpers import ROOT
 
-sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their neighbours as a script run does
+# scripts/<group>/<name>.py by name; each group's folder on the path, as a script run has its own
+SCRIPTS = {p.stem: p for p in sorted((ROOT / "scripts").glob("*/*.py"))}
+sys.path[:0] = sorted({str(p.parent) for p in SCRIPTS.values()}) + [str(ROOT / "scripts")]
 from battery_plan import STEPS  # noqa: E402
 
 JOBS = {
@@ -33,7 +35,7 @@ JOBS = {
 
 def run_script(name, args, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / f"{name}.py"), *args], cwd=tmp_path, env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS[name]), *args], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
@@ -60,7 +62,7 @@ def test_benchmark_script_runs_on_the_cpu_and_writes_its_result(name, tmp_path):
 
 def test_simulate_plan_prices_every_job():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "simulate_plan.py"), "--frames", "1024"], env=env,
+    proc = subprocess.run([sys.executable, str(SCRIPTS["simulate_plan"]), "--frames", "1024"], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
@@ -76,20 +78,25 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
     "measure_predict_rss": ("--audio-mb 2 --min-seconds 0.5 --max-seconds 1", "~20 s: a process per variant"),
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
     "recipe_sweep": ("--variants lr-1e-3 --steps 2 --eval-every 2 --out r.json --work data", "~20 s: 30 pairs"),
+    "recipe_stoi": ("--out s.json --work data", "~100 s: 6 pairs, 4 students and 13 changed copies scored"),
     "lightning_predict_tests": ("--lightning-src PATH", "needs a checkout of Lightning's repository and its tests"),
-    "load_test_serve": ("--clients 2 --seconds 2", "~60 s: a server process, then the offline engine twice"),
     "bench_litserve": ("--clients 2 --seconds 2", "needs litserve (not a dependency); two servers in turn"),
 }
 
 
 def test_every_script_imports_and_is_run_here_or_says_why_not():
-    scripts = {p.stem for p in (ROOT / "scripts").glob("*.py")}
+    scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
+    run |= {"load_test_serve", "serve_clients", "free_decoder"}  # by test_the_serve_load_test_runs_on_the_cpu
     run |= {s.script for s in STEPS}
     assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
     for name in sorted(scripts):  # a name the package no longer has fails here, not on the GPU machine
-        assert callable(getattr(importlib.import_module(name), "main", None)) or name in ("battery_plan", "workload")
+        assert callable(getattr(importlib.import_module(name), "main", None)) or name in (
+            "battery_plan",
+            "workload",
+            "serve_clients",
+        )
 
 
 def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
@@ -103,9 +110,31 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
         assert "tiny" in step.smoke and "cpu" in step.smoke, step.name
 
 
+def test_battery_summary_has_a_line_for_every_step_whatever_its_script_reports(monkeypatch):
+    device_battery = importlib.import_module("device_battery")
+    from battery_plan import FIGURES
+
+    runs = []
+    for step in STEPS:  # the summary under test: its input fabricated, every step, both versions, a failure
+        labels = [label for label, _, _ in FIGURES.get(step.script, ())]
+        for version in ("before", "after") if step.ab else ("after",):
+            for result in ({}, {"rows": [], "forward": [{}], "x_realtime": "?"}):  # readers of an odd result
+                assert device_battery.figures(step, result) == {}
+            got = {"passed": 3} if step.script == "pytest" else dict.fromkeys(labels, 1.0)
+            runs.append({"step": step.name, "version": version, "round": 1, "rc": int(step.name == "convs"),
+                         "figures": got, "tail": []})  # fmt: skip
+    lines = device_battery.summary(runs)
+    for step in STEPS:
+        assert any(line.startswith(f"| {step.name} |") for line in lines), step.name
+        assert step.script == "pytest" or step.script in FIGURES, f"{step.script}: no FIGURES entry"
+    assert lines[-1] == "FAILED: convs after r1 (exit 1)"
+    monkeypatch.delitem(FIGURES, "probe_convs")  # a script with no figures: its exit status, not a KeyError
+    assert "| convs | exit status |  | 1 | |" in device_battery.summary(runs)
+
+
 def battery(*args, cwd):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "device_battery.py"), *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, str(SCRIPTS["device_battery"]), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
 
 
@@ -183,3 +212,17 @@ def test_long_tailed_job_is_mostly_short_with_a_few_over_a_minute_and_the_mixed_
     assert len(bench_job.job(config, args, parser)) == 3
     with pytest.raises(SystemExit):  # a range belongs to the mixed job
         bench_job.job(config, parser.parse_args(["--job", "long-tailed", "--max-s", "5"]), parser)
+
+
+@pytest.mark.slow
+def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
+    """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
+    free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
+    out = tmp_path / "load.json"
+    run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
+                                   "--out", str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
+    assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
+    run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["lost"] == 0

@@ -1,4 +1,4 @@
-"""Fit's CUDA graphs of the generator (``training/graphs.py``): when they are used, what they replay,
+"""Fit's CUDA graphs of the generator (``training/step_graph.py``): when they are used, what they replay,
 and what happens when the weights move, the shape changes or a capture fails.
 
 On the CPU the capture is a stand-in (:class:`EagerCapture`) whose "replay" runs the captured forward
@@ -18,7 +18,7 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.data.synthetic import make_demo_data, make_teacher
 from omni_lightning.kernels import Kernels
-from omni_lightning.training.graphs import TrainingGraph, thread_local_graphs, training_graphs_allowed
+from omni_lightning.training.step_graph import TrainingGraph, thread_local_graphs, training_graphs_allowed
 
 cuda = pytest.mark.gpu
 
@@ -126,10 +126,10 @@ def test_moved_weights_are_copied_back_where_the_graph_reads_them(long_pairs):
 def test_a_failed_capture_warns_once_and_the_fit_finishes_eagerly(long_pairs, caplog):
     capture = EagerCapture(fail=torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     graphed, eager = Graphed(capture), Graphed(None)
-    with caplog.at_level(logging.WARNING, logger="omni_lightning.training.graphs"):
+    with caplog.at_level(logging.WARNING, logger="omni_lightning.training.step_graph"):
         graph = fit(graphed, long_pairs, 5)
     fit(eager, long_pairs, 5)
-    warnings = [r.getMessage() for r in caplog.records if r.name == "omni_lightning.training.graphs"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "omni_lightning.training.step_graph"]
     assert len(warnings) == 1 and "OutOfMemoryError: CUDA out of memory" in warnings[0], warnings
     assert "[2, 16, 20]" in warnings[0] and graph.failed and graph.stats["eager"] == 5
     expected = weights(eager)
@@ -164,7 +164,7 @@ def test_shapes_that_keep_changing_stop_being_captured_after_max_captures(caplog
     capture = EagerCapture()
     graph, kernels = TrainingGraph(capture, max_captures=2), Kernels()
     shapes = [random_codes(b, 9, seed=b) for b in (1, 1, 2, 2, 3, 3, 1, 1)]
-    with caplog.at_level(logging.INFO, logger="omni_lightning.training.graphs"):
+    with caplog.at_level(logging.INFO, logger="omni_lightning.training.step_graph"):
         for codes in shapes:
             graph(model, codes, kernels)
     assert capture.captures == [(1, 16, 9), (2, 16, 9)] and graph.capped  # 3 and the return to 1: eager

@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
 from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, redraws, train_line
-from omni_lightning.cpu_threads import threads_said
+from omni_lightning.runner.cpu_threads import threads_said
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
 LARGE_ON_CPU = 50_000_000

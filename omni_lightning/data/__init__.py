@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_lightning.lazy import lazy_exports
+from omni_lightning.imports.lazy import lazy_exports
 
 _EXPORTS = {
     "collate_codes": "omni_lightning.data.collate",

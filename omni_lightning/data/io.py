@@ -250,7 +250,7 @@ def load_audio(path: Path, sample_rate: int) -> torch.Tensor:
         raise _non_finite(f"audio file {path}", bad)
     audio = torch.from_numpy(data).mean(dim=1)
     if sr != sample_rate:
-        from omni_lightning.torchaudio_import import import_torchaudio
+        from omni_lightning.imports.torchaudio import import_torchaudio
 
         audio = import_torchaudio().functional.resample(audio, sr, sample_rate)
     return audio

@@ -24,7 +24,7 @@ DEFAULT_BUDGET = 6 * 2**30  # bytes for activations and graphs with no cap (the 
 MIN_FRAMES, MAX_FRAMES = 16, 8192
 LIVE = 3  # decoder tensors alive at once at a stage: the residual stream, the snake buffer, a conv output
 # measured peak / walked peak per frame: 1,330-1,408 KiB against 1,163.5 (qwen3-omni, bf16, H200, eager
-# stateful forwards of 64-4,096 frames; scripts/profile_memory.py --jobs frames, docs/performance.md)
+# stateful forwards of 64-4,096 frames; scripts/profiling/profile_memory.py --jobs frames, docs/performance.md)
 MEASURED = 1.22
 
 

@@ -7,7 +7,7 @@ The engine owns what makes that fast and safe on a device:
 - **kernels**, chosen once (``Kernels.for_inference``: Triton SnakeBeta, in-place residual GEMMs);
 - **shapes**: forwards run at ``(rows, chunk)`` buckets chosen by :class:`~omni_lightning.engine.plan.Planner`
   within a frame budget derived from the memory budget (``engine/budget.py``);
-- **CUDA graphs**, one per bucket, captured lazily into one pool (``engine/graphs.py``): short forwards
+- **CUDA graphs**, one per bucket, captured lazily into one pool (``engine/bucket_graphs.py``): short forwards
   (at most ``graph_frames`` padded frames: streaming steps, a batch's last chunks) and, with no memory
   cap, whole-budget ones (the planner's long forwards: ~10 ms of host launches each on qwen3-omni).
   Under a cap long forwards run eagerly in the allocator's regular pool: a whole-budget capture at a
@@ -36,7 +36,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from omni_lightning.engine import budget as budgets
-from omni_lightning.engine.graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
+from omni_lightning.engine.bucket_graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
 from omni_lightning.engine.plan import Planner
 from omni_lightning.engine.serial import serialized
 from omni_lightning.engine.stats import EngineStats

@@ -11,7 +11,7 @@ left and scores the forward by real frames over cost, all in frames: ``rows * ch
 new cuDNN plans), plus another ``step_cost`` when the forward leaves rows unfinished (one-step
 look-ahead). Shapes run before are candidates too, rows padded up; batch decode (``pad_in_time``)
 also pads chunks up to a shape it has, streaming does not (a padded step delays its audio).
-``scripts/simulate_plan.py`` prices plans.
+``scripts/profiling/simulate_plan.py`` prices plans.
 
 ``exact_eager`` (set with CUDA graphs on): a forward longer than ``graph_frames`` uses the whole
 budget, ``rows * chunk == frames``, at least half its rows real, so every eager forward has the same

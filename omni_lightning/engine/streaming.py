@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni_lightning.engine.bucket_graphs import GraphCapture
 from omni_lightning.engine.engine import DecodeEngine
-from omni_lightning.engine.graphs import GraphCapture
 from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
@@ -68,17 +68,19 @@ class StreamingDecoder:
         engine: DecodeEngine | None = None,
         gpu_memory_utilization: float | None = None,
         capture: GraphCapture | None = None,
+        step_frames: int = STEP_FRAMES,
     ) -> None:
         check_count("max_streams", max_streams)
+        check_count("step_frames", step_frames)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         self.model, self.config = model, model.config
-        # a step of up to STEP_FRAMES frames per stream replays a CUDA graph; graphs take most of the budget
+        # a step of up to step_frames frames per stream replays a CUDA graph; graphs take most of the budget
         self.engine = engine or DecodeEngine(
             model,
             frames_per_forward=frames_per_forward,
             max_rows=max_streams,
             cuda_graphs=cuda_graphs,
-            graph_frames=max(512, max_streams * STEP_FRAMES),
+            graph_frames=max(512, max_streams * step_frames),
             graph_share=0.75,
             gpu_memory_utilization=gpu_memory_utilization,
             capture=capture,

@@ -69,7 +69,7 @@ def spectrogram_figure(wav: torch.Tensor, sample_rate: int, title: str) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from omni_lightning.torchaudio_import import import_torchaudio
+    from omni_lightning.imports.torchaudio import import_torchaudio
 
     torchaudio = import_torchaudio()
     # zero-padded at the ends: reflect padding refuses a request shorter than half the window

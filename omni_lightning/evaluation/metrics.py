@@ -34,7 +34,7 @@ WAVEFORM = ("si_sdr", "snr")  # sample-exact matches: a vocoder's phase is free,
 LOSSES = ("loss", "mel", "stft")  # the module's reconstruction losses (training/losses.py), batch means
 
 
-def summary_line(metrics: dict[str, float]) -> str:
+def metrics_line(metrics: dict[str, float]) -> str:
     """A validate or test run's metrics as one line: first the ones that track what a listener hears
     (:data:`HEARD`, each with its ``_unscored`` count), then the rest by name, then SI-SDR and SNR
     apart, named as waveform measures (docs/evaluation.md#what-the-metrics-mean-for-a-vocoder).

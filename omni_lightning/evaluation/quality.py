@@ -128,7 +128,7 @@ class QualityScorer(pl.Callback):
         real = torch.arange(n, device=pred.device)[None] < lengths[:, None]  # a cut request's zeros past its end
         signals = [target[:, :n] * real, pred[:, :n] * real]
         if "pesq" in self.names:
-            from omni_lightning.torchaudio_import import import_torchaudio
+            from omni_lightning.imports.torchaudio import import_torchaudio
 
             resample = import_torchaudio().functional.resample
             signals += [resample(s, self.sample_rate, PESQ_RATE) for s in signals]

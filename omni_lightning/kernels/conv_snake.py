@@ -18,7 +18,7 @@ is K-major, as wgmma takes it; another layout is copied into that one first (a p
 on the GPU: 0.5 MB at 192 channels per call). The SnakeBeta epilogue computes in fp32 from the
 fp32 accumulator (the layers round the convolution's output to bf16 first: this is the more exact of
 the two). Tile settings are data (:func:`launch_tiles`), each compiled clean for sm_90a (wgmma, no spills,
-within shared memory: ``scripts/kernel_report.py``). Not here: fp32 inputs (a tensor-core dot in fp32
+within shared memory: ``scripts/kernels/kernel_report.py``). Not here: fp32 inputs (a tensor-core dot in fp32
 is TF32, coarser than cuDNN's fp32 convolution: fp32 stays on the layers), the autograd backward
 (training keeps the layers), and channels that do not split into two powers of two.
 """

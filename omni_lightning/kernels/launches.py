@@ -1,6 +1,6 @@
 """Launch settings as data: what each Triton launcher compiles on a model's shapes, for the kernel report.
 
-**The convention** (``scripts/kernel_report.py`` and ``tests/test_kernel_report.py`` find every kernel
+**The convention** (``scripts/kernels/kernel_report.py`` and ``tests/test_kernel_report.py`` find every kernel
 module that follows it; nothing else needs to change when a module joins):
 
 - A module ``omni_lightning/kernels/<op>.py`` may define ``hopper_launches(layers) -> list[KernelLaunch]``,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from omni_lightning.lazy import lazy_exports
+from omni_lightning.imports.lazy import lazy_exports
 
 _EXPORTS = {
     "Code2Wav": "omni_lightning.models.code2wav",

@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
+from torch import nn
 
 from omni_lightning.models.config import Code2WavConfig, read_config_json
 
-if TYPE_CHECKING:
-    from omni_lightning.models.code2wav import Code2Wav
+Model = TypeVar("Model", bound=nn.Module)  # Code2Wav, which imports this module (never the other way)
 
 FULL_MODEL_PREFIX = "code2wav."
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,12 +75,13 @@ def read_state_dict(
 
 
 def load_pretrained(
-    cls: type[Code2Wav],
+    build: Callable[[Code2WavConfig], Model],
     path: str | Path,
     dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
-) -> Code2Wav:
-    """``Code2Wav.from_pretrained``: weights in ``dtype`` (default float32) on ``device`` (default CPU)."""
+) -> Model:
+    """``Code2Wav.from_pretrained``: the model ``build`` makes (on the meta device) from the folder's config,
+    its weights in ``dtype`` (default float32) on ``device`` (default CPU); its buffers are the caller's."""
     folder = Path(path)
     if not folder.is_dir():
         raise ValueError(f"checkpoint folder {folder} does not exist")
@@ -90,7 +92,7 @@ def load_pretrained(
     state = read_state_dict(folder, prefix, device)
 
     with torch.device("meta"):
-        model = cls(config)
+        model = build(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
@@ -115,8 +117,7 @@ def load_pretrained(
         raise ValueError(f"checkpoint {folder} does not match {config.name!r}: " + "; ".join(parts))
     dtype = dtype or torch.float32
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
-    model.reset_buffers(device)
-    return model.eval()
+    return model
 
 
 def _plain_file_mode() -> int:
@@ -131,7 +132,7 @@ def _plain_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def save_pretrained(model: Code2Wav, path: str | Path) -> Path:
+def save_pretrained(model: nn.Module, config: Code2WavConfig, path: str | Path) -> Path:
     """Writes the standalone layout; files land atomically (temp name, then rename)."""
     from safetensors.torch import save_file
 
@@ -142,9 +143,9 @@ def save_pretrained(model: Code2Wav, path: str | Path) -> Path:
     save_file(state, str(tmp), metadata={"format": "pt"})
     os.chmod(tmp, _plain_file_mode())  # safetensors creates its files 0600; others may need to read them
     os.replace(tmp, folder / WEIGHTS_FILE)
-    config = model.config.to_hf()
-    config["architectures"] = ["Qwen3OmniMoeCode2Wav"]
+    hf_config = config.to_hf()
+    hf_config["architectures"] = ["Qwen3OmniMoeCode2Wav"]
     tmp = folder / ".config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2) + "\n")
+    tmp.write_text(json.dumps(hf_config, indent=2) + "\n")
     os.replace(tmp, folder / "config.json")
     return folder

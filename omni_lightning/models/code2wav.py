@@ -28,6 +28,7 @@ from torch import nn
 
 from omni_lightning.errors import UsageError, check_count
 from omni_lightning.kernels import Kernels
+from omni_lightning.models.checkpoint import load_pretrained, save_pretrained
 from omni_lightning.models.codes import check_codes_layout, validate_codes
 from omni_lightning.models.config import Code2WavConfig, resolve_config
 from omni_lightning.models.layers import (
@@ -209,15 +210,13 @@ class Code2Wav(nn.Module):
         device: torch.device | str | None = None,
     ) -> Code2Wav:
         """Loads a standalone folder or the ``code2wav.*`` tensors of a full Qwen3-Omni checkpoint."""
-        from omni_lightning.models.checkpoint import load_pretrained
-
-        return load_pretrained(cls, path, dtype=dtype, device=device)
+        model = load_pretrained(cls, path, dtype=dtype, device=device)
+        model.reset_buffers(torch.device(device or "cpu"))
+        return model.eval()
 
     def save_pretrained(self, path: str | Path) -> Path:
         """Writes ``config.json`` + ``model.safetensors`` (transformers' standalone layout)."""
-        from omni_lightning.models.checkpoint import save_pretrained
-
-        return save_pretrained(self, path)
+        return save_pretrained(self, self.config, path)
 
 
 def _contiguous_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:

@@ -17,14 +17,22 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from omni_lightning.kernels import Kernels
-    from omni_lightning.models.code2wav import Code2Wav
+
+
+class Stateful(Protocol):
+    """What a ``DecodeState`` is built for: a model that names its history's shapes (``Code2Wav``, which
+    imports this module: the type is owned here, so nothing imports back up)."""
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]: ...
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
 
 
 ALIGN = 16  # elements: where each named tensor starts in a slot's row (32 bytes in bf16, 64 in fp32)
@@ -45,7 +53,7 @@ class DecodeState:
     """
 
     def __init__(
-        self, model: Code2Wav, slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self, model: Stateful, slots: int, dtype: torch.dtype | None = None, device: torch.device | str | None = None
     ) -> None:
         if slots < 1:
             raise ValueError(f"a DecodeState needs at least one slot, got {slots}")

@@ -35,7 +35,8 @@ from omni_lightning.serving.audio_encoding import (
     sample_bytes,
     wav_header,
 )
-from omni_lightning.serving.decode_loop import DecodeLoop, Job, Overloaded, queue_sink
+from omni_lightning.serving.decode_loop import DecodeLoop
+from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
 
@@ -70,6 +71,7 @@ def build_app(
     gpu_memory_utilization: float | None = None,
     context: Callable[[], Any] = contextlib.nullcontext,
     warmup: tuple[int, ...] = (1, 8),
+    bulk_slice_s: float = 0.01,
 ) -> FastAPI:
     """The app serving ``module`` (a ``Code2WavModule``, e.g. one fine-tuned in this process, or a bare
     ``Code2Wav``) on the device and in the dtype it has now.
@@ -77,13 +79,13 @@ def build_app(
     ``max_streams``: clients decoded at once (WebSocket streams past it get 503); ``max_queue``: whole
     requests waiting for a slot (past it, 503); ``max_body_bytes``: a body or a WebSocket message past it
     gets 413; ``request_frames``: frames of a whole request per decode step; ``context``: entered on the
-    decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready.
+    decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready;
+    ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``).
     A module's decoder is retired when ``trainer.fit`` starts on it: every request then fails with a 500
     saying so (build a new app after a fit).
     """
     from omni_lightning.engine.streaming import StreamingDecoder
     from omni_lightning.errors import check_count
-    from omni_lightning.serving.stream_route import add_stream_route
 
     for name, value, least in (("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
                                ("request_frames", request_frames, 1)):  # fmt: skip
@@ -93,7 +95,15 @@ def build_app(
     else:
         decoder = StreamingDecoder(module, max_streams, cuda_graphs, gpu_memory_utilization=gpu_memory_utilization)
     metrics = ServeMetrics()
-    loop = DecodeLoop(decoder, max_queue, request_frames, context, metrics, warmup)
+    loop = DecodeLoop(decoder, max_queue, request_frames, context, metrics, warmup, bulk_slice_s)
+    return app_over(loop, metrics, max_body_bytes)
+
+
+def app_over(loop: Any, metrics: ServeMetrics, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """The routes over ``loop``: a :class:`DecodeLoop` in this process (``build_app``), or a front process's
+    ``RemoteLoop`` over engine processes (``engine_client.py``); started and stopped with the app."""
+    from omni_lightning.serving.stream_route import add_stream_route
+
     state = ServeState(loop, metrics, max_body_bytes)
 
     @contextlib.asynccontextmanager

@@ -1,76 +1,50 @@
-"""``DecodeLoop``: the one thread that owns a server's :class:`StreamingDecoder`.
+"""``DecodeLoop``: the one owner of a server's :class:`StreamingDecoder` and its decode steps.
 
 Every client is a stream of that decoder: a WebSocket stream pushes its chunks as they come, a whole
-request pushes its codes ``request_frames`` at a time (so a long request neither holds back the other
-streams' first audio nor waits to send its own). Each step of the loop pushes what came and advances
-every stream with frames at once (``StreamingDecoder.step``: one planned set of forwards), then hands
-each client its audio, a stream's split per chunk it sent. So every client gets exactly ``decode`` of
-its codes, as ``StreamingDecoder`` guarantees, whatever else was in the step.
+request up to ``request_frames`` a step. Each step pushes what the schedule takes (``schedule.py``: stream
+chunks first; whole requests capped to a slice of engine time while a stream is open), advances every
+stream with frames at once (``StreamingDecoder.step``), copies the step's audio to the host in one copy
+(``host_audio.py``) and hands each client its audio, a stream's split per chunk. So every client gets
+exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
+remains; the loop sleeps only when idle.
 
 Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
-a whole request takes one when one frees, waiting in a queue of at most ``max_queue`` (full:
-:class:`Overloaded`). A client that goes away is closed at the next step, its slot freed. A step whose
-forward raises fails the clients in that step (each told why) and no other.
-
-Callers on other threads talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``); the loop
-answers through the job's ``sink``, called on the loop's thread: ``("audio", [samples, ...])``,
-``("end", None)`` or ``("error", (status, message))``. Not done: priorities between clients, and a
-deadline per request (a client that wants one closes its connection, which frees the slot).
+a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
+A client that goes away is closed at the next step. A step whose forward raises fails its clients (each
+told why) and no other. Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``);
+it answers through the job's ``sink`` on the loop's thread: ``("audio", [samples, ...])`` (views the next
+step reuses: a sink that keeps them copies them), ``("end", None)`` or ``("error", (status, message))``.
+The loop runs on a thread of its own (``start``: one process) or its caller's (``warm``, then ``run_step``:
+the engine process, which reads its socket while the device computes, ``between``). Not done: a deadline
+per request (a client that wants one closes its connection, which frees the slot).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
+from omni_lightning.serving.host_audio import HostAudio
+from omni_lightning.serving.jobs import Job, Overloaded, Sink
+from omni_lightning.serving.schedule import FrameCost, bulk_frames
 
 log = logging.getLogger("omni_lightning.serving")
-Sink = Callable[[str, Any], None]
-
-
-class Overloaded(Exception):
-    """No slot and no room in the queue: the client should retry after ``retry_after`` seconds (a 503)."""
-
-    def __init__(self, message: str, retry_after: int = 1) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-@dataclass(eq=False)
-class Job:
-    """One client's work: a whole request (``codes`` given) or a stream (chunks pushed as they come)."""
-
-    rid: str
-    sink: Sink
-    codes: torch.Tensor | None = None  # a whole request's codes, pushed ``request_frames`` at a time
-    chunks: deque = field(default_factory=deque)  # a stream's chunks not yet pushed (any thread appends)
-    finishing: bool = False  # no more chunks: close after the last is decoded
-    aborted: bool = False  # the client went away: close now
-    sid: int | None = None  # its stream in the decoder, once opened
-    sent_frames: int = 0  # frames pushed so far
-    created: float = field(default_factory=time.perf_counter)
-    first_audio: float | None = None
-    done: bool = False
-
-    @property
-    def is_stream(self) -> bool:
-        return self.codes is None
 
 
 class DecodeLoop:
-    """Runs the decode thread (see the module docstring). ``context``: a context manager factory entered
-    on that thread (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
-    ``warmup``: chunk sizes run once before ``ready`` is set."""
+    """Runs the decode steps (see the module docstring). ``context``: a context manager factory entered
+    where the steps run (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
+    ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
+    steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
+    the engine time a step gives whole requests (``schedule.py``)."""
 
     def __init__(
         self,
@@ -80,10 +54,14 @@ class DecodeLoop:
         context: Callable[[], Any] = contextlib.nullcontext,
         metrics: Any = None,
         warmup: tuple[int, ...] = (1, 8),
+        bulk_slice_s: float = 0.01,
+        warmup_rows: tuple[int, ...] = (1,),
     ) -> None:
         self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
         self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
-        self.config = decoder.config
+        self.config, self.bulk_slice_s, self.cost = decoder.config, bulk_slice_s, FrameCost()
+        self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
+        self._host = HostAudio()  # the steps' audio on the host, one buffer reused
         self.ready, self.warmup_error = threading.Event(), None
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
         self._active: list[Job] = []  # holding a slot (or about to open one)
@@ -99,7 +77,8 @@ class DecodeLoop:
         """Stops the thread after its current step; clients still open are told the server stopped."""
         self._stop = True
         self._wake.set()
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
 
     @property
     def open_jobs(self) -> int:
@@ -164,74 +143,114 @@ class DecodeLoop:
             self.metrics.queue_depth.set(len(self._waiting))
         self._wake.set()
 
-    # --- the decode thread ----------------------------------------------------------------------
+    # --- where the steps run --------------------------------------------------------------------
+
+    def warm(self) -> bool:
+        """Runs the warm-up; sets ``ready``, or ``warmup_error`` and returns False."""
+        try:
+            if self.warmup:
+                seconds = self.decoder.warmup(chunk_sizes=self.warmup, batch_sizes=self.warmup_rows)
+                log.info("serve: warm-up (chunks of %s frames, %s streams) took %.2f s", self.warmup,
+                         self.warmup_rows, seconds)  # fmt: skip
+        except Exception as err:  # the server answers /health 503 with this
+            self.warmup_error = f"{type(err).__name__}: {err}"
+            log.exception("serve: warm-up failed")
+            return False
+        self.ready.set()
+        return True
+
+    def has_work(self) -> bool:
+        """Whether a step now would do something (else the caller may sleep until ``push``/``submit``)."""
+        with self._lock:
+            jobs = list(self._active)
+        return any(j.aborted or j.chunks or (j.finishing and not j.done) or j.sid is None or self._has_more(j)
+                   for j in jobs)  # fmt: skip
+
+    def run_step(self, between: Callable[[], None] | None = None) -> None:
+        """One step; a failure in it is told to its clients, not raised. ``between`` runs while the
+        device computes the step (after its launch, before its audio is copied back)."""
+        try:
+            self._step(between)
+        except Exception as err:  # a bug: the clients in flight are told, the loop goes on
+            log.exception("serve: the decode loop failed a step")
+            for job in list(self._active):
+                with contextlib.suppress(Exception):
+                    self._close(job, ("error", (500, f"request {job.rid}: the server failed ({err!r})")))
+
+    def close_all(self) -> None:
+        """Tells every client left that the server stopped before its audio was decoded."""
+        with self._lock:
+            left = self._active + list(self._waiting)
+            self._active, self._waiting = [], deque()
+        for job in left:
+            self._end(job, ("error", (503, f"request {job.rid}: the server stopped before it was decoded")))
 
     def _run(self) -> None:
         with self.context(), torch.no_grad():
-            try:
-                if self.warmup:
-                    seconds = self.decoder.warmup(chunk_sizes=self.warmup)
-                    log.info("serve: warm-up (chunks of %s frames) took %.2f s", self.warmup, seconds)
-            except Exception as err:  # the server answers /health 503 with this
-                self.warmup_error = f"{type(err).__name__}: {err}"
-                log.exception("serve: warm-up failed")
+            if not self.warm():
                 return
-            self.ready.set()
             while not self._stop:
-                self._wake.wait(0.5)
+                if not self.has_work():
+                    self._wake.wait(0.5)
                 self._wake.clear()
-                try:
-                    self._step()
-                except Exception as err:  # a bug: the clients in flight are told, the loop goes on
-                    log.exception("serve: the decode loop failed a step")
-                    for job in list(self._active):
-                        with contextlib.suppress(Exception):
-                            self._close(job, ("error", (500, f"request {job.rid}: the server failed ({err!r})")))
-            with self._lock:
-                left = self._active + list(self._waiting)
-                self._active, self._waiting = [], deque()
-            for job in left:
-                self._end(job, ("error", (503, f"request {job.rid}: the server stopped before it was decoded")))
+                self.run_step()
+            self.close_all()
 
-    def _step(self) -> None:
+    def _step(self, between: Callable[[], None] | None = None) -> None:
         with self._lock:
             jobs = list(self._active)
-        pushed: dict[Job, list[int]] = {}  # job -> frames of each chunk pushed this step
         for job in jobs:
             if job.aborted:
                 self._close(job, None)
-                continue
+        jobs = [j for j in jobs if not j.aborted]
+        streams, bulk = [j for j in jobs if j.is_stream], [j for j in jobs if not j.is_stream]
+        takes = bulk_frames([j.codes.shape[1] - j.sent_frames for j in bulk], self.request_frames,
+                            bool(streams), self.cost, self.bulk_slice_s)  # fmt: skip
+        pushed: dict[Job, list[int]] = {}  # job -> frames of each chunk pushed this step
+        for job, take in [(j, None) for j in streams] + list(zip(bulk, takes)):
             try:
                 if job.sid is None:
                     job.sid = self.decoder.open()
-                frames = self._push(job)
+                frames = self._push(job, take)
             except ValueError as err:  # checked at the edge already; a retired decoder says so here
                 self._close(job, ("error", (500, f"request {job.rid}: {err}")))
                 continue
             if frames:
                 pushed[job] = frames
         if pushed:
-            start = time.perf_counter()
-            try:
-                out = self.decoder.step()
-            except Exception as err:
-                n = len(pushed)
-                why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
-                log.error("serve: %s", why)
-                for job in pushed:
-                    self._close(job, ("error", (500, f"request {job.rid}: {why}")))
-                return
-            if self.metrics is not None:
-                self.metrics.step_seconds.observe(time.perf_counter() - start)
-            for job, frames in pushed.items():
-                self._deliver(job, self._split(out[job.sid], frames, first=job.sent_frames == sum(frames)))
+            self._decode(pushed, between)
+        elif between is not None:
+            between()
         for job in jobs:
             if job.finishing and not job.done and not job.aborted and not self._has_more(job):
                 self._close(job, ("end", None))
 
-    def _push(self, job: Job) -> list[int]:
+    def _decode(self, pushed: dict[Job, list[int]], between: Callable[[], None] | None) -> None:
+        start = time.perf_counter()
+        try:
+            out = self.decoder.step()
+            if between is not None:
+                between()
+            sids = [job.sid for job in pushed]
+            host = self._host.gather([out[sid] for sid in sids])
+        except Exception as err:
+            n = len(pushed)
+            why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
+            log.error("serve: %s", why)
+            for job in pushed:
+                self._close(job, ("error", (500, f"request {job.rid}: {why}")))
+            return
+        seconds = time.perf_counter() - start
+        self.cost.update(sum(sum(f) for f in pushed.values()), seconds)
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(seconds)
+        pieces = host.split([out[sid].shape[-1] for sid in sids], dim=-1)
+        for (job, frames), samples in zip(pushed.items(), pieces):
+            self._deliver(job, self._split(samples, frames, first=job.sent_frames == sum(frames)))
+
+    def _push(self, job: Job, take: int | None) -> list[int]:
         if job.codes is not None:
-            piece = job.codes[:, job.sent_frames : job.sent_frames + self.request_frames]
+            piece = job.codes[:, job.sent_frames : job.sent_frames + (take or 0)]
             chunks = [piece] if piece.shape[1] else []
         else:
             chunks = []
@@ -250,7 +269,7 @@ class DecodeLoop:
         """A step's samples of one stream, cut per chunk pushed (``output_length`` of each)."""
         up, tail = self.config.total_upsample, self.config.tail
         sizes = [n * up - (tail if first and i == 0 else 0) for i, n in enumerate(frames)]
-        return list(samples.cpu().split(sizes, dim=-1)) if len(sizes) > 1 else [samples.cpu()]
+        return list(samples.split(sizes, dim=-1)) if len(sizes) > 1 else [samples]
 
     def _deliver(self, job: Job, pieces: list[torch.Tensor]) -> None:
         if self.metrics is not None:
@@ -278,14 +297,3 @@ class DecodeLoop:
         job.done = True
         if message is not None and not job.aborted:
             job.sink(*message)
-
-
-def queue_sink(queue: asyncio.Queue) -> Sink:
-    """A sink for a job made on an event loop's thread: each message goes onto ``queue`` on that loop."""
-    loop = asyncio.get_running_loop()
-
-    def sink(kind: str, value: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is waiting
-            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
-
-    return sink

@@ -1,10 +1,14 @@
 """``ServeMetrics``: what ``GET /metrics`` reports, in Prometheus' text format (``prometheus_client``), one
-registry per app (two servers in one process count apart).
+registry per app (two servers in one process count apart). Where ``PROMETHEUS_MULTIPROC_DIR`` is set (the
+command line's engine and front processes: ``supervisor.py``), every process writes its values there and
+any front's ``/metrics`` reports their sum (gauges: over the processes alive).
 
 Not done: per-client labels (unbounded cardinality) and GPU memory gauges (the engine's log line has them).
 """
 
 from __future__ import annotations
+
+import os
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -21,8 +25,9 @@ class ServeMetrics:
         r = self.registry
         self.requests = Counter("omni_requests", "Requests and streams answered", ["route", "status"], registry=r)
         self.audio_seconds = Counter("omni_audio_seconds", "Seconds of audio decoded and sent", registry=r)
-        self.open_streams = Gauge("omni_open_streams", "Clients holding a decode slot", registry=r)
-        self.queue_depth = Gauge("omni_queue_depth", "Whole requests waiting for a decode slot", registry=r)
+        live = {"multiprocess_mode": "livesum"} if multiprocess() else {}
+        self.open_streams = Gauge("omni_open_streams", "Clients holding a decode slot", registry=r, **live)
+        self.queue_depth = Gauge("omni_queue_depth", "Whole requests waiting for a decode slot", registry=r, **live)
         self.first_audio_seconds = Histogram(
             "omni_first_audio_seconds", "From a client's codes to its first audio", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -31,4 +36,14 @@ class ServeMetrics:
         )
 
     def text(self) -> bytes:
-        return generate_latest(self.registry)
+        if not multiprocess():
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess as shared
+
+        registry = CollectorRegistry()
+        shared.MultiProcessCollector(registry)
+        return generate_latest(registry)
+
+
+def multiprocess() -> bool:
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))

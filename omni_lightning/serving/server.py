@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import sys
 import time
 from collections.abc import Callable
 from types import FrameType
@@ -63,6 +64,18 @@ class DrainingServer(uvicorn.Server):
                     log.warning("serve: drain timed out after %.0f s: %d left", self.drain_timeout, state.handlers)
                 self.should_exit = True
         return await super().on_tick(counter)
+
+
+def request_log() -> logging.Logger:
+    """The serving log on stderr, a line per request and stream with its id (once per process)."""
+    log = logging.getLogger("omni_lightning.serving")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log
 
 
 def server_for(

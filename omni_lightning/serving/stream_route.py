@@ -23,7 +23,7 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from omni_lightning.serving.audio_encoding import sample_bytes
-from omni_lightning.serving.decode_loop import Job, Overloaded, queue_sink
+from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.request_body import BadRequest, body_codes
 
 log = logging.getLogger("omni_lightning.serving")

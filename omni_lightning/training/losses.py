@@ -56,7 +56,7 @@ class MultiResolutionMelLoss(nn.Module):
         eps: float = 1e-5,
     ) -> None:
         super().__init__()
-        from omni_lightning.torchaudio_import import import_torchaudio
+        from omni_lightning.imports.torchaudio import import_torchaudio
 
         torchaudio = import_torchaudio()  # a broken install is one line naming the fix, not a traceback
         with _fp32_default():

@@ -1,0 +1,38 @@
+"""A front process: the app's routes (``app.py``) over a :class:`RemoteLoop` of the engine processes, under
+uvicorn on the port every front shares (``SO_REUSEPORT``). It parses, checks and encodes; it never decodes.
+Started by ``supervisor.py``, which waits for its ``("listening", port)`` on ``conn``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omni_lightning.serving.app import app_over
+from omni_lightning.serving.engine_client import RemoteLoop
+from omni_lightning.serving.metrics import ServeMetrics
+from omni_lightning.serving.server import request_log, server_for
+from omni_lightning.serving.supervisor import reuse_port_socket
+
+
+@dataclass(frozen=True)
+class FrontSettings:
+    """What a front needs of the command line (the engines hold the rest)."""
+
+    host: str = "127.0.0.1"
+    max_streams: int = 64
+    max_body_bytes: int = 8 * 2**20
+    drain_timeout: float = 30.0
+
+
+def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any, settings: FrontSettings) -> None:
+    """Serves until drained (SIGTERM or SIGINT from the supervisor)."""
+    import torch
+
+    torch.set_num_threads(1)  # a front never computes: torch's pool would only spin against the engines
+    request_log()
+    loop = RemoteLoop(addresses, info["config"], settings.max_streams)
+    app = app_over(loop, ServeMetrics(), settings.max_body_bytes)
+    sock = reuse_port_socket(settings.host, port)
+    server = server_for(app, settings.host, port, settings.drain_timeout, lambda h, p: conn.send(("listening", p)))
+    sock.listen(2048)
+    server.run(sockets=[sock])

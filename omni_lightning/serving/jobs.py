@@ -1,0 +1,61 @@
+"""What a client's work is to a decode loop: :class:`Job` (a whole request or a stream), the ``Sink`` it is
+answered through, :class:`Overloaded` (a 503), and ``queue_sink`` (answers onto an event loop's queue).
+The same on both sides of the engine process's socket (``engine_process.py``, ``engine_client.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+Sink = Callable[[str, Any], None]
+
+
+class Overloaded(Exception):
+    """No slot and no room in the queue: the client should retry after ``retry_after`` seconds (a 503)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(eq=False)
+class Job:
+    """One client's work: a whole request (``codes`` given) or a stream (chunks pushed as they come)."""
+
+    rid: str
+    sink: Sink
+    codes: torch.Tensor | None = None  # a whole request's codes, pushed ``request_frames`` at a time
+    chunks: deque = field(default_factory=deque)  # a stream's chunks not yet pushed (any thread appends)
+    finishing: bool = False  # no more chunks: close after the last is decoded
+    aborted: bool = False  # the client went away: close now
+    sid: int | None = None  # its stream in the decoder, once opened
+    sent_frames: int = 0  # frames pushed so far
+    created: float = field(default_factory=time.perf_counter)
+    first_audio: float | None = None
+    done: bool = False
+    key: int = 0  # its number in a front process (engine_client.py)
+    engine: int = 0  # which engine process decodes it (engine_client.py)
+
+    @property
+    def is_stream(self) -> bool:
+        return self.codes is None
+
+
+def queue_sink(queue: asyncio.Queue) -> Sink:
+    """A sink for a job made on an event loop's thread: each message goes onto ``queue`` on that loop."""
+    loop = asyncio.get_running_loop()
+
+    def sink(kind: str, value: Any) -> None:
+        if kind == "audio":  # views of the decode loop's host buffer, which its next step reuses
+            value = [piece.clone() for piece in value]
+        with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is waiting
+            loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+
+    return sink

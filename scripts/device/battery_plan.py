@@ -1,0 +1,178 @@
+"""What ``device_battery.py`` runs: its steps as data, and the figures its summary reads from each result.
+
+Standard library only. ``args`` are a step's arguments on the GPU, ``smoke`` the dry run's (the tiny
+preset on the CPU); ``est_s`` is a guess at one run on an H200 until a run of that step is timed;
+``ab`` steps run on the before tree and on this one, ``rounds`` times, interleaved (before, after,
+before, after); ``limit`` is a figure's ceiling, said in the summary. ``FIGURES`` are keyed by script; a script
+without an entry (pytest aside) shows no figures, only its exit status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    part: str
+    script: str  # scripts/<script>.py, or "pytest"
+    args: tuple[str, ...]
+    smoke: tuple[str, ...]
+    est_s: float
+    ab: bool = False
+    rounds: int = 1
+    limit: tuple[str, float] | None = None
+
+
+TINY = ("--preset", "tiny", "--device", "cpu")
+SMALL_JOB = (*TINY, "--precision", "32-true", "--batch", "2", "--repeats", "1")
+JOB_SMOKE = (*SMALL_JOB, "--requests", "4", "--min-s", "0.3", "--max-s", "1", "--check", "4")
+STREAM_SMOKE = (*TINY, "--dtype", "fp32", "--streams", "2", "--chunk", "2", "--steps", "2", "--ttfa-trials", "2",
+                "--fidelity-frames", "8", "--fidelity-requests", "1", "--no-graphs")  # fmt: skip
+TRAIN = ("--preset", "qwen3-omni", "--device", "cuda", "--batch", "32", "--crop-seconds", "2", "--steps", "10")
+TRAIN_SMOKE = (*TINY, "--batch", "2", "--steps", "1", "--warmup", "1", "--crop-seconds", "0.3")
+BF16, MIXED = ("--precision", "bf16-true"), ("--precision", "bf16-mixed")
+LONE = ("--requests", "1", "--batch", "1", "--check", "1")  # one request of --min-s = --max-s seconds
+
+UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
+
+STEPS = (
+    # issues 41-43, first in a short loan: the fused residual units against the layers, stage by stage and
+    # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
+    Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
+    Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
+    Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
+    # issue 35: the predict job, uncapped and at 0.03, and streaming, before and after
+    Step("job", "ab", "bench_job", ("--check", "4"), JOB_SMOKE, 45, ab=True, rounds=2),
+    Step(
+        "job-0.03",
+        "ab",
+        "bench_job",
+        ("--share", "0.03", "--check", "4"),
+        (*JOB_SMOKE, "--share", "0.03"),
+        45,
+        ab=True,
+        rounds=2,
+    ),  # fmt: skip
+    Step(
+        "job-600s",
+        "ab",
+        "bench_job",
+        (*LONE, "--min-s", "600", "--max-s", "600"),
+        (*JOB_SMOKE, *LONE, "--min-s", "20", "--max-s", "20"),
+        45,
+        ab=True,
+        limit=("outside batches s", 0.03),
+    ),  # fmt: skip
+    Step("stream", "ab", "bench_stream", (), STREAM_SMOKE, 60, ab=True, rounds=2),
+    # issue 35: every CUDA test on the GPU
+    Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
+    # issues 34 and 37: forward and fine-tuning throughput, the long-tailed job
+    Step(
+        "long-tailed-0.03",
+        "throughput",
+        "bench_job",
+        ("--job", "long-tailed", "--share", "0.03", "--check", "4"),
+        (
+            *JOB_SMOKE[:4],
+            "--precision",
+            "32-true",
+            "--job",
+            "long-tailed",
+            "--requests",
+            "3",
+            "--batch",
+            "2",
+            "--repeats",
+            "1",
+            "--check",
+            "0",
+        ),
+        45,
+        ab=True,
+    ),  # fmt: skip
+    Step(
+        "forward", "throughput", "bench_forward", (), (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1"), 60
+    ),
+    Step("train-bf16-true", "throughput", "bench_train", (*TRAIN, "--precision", "bf16-true"), TRAIN_SMOKE, 60),
+    Step(
+        "train-gan",
+        "throughput",
+        "bench_train",
+        (*TRAIN, "--precision", "bf16-true", "--adversarial"),
+        (*TRAIN_SMOKE, "--adversarial"),
+        75,
+    ),  # fmt: skip
+    Step("train-bf16-mixed", "throughput", "bench_train", (*TRAIN, "--precision", "bf16-mixed"), TRAIN_SMOKE, 60),
+)
+PARTS = tuple(dict.fromkeys(s.part for s in STEPS))
+
+
+def _get(result: dict, *keys: Any) -> float | None:
+    for key in keys:
+        if not isinstance(result, (dict, list)):
+            return None
+        try:
+            result = result[key]
+        except (KeyError, IndexError):
+            return None
+    return result if isinstance(result, (int, float)) else None
+
+
+def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
+    """``bench_units``' forward row of ``kernels`` at its first (0) or last (-1) batch size."""
+    rows = [r for r in result.get("forward", ()) if isinstance(r, dict) and r.get("kernels") == kernels]
+    return _get(rows, which, key) if rows else None
+
+
+def _sum(result: dict, key: str, **where: Any) -> float | None:
+    rows = [r for r in result.get("rows", ()) if all(r.get(k) == v for k, v in where.items())]
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(values) if values else None
+
+
+Figure = tuple[str, Callable[[dict], float | None], str]  # label, reader, format
+FIGURES: dict[str, tuple[Figure, ...]] = {
+    "bench_job": (
+        ("x real time", lambda r: _get(r, "x_realtime"), ",.0f"),
+        ("peak reserved GiB", lambda r: _get(r, "warm", "peak_reserved_gib"), ".2f"),
+        ("outside batches s", lambda r: _get(r, "outside_batches_s"), ".3f"),
+        ("padding", lambda r: _get(r, "padding"), ".1%"),
+        ("check max rel L2", lambda r: _get(r, "check", "max_rel_l2"), ".1e"),
+    ),
+    "bench_stream": (
+        ("first audio ms", lambda r: _get(r, "ttfa_ms", "stream"), ".2f"),
+        ("steady x real time", lambda r: _get(r, "steady_x_realtime", "stream_pipelined"), ",.0f"),
+        ("re-decode first audio ms", lambda r: _get(r, "ttfa_ms", "redecode_graph"), ".2f"),
+    ),
+    "bench_forward": (
+        ("batch 1 ms", lambda r: _get(r, "forward", 0, "ours", "ms"), ".2f"),
+        ("last batch x real time", lambda r: _get(r, "forward", -1, "ours", "x_realtime"), ",.0f"),
+        ("transformers, last batch x", lambda r: _get(r, "forward", -1, "transformers", "x_realtime"), ",.0f"),
+        ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
+    ),
+    "bench_units": (
+        ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
+        ("layers, batch x real time", lambda r: _forward(r, "layers", 0, "x_realtime"), ",.0f"),
+        ("one-kernel units, batch x real time", lambda r: _forward(r, "one-kernel units", 0, "x_realtime"), ",.0f"),
+        ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
+        ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
+        ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
+    ),
+    "probe_convs": (
+        ("convolutions, as run, ms", lambda r: _sum(r, "ms", variant="as run"), ".2f"),
+        ("convolutions, cudnn.benchmark, ms", lambda r: _sum(r, "benchmark_ms", variant="as run"), ".2f"),
+    ),
+    "profile_memory": (
+        ("qwen share 0.03, peak reserved GiB", lambda r: _get(r, "qwen-0.03", "peak_reserved_gib"), ".2f"),
+        ("tiny share 0.02, peak reserved GiB", lambda r: _get(r, "tiny-0.02", "peak_reserved_gib"), ".2f"),
+    ),
+    "bench_train": (
+        ("audio s/s", lambda r: _get(r, "rows", 0, "audio_s_per_s"), ",.1f"),
+        ("step ms", lambda r: None if (s := _get(r, "rows", 0, "step_s")) is None else 1e3 * s, ".0f"),
+        ("peak GiB", lambda r: _get(r, "rows", 0, "peak_memory_gib"), ".2f"),
+    ),
+}

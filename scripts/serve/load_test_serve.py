@@ -1,0 +1,265 @@
+"""A bounded load test of ``omni-lightning serve`` on loopback, in the field's terms, against the offline engine.
+
+    python scripts/serve/load_test_serve.py --clients 4 --paced 16 --seconds 30 --out serve.json       # this CPU, tiny
+    python scripts/serve/load_test_serve.py --device cuda --preset qwen3-omni --precision bf16-true \\
+        --clients 64 --client-processes 4 --seconds 30 --frames 25 125 --check 64 --out serve_gpu.json
+
+Starts ``omni-lightning serve`` (random weights, seed 0; the PYTHONPATH it was given kept) on a free port,
+or with ``--free-decode`` the same server over a decode that costs nothing (``free_decoder.py``: the edge's
+ceiling). Then, for ``--seconds``: ``--clients`` bulk clients send whole requests back to back (streamed
+back as raw PCM), ``--streams`` unpaced WebSocket streams (random chunks of 1-12 frames, each sent once the
+last one's audio came) and ``--paced`` streams sending ``--chunk-frames`` every ``chunk / 12.5`` s (a
+talker at real time), spread over ``--client-processes`` processes; requests of ``--frames`` frames.
+Then SIGTERM (drained), and the offline engine (``DecodeEngine.decode``, batches of ``--offline-batch``
+sorted by length) on the same device, model and precision decodes ``--offline-requests`` requests of the
+load's lengths before and after (the better) and the checked requests (the reference).
+
+Reported: audio s/s served and its ratio to the offline engine's; requests/s; first audio p50/p99 (time to
+first audio packet: a request's body sent, a stream's first chunk sent, to its first audio); paced streams'
+chunk latency p50/p99 and real-time factor (mean chunk latency / chunk duration, over streams); the share
+of wall time the decode loop computed (``/metrics``: step seconds / wall / engines); lost (an error or a
+short answer) and wrong (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
+Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from serve_clients import client_process, run_clients
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--clients", type=int, default=16, help="bulk clients: whole requests back to back")
+    p.add_argument("--streams", type=int, default=0, help="unpaced WebSocket streams")
+    p.add_argument("--paced", type=int, default=0, help="paced WebSocket streams (a talker at 12.5 frames/s)")
+    p.add_argument("--chunk-frames", type=int, default=10, help="a paced stream's chunk")
+    p.add_argument("--client-processes", type=int, default=1)
+    p.add_argument("--seconds", type=float, default=20.0, help="how long new requests are sent")
+    p.add_argument("--frames", type=int, nargs=2, default=(25, 125), help="a request's frames: min max (2 to 10 s)")
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--precision", default="32-true", choices=("32-true", "bf16-true"))
+    p.add_argument("--share", type=float, default=None, help="--trainer.gpu_memory_utilization")
+    p.add_argument("--front-processes", type=int, default=None, help="serve's --front_processes (default: its own)")
+    p.add_argument("--max-streams", type=int, default=64)
+    p.add_argument("--request-frames", type=int, default=32)
+    p.add_argument("--bulk-slice-ms", type=float, default=None, help="serve's --bulk_slice_ms (default: its own)")
+    p.add_argument("--free-decode", action="store_true", help="a decode that costs nothing (the edge's ceiling)")
+    p.add_argument("--offline-batch", type=int, default=16)
+    p.add_argument("--offline-requests", type=int, default=32)
+    p.add_argument("--check", type=int, default=1000, help="requests checked against the offline decode, at most")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="the JSON result")
+    return p
+
+
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    if args.free_decode:
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve" / "free_decoder.py"), "--preset", args.preset,
+               "--max-streams", str(args.max_streams), "--request-frames", str(args.request_frames),
+               "--max-queue", str(4 * total_clients(args)), "--front-processes",
+               str(1 if args.front_processes is None else args.front_processes)]  # fmt: skip
+    else:
+        cmd = [sys.executable, "-m", "omni_lightning.cli", "serve", "--model.config", args.preset,
+               "--model.random_weights", "true", "--port", "0", "--trainer.precision", args.precision,
+               "--trainer.accelerator", args.device, "--max_streams", str(args.max_streams),
+               "--request_frames", str(args.request_frames), "--max_queue", str(4 * total_clients(args))]  # fmt: skip
+        cmd += ["--front_processes", str(args.front_processes)] if args.front_processes is not None else []
+        cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
+    if args.bulk_slice_ms is not None:
+        cmd += ["--bulk-slice-ms" if args.free_decode else "--bulk_slice_ms", str(args.bulk_slice_ms)]
+    log = open(Path(args.out or "load_serve.json").with_suffix(".server.log"), "w")  # noqa: SIM115 - the server's
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=log)
+    line = proc.stdout.readline()
+    found = re.search(r"listening on (http://[\d.:]+)", line)
+    if not found:
+        proc.kill()
+        raise SystemExit(f"the server did not start: {line!r} (its log: {log.name})")
+    return proc, found.group(1)
+
+
+def total_clients(args: argparse.Namespace) -> int:
+    return args.clients + args.streams + args.paced
+
+
+def load(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
+    """Every client's results and the wall time, the clients spread over ``--client-processes``."""
+    plan = [("whole", i) for i in range(args.clients)]
+    plan += [("stream", args.clients + i) for i in range(args.streams)]
+    plan += [("paced", args.clients + args.streams + i) for i in range(args.paced)]
+    keep = max(1, -(-args.check // max(1, len(plan))))
+    common = (args.seconds, tuple(args.frames), args.chunk_frames, args.seed, keep)
+    start = time.perf_counter()
+    if args.client_processes <= 1:
+        done = asyncio.run(run_clients(url, plan, *common))
+    else:
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        shares = [plan[i :: args.client_processes] for i in range(args.client_processes)]
+        procs = [context.Process(target=client_process, args=(url, share, *common, results)) for share in shares]
+        for proc in procs:
+            proc.start()
+        done = [d for _ in procs for d in results.get()]
+        for proc in procs:
+            proc.join()
+    return done, time.perf_counter() - start
+
+
+def offline_engine(args: argparse.Namespace):
+    """The offline engine over the server's model (same preset, seed, device and precision), warmed up."""
+    import torch
+
+    from omni_lightning import Code2WavModule
+    from omni_lightning.engine.engine import DecodeEngine
+
+    torch.manual_seed(0)
+    model = Code2WavModule(config=args.preset, random_weights=True).model.eval()
+    dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
+    model = model.to(args.device, dtype)
+    engine = DecodeEngine(model, max_rows=args.offline_batch, gpu_memory_utilization=args.share)
+    offline(engine, [np.zeros((16, 8), np.int64)], args.offline_batch)  # warm, as the server's warm-up
+    return engine
+
+
+def offline(engine, requests: list[np.ndarray], batch: int) -> tuple[float, list[np.ndarray]]:
+    """``requests`` decoded by ``engine`` in right-padded batches of ``batch``: (seconds, each one's audio)."""
+    import torch
+
+    outs, device = [], engine.device
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        chunk = [torch.from_numpy(c) for c in requests[i : i + batch]]
+        lengths = [c.shape[1] for c in chunk]
+        padded = torch.zeros((len(chunk), 16, max(lengths)), dtype=torch.long)
+        for j, c in enumerate(chunk):
+            padded[j, :, : c.shape[1]] = c
+        with torch.no_grad():
+            outs += [o[0].float().cpu().numpy() for o in engine.decode(padded.to(device), lengths)]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, outs
+
+
+def offline_rate(engine, args: argparse.Namespace) -> float:
+    """Audio seconds per second of the offline engine on requests of the load's lengths, sorted by length."""
+    rng = np.random.default_rng(args.seed)
+    requests = [rng.integers(0, 2048, (16, rng.integers(args.frames[0], args.frames[1] + 1)))
+                for _ in range(args.offline_requests)]  # fmt: skip
+    requests.sort(key=lambda r: r.shape[1])
+    seconds, _ = offline(engine, requests, args.offline_batch)
+    return sum(r.shape[1] * 1920 - 555 for r in requests) / 24000 / seconds
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 1) if values else None
+
+
+def metric(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M))
+
+
+def figures(done: list[dict], wall: float, rates: list[float], steps_s: float, args: argparse.Namespace) -> dict:
+    """The report's figures from the clients' results."""
+    lost = [d for d in done if d["samples"] is None or d["samples"] != d["codes"].shape[1] * 1920 - 555]
+    audio_s = sum(d["samples"] for d in done if d not in lost) / 24000
+    firsts = {kind: sorted(d["first"] * 1000 for d in done if d["kind"] == kind and d["first"] is not None)
+              for kind in ("whole", "stream", "paced")}  # fmt: skip
+    paced = [d for d in done if d["kind"] == "paced" and d not in lost]
+    chunks = [x * 1000 for d in paced for x in d["latencies"]]
+    rtf = sorted(float(np.mean(d["latencies"])) / d["chunk_s"] for d in paced if d["latencies"])
+    offline_s = max(rates) if rates else None
+    return {
+        "requests": len(done), "by_kind": {k: sum(d["kind"] == k for d in done) for k in firsts},
+        "wall_s": round(wall, 2), "requests_per_s": round(len(done) / wall, 2),
+        "audio_s_per_s": round(audio_s / wall, 2),
+        "offline_audio_s_per_s": round(offline_s, 2) if offline_s else None,
+        "offline_before_after": [round(r, 2) for r in rates],
+        "ratio_to_offline": round(audio_s / wall / offline_s, 3) if offline_s else None,
+        **{f"first_audio_ms_{k}_p{q}": percentile(v, q) for k, v in firsts.items() if v for q in (50, 99)},
+        "chunk_latency_ms_p50": percentile(chunks, 50), "chunk_latency_ms_p99": percentile(chunks, 99),
+        "paced_rtf_p50": round(rtf[len(rtf) // 2], 3) if rtf else None,
+        "paced_rtf_max": round(rtf[-1], 3) if rtf else None,
+        "paced_keeping_up": round(sum(max(d["latencies"]) < d["chunk_s"] for d in paced) / len(paced), 3)
+        if paced else None,
+        "decode_loop_share": round(steps_s / wall, 3),
+        "lost": len(lost), "errors": sorted({d.get("error", "short") for d in lost})[:5],
+    }  # fmt: skip
+
+
+def check(engine, done: list[dict], args: argparse.Namespace) -> dict:
+    """The kept answers against the offline engine's decode of the same codes."""
+    kept = [d for d in done if d["audio"] is not None][: args.check]
+    _, reference = offline(engine, [d["codes"] for d in kept], args.offline_batch)
+    worst_abs, worst_rel, wrong = 0.0, 0.0, 0
+    for d, want in zip(kept, reference):
+        got = d["audio"]
+        diff = float(np.abs(got - want).max()) if got.shape == want.shape else float("inf")
+        rel = float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12)) if got.shape == want.shape else 1.0
+        worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, rel)
+        wrong += diff > 1e-5 if args.precision == "32-true" else rel > 0.1
+    return {"checked": len(kept), "wrong": wrong, "max_abs_diff": worst_abs, "max_rel_l2": round(worst_rel, 5)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parser().parse_args(argv)
+    engine = None if args.free_decode else offline_engine(args)
+    rates = [] if engine is None else [offline_rate(engine, args)]  # before and after: the machine may be shared
+    proc, url = start_server(args)
+    try:
+        import httpx
+
+        while httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.1)
+        before = metric(httpx.get(f"{url}/metrics").text, "omni_step_seconds_sum")
+        done, wall = load(url, args)
+        steps_s = metric(httpx.get(f"{url}/metrics").text, "omni_step_seconds_sum") - before
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    if engine is not None:
+        rates.append(offline_rate(engine, args))
+    result = figures(done, wall, rates, steps_s, args)
+    result.update(check(engine, done, args) if engine is not None else {"checked": 0, "wrong": 0})
+    result["meta"] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
+                      "commit": _commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                      "gpu": _gpu(), "args": vars(args)}  # fmt: skip
+    rows = [(k, v) for k, v in result.items() if k not in ("meta", "errors", "offline_before_after")]
+    print("| figure | value |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows))
+    if result["errors"]:
+        print("errors:", result["errors"])
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _gpu() -> str | None:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def _commit() -> str | None:
+    proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout.strip() or None
+
+
+if __name__ == "__main__":
+    main()
