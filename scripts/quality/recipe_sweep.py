@@ -276,6 +276,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    for ax in axes:  # more variants than the default cycle's 10 colours
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for r in results.values():
         steps = [p["step"] for p in r["curve"]]
         style = {"decoder": "-", "covered": "--"}.get(r["target"], ":")
