@@ -66,7 +66,7 @@ def test_simulate_plan_prices_every_job():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
-    assert [r.split("|")[5].strip() for r in rows] == ["job", "b1x125", "b32x125", "lone7500"]
+    assert [r.split("|")[5].strip() for r in rows] == ["job", "long-tailed", "b1x125", "b32x125", "lone7500"]
     assert "| b1x125 | 1, " in proc.stdout  # a lone 10 s request is one forward (plan.py)
 
 
