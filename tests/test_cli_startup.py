@@ -251,7 +251,8 @@ def test_fit_then_validate_say_where_their_files_are_and_validate_prints_its_met
     out = capsys.readouterr().out
     assert f"validate: tiny preset, 2.4 M parameters, weights from {last}; cpu 32-true, " in out, out
     (line,) = [x for x in out.splitlines() if "val/mel_distance" in x]  # no table besides the line
-    assert line.startswith("validate: val/audio_s=") and line.endswith("; logs in runs/finetune/version_1"), out
+    assert line.startswith("validate: val/mel_distance=") and line.endswith("; logs in runs/finetune/version_1"), out
+    assert "; waveform match (phase-sensitive): val/si_sdr=" in line, line  # apart from what a listener hears
     assert (tmp_path / "runs/finetune/version_1/metrics.csv").is_file()
     assert not [w for w in recwarn if "dirpath has changed" in str(w.message)]
     assert main([*fit, "--data.crop_frames", "12", "--trainer.max_steps", "0"]) == 0  # ends with its line too
