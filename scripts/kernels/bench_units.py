@@ -124,7 +124,7 @@ def bench_unit(unit, stage, channels, rows, layers, args, device, dtype, result)
     for block_m, warps in CANDIDATES if device.type == "cuda" else CANDIDATES[:1]:
         kw = dict(tiles=unit_tiles(channels, block_m, warps), precise=device.type != "cuda")
         try:
-            got = one_kernel_unit(unit, x.clone(), a, **kw).float()
+            got = one_kernel_unit(unit, x.clone(), a, **kw).float().reshape(want.shape)  # [B, T, C] in place
             ms = 1e3 * t(functools.partial(one_kernel_unit, unit, scratch, a, **kw))
         except Exception as err:  # a setting the GPU refuses: say so, go on
             row["one_kernel"].append({"config": f"{block_m}:{warps}", "error": str(err)[:300]})
