@@ -210,10 +210,12 @@ class Code2WavModule(pl.LightningModule):
         self.session.release_engine()
 
     def streaming_decoder(self, max_streams: int = 64, cuda_graphs: bool = True,
-                          gpu_memory_utilization: float | None = None) -> StreamingDecoder:  # fmt: skip
+                          gpu_memory_utilization: float | None = None,
+                          step_frames: int = 16) -> StreamingDecoder:  # fmt: skip
         """A :class:`StreamingDecoder` over the model (``gpu_memory_utilization``: its budget's share of the
-        GPU), retired when the module starts fit; refused on another thread while fit runs."""
-        return self.session.streaming_decoder(self, max_streams, cuda_graphs, gpu_memory_utilization)
+        GPU; a step of up to ``step_frames`` a stream replays a CUDA graph), retired when the module starts
+        fit; refused on another thread while fit runs."""
+        return self.session.streaming_decoder(self, max_streams, cuda_graphs, gpu_memory_utilization, step_frames)
 
     def stream(self, code_chunks: Iterable[torch.Tensor], cuda_graphs: bool = True) -> Iterator[torch.Tensor]:
         """Decodes one request as its code chunks ``[Q, n]`` arrive: float32 ``[1, m]`` per chunk, which

@@ -86,8 +86,10 @@ def quiet_known_noise() -> None:
     that a ``*_dataloader`` returned an empty list (``CodesDataModule``'s fit without ``val``: no
     validation); its warning that an epoch has fewer batches than ``log_every_n_steps`` (it counts the
     interval over the whole fit, so such a fit logs all the same); its warning that the model summary
-    sizes a mixed precision's weights at 32 bits (which they are); and its note that ``save_checkpoint``
-    was not told ``weights_only`` (it writes the whole checkpoint, as a resumed fit needs)."""
+    sizes a mixed precision's weights at 32 bits (which they are); its note that ``save_checkpoint``
+    was not told ``weights_only`` (it writes the whole checkpoint, as a resumed fit needs); and its
+    "Detected KeyboardInterrupt, attempting graceful shutdown" (the user pressed Ctrl-C; the shutdown
+    still runs, callbacks' ``on_exception`` included, and ends in ``SystemExit(1)`` as Lightning's does)."""
     leafspec = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
     warnings.filterwarnings("ignore", message=leafspec, category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero\.")
@@ -140,9 +142,12 @@ def _drop_weights_only_note(record: logging.LogRecord) -> bool:
 
 
 def _drop_lightning_tips(record: logging.LogRecord) -> bool:
-    """Lightning's package advertisements; its note that it adds no summary beside this trainer's own; and
-    WeightAveraging's note, on every resume, that the checkpoint's raw weights initialize the model."""
+    """Lightning's package advertisements; its note that it adds no summary beside this trainer's own;
+    WeightAveraging's note, on every resume, that the checkpoint's raw weights initialize the model; and
+    the line it says on Ctrl-C."""
     message = str(record.msg)
+    if message.startswith("\nDetected KeyboardInterrupt, attempting graceful shutdown"):
+        return False
     if message.startswith("Trainer already configured with model summary callbacks"):
         return "ParameterSummary" not in message
     if message.startswith("Found current_model_state in the checkpoint"):

@@ -22,10 +22,11 @@ def tiny_module(seed: int = 0) -> Code2WavModule:
 class LiveServer:
     """``build_app(module, **settings)`` served on 127.0.0.1 until ``stop()``; ready once ``/health`` says so."""
 
-    def __init__(self, module: Code2WavModule, **settings) -> None:
+    def __init__(self, module: Code2WavModule, drain_timeout: float = 30.0, **settings) -> None:
         self.module, self.app = module, build_app(module, **settings)
         ports: list[int] = []
-        self.server = server_for(self.app, port=0, on_listen=lambda host, port: ports.append(port))
+        listen = lambda host, port: ports.append(port)  # noqa: E731
+        self.server = server_for(self.app, port=0, drain_timeout=drain_timeout, on_listen=listen)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 60

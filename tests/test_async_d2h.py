@@ -1,5 +1,6 @@
 """AsyncD2HCallback: same outputs with and without it, on the CPU (no-op) and on CUDA (copy stream)."""
 
+import logging
 import signal
 
 import pytest
@@ -82,7 +83,8 @@ def test_multiple_dataloaders(model, accelerator):
 
 @pytest.mark.parametrize("accelerator", ACCELERATORS)
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
-def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, exc):
+def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, exc, caplog):
+    caplog.set_level(logging.INFO)  # Lightning's info lines (under pytest they go to the root logger's handlers)
     reference = waveforms(run(model, accelerator))
     writer, d2h = Collector("batch"), AsyncD2HCallback()
     kw = trainer_kwargs(callbacks=[d2h, writer])
@@ -94,6 +96,7 @@ def test_exception_in_a_later_step_keeps_delivered_outputs(model, accelerator, e
             Trainer(**kw).predict(FailingModule(2, exc, model=model), loader(requests()), return_predictions=False)
     finally:
         signal.signal(signal.SIGINT, handler)
+    assert "Detected KeyboardInterrupt" not in caplog.text  # Lightning's line, in Python too: the user knows
     delivered = {r: p["model_outputs"] for _, ids, payloads in writer.batches for r, p in zip(ids, payloads)}
     assert sorted(delivered) == sorted(list(reference)[:6])  # batches 0 and 1, nothing lost
     assert all(torch.equal(delivered[k], reference[k]) for k in delivered)
@@ -118,6 +121,43 @@ def test_cuda_outputs_bit_identical_to_synchronous_path(model):
     assert d2h.pool.allocations <= 3  # reused, not one pinned allocation per step
 
 
+# The overlap test's job: 24 requests of 10 s in batches of 8, a frame budget of one batch (8 x 128 frames), so
+# each step is one whole-budget forward, replayed as a CUDA graph once the first predict captured it. A forward
+# launched eagerly takes the host about as long as the GPU takes to run it (qwen3-omni, 8 rows, under the
+# profiler); a host that falls behind launches the next step only after the copies ran on an idle GPU (0 of 24
+# overlapped on an H100 in the suite's order, with the default budget's 2,048 frames: 8 x 128 is then neither a
+# whole-budget nor a short forward, so it ran eagerly).
+OVERLAP_JOB = {"lengths": [125] * 24, "batch_size": 8, "frames_per_forward": 1024}
+
+
+def overlap_job(module, accelerator):
+    from omni_lightning.data import CodesDataModule
+
+    reqs = requests(OVERLAP_JOB["lengths"])
+    data = CodesDataModule(predict=reqs, batch_size=OVERLAP_JOB["batch_size"])  # a job's own loader: pinned on CUDA
+    kw = trainer_kwargs(accelerator=accelerator, callbacks=[AsyncD2HCallback()])
+    Trainer(**kw).predict(module, datamodule=data, return_predictions=False)
+
+
+def test_the_overlap_tests_steps_are_graph_replays_once_captured():
+    """The GPU overlap test's premise, on the CPU (the engine plans in frames, whatever the model; a
+    stand-in capture): each batch of its job is one forward of the whole budget, replayed as a graph
+    after the first, never run eagerly."""
+    from helpers import RecordingCapture
+
+    from omni_lightning import Code2Wav, Code2WavConfig, DecodeEngine
+
+    narrow = dict(upsampling_ratios=(1,), upsample_rates=(2,), decoder_dim=16, hidden_size=32, num_hidden_layers=1)
+    model = Code2Wav(Code2WavConfig.from_name("tiny", intermediate_size=32, **narrow)).eval()
+    batch = list(requests(OVERLAP_JOB["lengths"][: OVERLAP_JOB["batch_size"]]).values())
+    engine = DecodeEngine(model, frames_per_forward=OVERLAP_JOB["frames_per_forward"], capture=RecordingCapture())
+    with torch.inference_mode():
+        for _ in range(2):
+            engine.decode(torch.stack(batch), [c.shape[-1] for c in batch])
+    stats = engine.stats()
+    assert (stats["forwards"], stats["captures"], stats["replays"], stats["eager"]) == (2, 1, 2, 0), stats
+
+
 @cuda
 def test_copies_run_on_the_copy_stream_overlapping_compute():
     from torch.profiler import ProfilerActivity, profile
@@ -126,12 +166,11 @@ def test_copies_run_on_the_copy_stream_overlapping_compute():
 
     # enough GPU work per step (the real architecture, bf16) that compute is what the copies hide under
     big = Code2Wav("qwen3-omni").to("cuda", torch.bfloat16).eval()
-    module = Code2WavModule(model=big)  # one module: the warm-up captures its CUDA graphs
-    reqs = requests([125] * 24)
-    run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), module=module, return_predictions=False)
+    module = Code2WavModule(model=big, frames_per_forward=OVERLAP_JOB["frames_per_forward"])
+    overlap_job(module, "cuda")  # one module: this first predict captures its CUDA graph
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        run(big, "cuda", [AsyncD2HCallback()], dataloaders=loader(reqs, 8), module=module,
-            return_predictions=False)  # fmt: skip
+        overlap_job(module, "cuda")
+    assert module.engine_stats["eager"] == 0, module.engine_stats  # each step one replay: the host runs ahead
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     # the waveforms' copies into the pinned pool (Lightning makes a few small pageable ones of its own)
     copies = [e for e in events if "DtoH" in e.name and "Pinned" in e.name]

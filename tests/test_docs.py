@@ -132,6 +132,17 @@ def anchor(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+INTERNAL = re.compile(r"\b[Ii]ssues? \d|\bdevice calls?\b|\bcarry \.(bench|whl)\b")
+
+
+def test_pages_speak_to_users_and_contributors_not_to_one_labs_tracker():
+    """No internal issue numbers or one lab's tooling words ("a device call") in the pages or the scripts'
+    README: a reader of the repository has neither the tracker nor the tooling."""
+    found = [f"{page.relative_to(ROOT)}:{n}: {line.strip()}" for page in [*pages(), ROOT / "scripts" / "README.md"]
+             for n, line in enumerate(page.read_text().splitlines(), 1) if INTERNAL.search(line)]  # fmt: skip
+    assert not found, "\n".join(found)
+
+
 def test_relative_links_and_their_anchors_exist():
     broken = []
     for page in pages():

@@ -190,3 +190,16 @@ def test_an_offline_run_of_in_memory_pairs_names_their_count_not_their_tensors(t
     record_file = next(run_dir.glob("run-*.wandb"))
     wait_for_exit(record_file)
     assert config(record_file)["data/validate"] == "<in memory: 3 requests>"
+
+
+def test_the_metrics_line_shows_what_a_listener_hears_first_and_the_waveform_match_apart():
+    """A vocoder's phase is free: SI-SDR and SNR are named apart, after the magnitudes and perceptual scores."""
+    from omni_lightning.evaluation.metrics import metrics_line
+
+    metrics = {"val/audio_s": 1.5, "val/si_sdr": -18.1, "val/snr": -2.0, "val/stoi": 0.61, "val/pesq_unscored": 0.0,
+               "val/mel_distance": 0.2706, "val/pesq": 2.5, "val/requests": 3.0, "val/stft_distance": 1.2}  # fmt: skip
+    heard, waveform = metrics_line(metrics).split("; ")
+    assert heard.startswith("val/mel_distance=0.2706, val/stft_distance=1.2, val/pesq=2.5, val/pesq_unscored=0, "
+                            "val/stoi=0.61, "), heard  # fmt: skip
+    assert waveform == "waveform match (phase-sensitive): val/si_sdr=-18.1, val/snr=-2", waveform
+    assert metrics_line({"test/mel_distance": 0.5}) == "test/mel_distance=0.5"

@@ -39,6 +39,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "omni_lightning"
 LAYERS = [("errors", "imports", "kernels"), "models", "engine", "data", "runner", "callbacks", "training", "evaluation",
           "module", "trainer", "__init__", "serving", ("cli.console", "cli.help", "cli.arguments", "cli.path_checks"),
@@ -208,3 +210,26 @@ def test_test_files_share_helpers_not_each_other():
             names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
             offenders += [f"{path.name} imports {n}" for n in names if n and n.split(".")[0].startswith("test_")]
     assert not offenders, offenders
+
+
+def test_the_repository_root_holds_only_the_projects_files():
+    """What git tracks at the top: the package, its tests, docs, configs, scripts and CI, and the project's own
+    files (a tool's leftover, as LitServe's generated client.py was, fails here)."""
+    root = PACKAGE.parent
+    listed = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True)
+    if listed.returncode or not listed.stdout:
+        pytest.skip("not a git checkout")
+    top = {path.split("/")[0] for path in listed.stdout.splitlines()} - {"LICENSE"}
+    allowed = {
+        ".ci",
+        ".gitignore",
+        "README.md",
+        "pyproject.toml",
+        "configs",
+        "docs",
+        "omni_lightning",
+        "scripts",
+        "tests",
+    }
+    assert top <= allowed, f"not the project's: {sorted(top - allowed)}"
+    assert (root / "LICENSE").read_text().startswith("\n                                 Apache License")

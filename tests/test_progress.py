@@ -1,12 +1,18 @@
 """The progress bar counts audio seconds, not batches, and ends its line before Lightning's last words."""
 
+import io
 import logging
 import sys
 
+import lightning.pytorch.demos.boring_classes
 import pytest
 import torch
 from conftest import random_codes
 from helpers import TINY, trainer_kwargs
+from lightning.pytorch.callbacks.progress import tqdm_progress
+from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+from lightning.pytorch.demos.boring_classes import RandomDataset
+from torch.utils.data import DataLoader
 
 from omni_lightning import Code2WavModule, CodesDataModule, Trainer
 from omni_lightning.callbacks.progress import AudioProgressBar
@@ -80,3 +86,60 @@ def test_a_predict_after_a_failed_one_on_the_same_trainer_completes_with_its_own
     preds = trainer.predict(module, datamodule=CodesDataModule(predict=job, batch_size=2, config="tiny"))
     assert sorted(r for o in preds for r in o.req_ids) == sorted(job)
     assert bar.predict_progress_bar is not failed_bar and "requests=4/4" in bar.predict_progress_bar.postfix
+
+
+class RecordingTqdm(Tqdm):
+    """A user's ``Tqdm`` (Lightning's own tests patch one in the same way): records each bar's totals."""
+
+    def __init__(self, *args, **kwargs):
+        self.total_values = []
+        super().__init__(*args, **kwargs)
+        self.total_values = []  # the totals set after the bar was made: one per dataloader
+
+    @property
+    def total(self):
+        return self._total
+
+    @total.setter
+    def total(self, value):
+        self._total = value
+        self.total_values.append(value)
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+class TwoLoaders(lightning.pytorch.demos.boring_classes.BoringModel):
+    def val_dataloader(self):
+        return [DataLoader(RandomDataset(32, 64)), DataLoader(RandomDataset(32, 64))]
+
+    predict_dataloader = val_dataloader
+
+    def validation_step(self, batch, batch_idx, dataloader_idx=0):
+        return None
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["log-file", "terminal"])
+def test_a_patched_tqdm_is_the_class_every_bar_is_made_from(tmp_path, monkeypatch, capsys, terminal):
+    """``tqdm_progress.Tqdm`` patched, as a user or Lightning's own tests do it, is what the bar makes its bars
+    from, on a terminal or in a log file (where they write lines); each bar counts its dataloaders' batches."""
+    if terminal:
+        monkeypatch.setattr(sys, "stdout", Terminal())
+    monkeypatch.setattr(tqdm_progress, "Tqdm", RecordingTqdm)
+    kw = {**trainer_kwargs(max_epochs=1, limit_train_batches=3, limit_val_batches=2, num_sanity_val_steps=1),
+          "enable_progress_bar": True, "default_root_dir": tmp_path}  # fmt: skip
+    trainer = Trainer(**kw)
+    bar = trainer.progress_bar_callback
+    trainer.fit(TwoLoaders())
+    assert isinstance(bar.train_progress_bar, RecordingTqdm) and isinstance(bar.val_progress_bar, RecordingTqdm)
+    assert bar.train_progress_bar.total == bar.train_progress_bar.n == 3
+    assert bar.val_progress_bar.total_values == [2, 2]  # one reset per dataloader
+    trainer.predict(TwoLoaders(), return_predictions=False)
+    assert isinstance(bar.predict_progress_bar, RecordingTqdm) and bar.predict_progress_bar.n == 64
+    assert bar.predict_progress_bar.total_values == [64, 64]
+    out = sys.stdout.getvalue() if terminal else capsys.readouterr().out
+    assert ("\r" in out) == terminal  # a terminal's bars redraw; a log file's are lines
+    if not terminal:
+        assert "Predicting DataLoader 1: 64/64" in out and "Epoch 0, step 3" in out, out

@@ -66,7 +66,7 @@ def test_simulate_plan_prices_every_job():
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 1024 |")]
-    assert [r.split("|")[5].strip() for r in rows] == ["job", "b1x125", "b32x125", "lone7500"]
+    assert [r.split("|")[5].strip() for r in rows] == ["job", "long-tailed", "b1x125", "b32x125", "lone7500"]
     assert "| b1x125 | 1, " in proc.stdout  # a lone 10 s request is one forward (plan.py)
 
 
@@ -78,6 +78,7 @@ NOT_RUN = {  # script: its CPU smoke command's arguments, and why CI does not ru
     "measure_predict_rss": ("--audio-mb 2 --min-seconds 0.5 --max-seconds 1", "~20 s: a process per variant"),
     "profile_train": ("--preset tiny --device cpu --batch 2 --crop-seconds 0.3", "~10 s: two fits profiled"),
     "recipe_sweep": ("--variants lr-1e-3 --steps 2 --eval-every 2 --out r.json --work data", "~20 s: 30 pairs"),
+    "recipe_stoi": ("--out s.json --work data", "~100 s: 6 pairs, 4 students and 13 changed copies scored"),
     "lightning_predict_tests": ("--lightning-src PATH", "needs a checkout of Lightning's repository and its tests"),
     "bench_litserve": ("--clients 2 --seconds 2", "needs litserve (not a dependency); two servers in turn"),
 }
@@ -107,6 +108,28 @@ def test_every_battery_step_parses_its_gpu_and_smoke_arguments():
             parsed = parser.parse_args([*args, "--out", "x.json"])
             assert parsed.out == "x.json"
         assert "tiny" in step.smoke and "cpu" in step.smoke, step.name
+
+
+def test_battery_summary_has_a_line_for_every_step_whatever_its_script_reports(monkeypatch):
+    device_battery = importlib.import_module("device_battery")
+    from battery_plan import FIGURES
+
+    runs = []
+    for step in STEPS:  # the summary under test: its input fabricated, every step, both versions, a failure
+        labels = [label for label, _, _ in FIGURES.get(step.script, ())]
+        for version in ("before", "after") if step.ab else ("after",):
+            for result in ({}, {"rows": [], "forward": [{}], "x_realtime": "?"}):  # readers of an odd result
+                assert device_battery.figures(step, result) == {}
+            got = {"passed": 3} if step.script == "pytest" else dict.fromkeys(labels, 1.0)
+            runs.append({"step": step.name, "version": version, "round": 1, "rc": int(step.name == "convs"),
+                         "figures": got, "tail": []})  # fmt: skip
+    lines = device_battery.summary(runs)
+    for step in STEPS:
+        assert any(line.startswith(f"| {step.name} |") for line in lines), step.name
+        assert step.script == "pytest" or step.script in FIGURES, f"{step.script}: no FIGURES entry"
+    assert lines[-1] == "FAILED: convs after r1 (exit 1)"
+    monkeypatch.delitem(FIGURES, "probe_convs")  # a script with no figures: its exit status, not a KeyError
+    assert "| convs | exit status |  | 1 | |" in device_battery.summary(runs)
 
 
 def battery(*args, cwd):
@@ -203,3 +226,14 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
+
+
+def test_every_script_is_in_the_readmes_table():
+    """scripts/README.md names each script (its question, where it runs, the figure it prints)."""
+    readme = (ROOT / "scripts" / "README.md").read_text()
+    missing = [
+        str(p.relative_to(ROOT / "scripts"))
+        for p in SCRIPTS.values()
+        if f"`{p.relative_to(ROOT / 'scripts')}`" not in readme
+    ]
+    assert not missing, f"scripts not in scripts/README.md: {missing}"

@@ -4,10 +4,12 @@ a drain on SIGTERM (new work refused with 503, the streams in flight answered to
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,9 @@ from omni_lightning.cli import main
 from omni_lightning.cli.arguments import unknown_option
 
 pytest.importorskip("fastapi")
+TIMED_OUT = (
+    "error: serve: the drain timed out after 1 s (--drain_timeout): 1 request or stream in flight cut off, each told so"  # noqa: E501
+)
 
 
 def test_serve_help_is_short_and_lists_what_serve_uses(capsys):
@@ -57,6 +62,55 @@ def test_a_mistake_is_one_line_and_status_2_before_torch_loads(argv, said):
                           capture_output=True, timeout=120)  # fmt: skip
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == {"rc": 2, "torch": False} and proc.stderr.strip().startswith(said), proc.stderr
+
+
+@pytest.mark.parametrize(
+    "config, said",
+    [
+        ("port: 0\nmodel:\n  random_weights: true\n", "sets port, model at its top level, where only a section per"),
+        ("serv:\n  port: 0\n", "has a section 'serv': did you mean serve?"),
+        ("serve:\n  prot: 0\n  model:\n    random_weights: true\n", "config key prot is not an option of "),
+    ],
+)
+def test_a_config_before_serve_is_read_as_its_section_or_refused_naming_the_key(tmp_path, config, said):
+    """``omni-lightning -c cfg.yaml serve``: a flat config, a misspelled section or key is one line, status 2,
+    before torch loads (a flat config there was ignored without a word)."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(config)
+    code = (
+        "import sys, json; from omni_lightning.cli import main; rc = main(json.loads(sys.argv[1])); "
+        "print(json.dumps({'rc': rc, 'torch': 'torch' in sys.modules}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(["-c", str(path), "serve"])], cwd=ROOT, text=True,
+                          capture_output=True, timeout=120)  # fmt: skip
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == {"rc": 2, "torch": False} and proc.stderr.startswith("error: ") and said in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_a_config_before_serve_routes_to_serve(tmp_path, capsys):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("serve:\n  max_streams: 3\n  model:\n    random_weights: true\n")
+    with pytest.raises(SystemExit) as exited:
+        main(["-c", str(path), "serve", "--help"])
+    assert exited.value.code == 0 and capsys.readouterr().out.startswith("usage: omni-lightning serve")
+
+
+@pytest.mark.slow  # (a process loading torch and Lightning: ~10 s)
+def test_a_port_in_use_is_one_line_and_status_2_before_the_model_loads():
+    """A port another process listens on: one ``error:`` line naming it, status 2 (not uvicorn's start-up
+    failure, 3, after the model loaded)."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", str(port)]
+        proc = subprocess.run([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, text=True,
+                              capture_output=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [
+        f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use): give another --port, "
+        "or 0 for a free one"
+    ], proc.stderr
 
 
 async def _stream_across_a_drain(ws_url: str, codes: torch.Tensor, drain, url: str) -> tuple[np.ndarray, dict]:
@@ -94,12 +148,85 @@ def test_a_drain_refuses_new_work_and_finishes_the_streams_in_flight():
         live.stop()
 
 
+def test_past_the_drain_timeout_the_clients_in_flight_are_told_and_the_server_stops():
+    """``drain_timeout`` is a hard limit: a stream still open past it gets an error message and close 1013,
+    and the server stops (the command's last line and status 143 come from ``stop_line``)."""
+    from omni_lightning.serving.server import stop_line, stop_summary
+
+    live = LiveServer(tiny_module(), max_streams=4, drain_timeout=1)
+
+    async def main():
+        async with websockets.connect(f"{live.ws_url}/v1/code2wav/stream") as ws:
+            await ws.send(json.dumps({"codes": [[1, 2]] * 16}))
+            await ws.recv()
+            live.server.handle_exit(signal.SIGTERM, None)  # what the signal calls: a drain, the stream left open
+            error = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+            return error, closed.value.rcvd
+
+    try:
+        error, closed = asyncio.run(main())
+        assert error["status"] == 503 and "stopped before it was decoded" in error["error"]
+        assert closed.code == 1013 and closed.reason == error["error"]
+        assert wait_until(lambda: not live.thread.is_alive(), 30)
+        status, line = stop_line(stop_summary(live.server))
+        assert status == 143, line
+        assert line == TIMED_OUT, line
+    finally:
+        live.stop()
+
+
+def test_a_second_signal_stops_at_once_each_client_told_in_json(capfd):
+    """A second Ctrl-C while a long request and a stream are in flight: the request gets a JSON 503 (not
+    uvicorn's plain-text 500), the stream its error message, no traceback is printed, and the server stops."""
+    from omni_lightning.serving.server import stop_line, stop_summary
+
+    live = LiveServer(tiny_module(), max_streams=4)
+    codes = torch.randint(0, 2048, (16, 8000))  # hundreds of steps: still decoding when the signals come
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60) as http, websockets.connect(f"{live.ws_url}/v1/code2wav/stream") as ws:
+            await ws.send(json.dumps({"codes": [[1, 2]] * 16}))
+            await ws.recv()
+            body, kind = npy_bytes(codes), {"Content-Type": "application/x-npy"}
+            post = asyncio.create_task(http.post(f"{live.url}/v1/code2wav", content=body, headers=kind))
+            while live.state.loop.open_jobs < 2:
+                await asyncio.sleep(0.02)
+            live.server.handle_exit(signal.SIGINT, None)
+            live.server.handle_exit(signal.SIGINT, None)
+            error = json.loads(await ws.recv())
+            return error, await post
+
+    try:
+        error, response = asyncio.run(main())
+        assert error["status"] == 503
+        assert response.status_code == 503 and response.headers["content-type"] == "application/json", response.text
+        assert "stopped before it was decoded" in response.json()["error"]
+        assert wait_until(lambda: not live.thread.is_alive(), 30)
+        status, line = stop_line(stop_summary(live.server))
+        assert status == 130 and line.startswith("error: serve: stopped at once by a second Ctrl-C: 2 requests"), line
+        printed = capfd.readouterr()
+        assert "Traceback" not in printed.err and "Exception in ASGI" not in printed.err, printed.err
+    finally:
+        live.stop()
+
+
+def npy_bytes(codes: torch.Tensor) -> bytes:
+    out = io.BytesIO()
+    np.save(out, codes.numpy().astype("<i2"))
+    return out.getvalue()
+
+
 @pytest.mark.slow
-def test_sigterm_mid_stream_drains_then_exits_0():
-    """The command itself: its start-up line, then SIGTERM while a stream is open; the stream is answered
-    to its end (exact), new work gets 503, and the command exits 0."""
+def test_a_config_before_serve_then_sigterm_mid_stream_drains_and_exits_0(tmp_path):
+    """The command itself, its options in a config file given before ``serve`` (a ``serve:`` section): its
+    start-up line, then SIGTERM while a stream is open; the stream is answered to its end (exact), new work
+    gets 503, and the command exits 0 with one line (no ``Seed set to 0`` at the start)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", "0"]
+    config = tmp_path / "serve.yaml"
+    config.write_text("serve:\n  port: 0\n  model:\n    config: tiny\n    random_weights: true\n")
+    argv = ["-c", str(config), "serve"]
     proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
@@ -119,8 +246,41 @@ def test_sigterm_mid_stream_drains_then_exits_0():
         with torch.no_grad():
             np.testing.assert_allclose(audio, reference.model.decode(codes[None])[0][0].numpy(), atol=1e-5, rtol=0)
         assert proc.wait(60) == 0
-        log = proc.stderr.read()
+        log, out = proc.stderr.read(), proc.stdout.read()
         assert re.search(r"serve: r\d+ stream opened", log) and "serve: draining" in log, log
+        assert re.search(r"serve: r\d+ stream ended 200: 20 frames in [\d.]+ s", log), log
+        assert "Seed set" not in log and "error" not in log, log
+        assert re.fullmatch(r"serve: stopped on SIGTERM, every request and stream in flight answered "
+                            r"\(drained in [\d.]+ s\)\n", out), out  # fmt: skip
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_a_drain_past_its_timeout_ends_the_command_143_without_a_traceback():
+    """``--drain_timeout 1`` and a stream left open: SIGTERM, then the stream is told and closed, and the
+    command exits 143 with one ``error:`` line naming the timeout."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", "0", "--drain_timeout", "1"]
+    proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        url = re.search(r"listening on (http://[\d.:]+)", proc.stdout.readline()).group(1)
+        assert wait_until(lambda: httpx.get(f"{url}/health").status_code == 200, 60)
+
+        async def main():
+            async with websockets.connect(f"{url.replace('http', 'ws')}/v1/code2wav/stream") as ws:
+                await ws.send(json.dumps({"codes": [[1, 2]] * 16}))
+                await ws.recv()
+                proc.send_signal(signal.SIGTERM)
+                return json.loads(await ws.recv())
+
+        assert asyncio.run(main())["status"] == 503
+        assert proc.wait(60) == 143
+        log = proc.stderr.read()
+        assert log.splitlines()[-1] == TIMED_OUT, log
+        assert "Traceback" not in log, log
     finally:
         proc.kill()
         proc.wait()

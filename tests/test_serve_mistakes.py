@@ -32,8 +32,11 @@ def server():
 
 def npy(array: np.ndarray) -> bytes:
     out = io.BytesIO()
-    np.save(out, array)
+    np.save(out, array, allow_pickle=array.dtype.hasobject)
     return out.getvalue()
+
+
+OBJECT_NPY = npy(np.array([{"a": 1}]))  # a pickle inside: numpy's own error would advise allow_pickle=True
 
 
 GOOD = [[1, 2, 3]] * 16
@@ -53,7 +56,12 @@ CASES = [  # (body, content type, query, status, what the one line names)
     (json.dumps({"codes": GOOD}).encode(), "application/json", "?stream=maybe", 400, "stream='maybe'"),
     (npy(np.full((16, 4), -1, np.int16)), "application/x-npy", "", 422, "-1"),
     (npy(np.zeros((16, 4), np.float32)), "application/x-npy", "", 422, "dtype float32"),
-    (b"\x93NUMPY garbage", "application/x-npy", "", 400, "could not be read as .npy"),
+    (b"\x93NUMPY garbage", "application/x-npy", "", 400, "is not a .npy file"),
+    (npy(np.zeros((16, 4), np.int16))[:-5], "application/x-npy", "", 400, "cut short: its header says [16, 4] int16"),
+    (OBJECT_NPY, "application/x-npy", "", 400, "holds Python objects (dtype object), which are never unpickled"),
+    (OBJECT_NPY, "application/octet-stream", "", 400, "which are never unpickled"),
+    (json.dumps({"codes": GOOD}).encode(), "text/plain", "", 415, "content type 'text/plain' is not taken"),
+    (json.dumps({"codes": GOOD}).encode(), "", "", 415, "no Content-Type was given"),
     (b"x" * 20_001, "application/json", "", 413, "over the limit of 20000 bytes"),
 ]
 
@@ -64,8 +72,34 @@ def test_each_bad_body_is_a_4xx_naming_the_bad_value(server):
         assert r.status_code == status, (body[:60], r.text)
         message = r.json()["error"]
         assert named in message and "\n" not in message and message.startswith("request r"), (named, message)
+        assert "allow_pickle" not in message, message
     r = httpx.post(f"{server.url}/v1/code2wav", json={"codes": GOOD}, timeout=30)
     assert r.status_code == 200
+
+
+def test_a_wrong_method_or_path_is_a_json_error_naming_the_routes(server):
+    for method, path, status, said in [("GET", "/v1/code2wav", 405, "GET /v1/code2wav: the route does not take GET"),
+                                       ("DELETE", "/health", 405, "DELETE /health: the route does not take DELETE"),
+                                       ("POST", "/v2/code2wav", 404, "POST /v2/code2wav: no such route")]:  # fmt: skip
+        r = httpx.request(method, f"{server.url}{path}", timeout=30)
+        assert r.status_code == status and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"].startswith(said) and "POST /v1/code2wav, WebSocket" in r.json()["error"], r.text
+    assert r.status_code == 404 and set(r.json()) == {"error"}
+    r = httpx.get(f"{server.url}/v1/code2wav", timeout=30)
+    assert r.headers["allow"] == "POST"
+
+
+def test_a_websocket_message_over_the_limit_closes_the_stream_naming_it(server):
+    async def main():
+        async with websockets.connect(f"{server.ws_url}/v1/code2wav/stream") as ws:
+            await ws.send("x" * 20_001)
+            with pytest.raises(websockets.ConnectionClosedError) as closed:
+                await ws.recv()
+            return closed.value.rcvd
+
+    received = asyncio.run(main())
+    assert received.code == 1009 and "over the limit of 20000 bytes (--max_body_bytes)" in received.reason
+    assert wait_until(lambda: server.state.loop.open_jobs == 0)
 
 
 def test_a_bad_chunk_is_answered_and_the_stream_goes_on(server):

@@ -25,7 +25,7 @@ from lightning.pytorch.callbacks import Callback, TQDMProgressBar
 from lightning.pytorch.callbacks.progress import tqdm_progress
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm, convert_inf
 
-from omni_lightning.callbacks.progress_lines import LineTqdm, line_every, redraws, train_line
+from omni_lightning.callbacks.progress_lines import BarLines, line_every, redraws, train_line
 from omni_lightning.runner.cpu_threads import threads_said
 
 # a model past this many parameters on the CPU gets a warning line (qwen3-omni is past it, tiny far below)
@@ -48,10 +48,10 @@ class AudioProgressBar(TQDMProgressBar):
             return super().init_validation_tqdm()
         return self._bar(self.validation_description, leave=self.trainer.state.fn == "validate")
 
-    # where stdout is not a terminal, plain lines (progress_lines.py): a fit's own, and LineTqdm bars
+    # where stdout is not a terminal, plain lines (progress_lines.py): a fit's own, and the other bars' lines
     def init_train_tqdm(self) -> Tqdm:
         self._train_lines = (-1, time.monotonic())  # (the step of the last line, when training began)
-        return super().init_train_tqdm() if redraws() else Tqdm(disable=True)
+        return super().init_train_tqdm() if redraws() else self._bar(self.train_description, True, False, smoothing=0)
 
     def init_sanity_tqdm(self) -> Tqdm:
         return super().init_sanity_tqdm() if redraws() else self._bar(self.sanity_check_description, False)
@@ -73,25 +73,31 @@ class AudioProgressBar(TQDMProgressBar):
     def on_sanity_check_start(self, *_: Any) -> None:
         """No bar yet: it is made at the sanity check's first batch, so a fit without validation data shows
         none (Lightning's stood at "0/?")."""
-        self.val_progress_bar = self.train_progress_bar = Tqdm(disable=True)
+        self.val_progress_bar = self.train_progress_bar = tqdm_progress.Tqdm(disable=True)
 
     def on_validation_batch_start(self, trainer, pl_module, batch: Any, batch_idx: int, dataloader_idx=0) -> None:
         if trainer.sanity_checking and self.val_progress_bar.disable and not self.is_disabled:
             self.val_progress_bar = self.init_sanity_tqdm()
         super().on_validation_batch_start(trainer, pl_module, batch, batch_idx, dataloader_idx)
 
-    def _bar(self, desc: str, leave: bool, **kwargs: Any) -> Tqdm:
-        # looked up at each call, as Lightning's own bar does: a patched ``tqdm_progress.Tqdm`` reaches it
-        return (tqdm_progress.Tqdm if redraws() else LineTqdm)(
+    def _bar(self, desc: str, leave: bool, lines: bool = True, **kwargs: Any) -> Tqdm:
+        """A bar of the class Lightning's own bar uses, looked up at each call as Lightning does (a patched or
+        replaced ``tqdm_progress.Tqdm`` is the one made, on a terminal or not); off a terminal it writes into
+        ``BarLines`` (``lines``: its state as lines; False: none)."""
+        lined = None if redraws() else BarLines(sys.stdout, quiet=not lines)
+        bar = tqdm_progress.Tqdm(
             desc=desc,
             position=2 * self.process_position,
             disable=self.is_disabled,
             leave=leave,
             dynamic_ncols=True,
-            file=sys.stdout,
+            file=lined or sys.stdout,
             bar_format=self.BAR_FORMAT,
             **kwargs,
         )
+        if lined is not None:
+            lined.bar = bar
+        return bar
 
     def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
         """Lightning's, less ``v_num`` (the logger's version number, not a measurement)."""

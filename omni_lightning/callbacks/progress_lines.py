@@ -1,17 +1,19 @@
 """The progress bar where stdout is not a terminal (a log file, a pipe): plain lines, no ``\\r`` redraws.
 
-A bar redrawn with ``\\r`` in a log file is one line of every update run together. There, :class:`LineTqdm`
-writes the bar's state as a line of its own each tenth of its total and at its end (50 units apart where
-the total is unknown; a bar that a terminal would clear, as a fit's validation's, only its last line),
-and a fit says one line each tenth of its steps (:func:`train_line`).
-``AudioProgressBar`` uses them where stdout does not redraw (:func:`redraws`).
+A bar redrawn with ``\\r`` in a log file is one line of every update run together. There, a bar writes
+into :class:`BarLines` instead of stdout: tqdm's redraws are dropped, and the bar's state is written as
+a line of its own each tenth of its total and at its end (50 units apart where the total is unknown; a
+bar that a terminal would clear, as a fit's validation's, only its last line); a fit says one line each
+tenth of its steps (:func:`train_line`). The bar itself is whatever class ``TQDMProgressBar`` makes its
+bars from (``tqdm_progress.Tqdm``, patched or replaced by a user or a test): only where it writes changes.
+``AudioProgressBar`` does this where stdout does not redraw (:func:`redraws`).
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from typing import Any
+from typing import Any, TextIO
 
 from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
 
@@ -25,46 +27,37 @@ def redraws() -> bool:
     return sys.stdout.isatty() or type(sys.stdout).__module__.startswith("ipykernel")
 
 
-class LineTqdm(Tqdm):
-    """A Lightning ``Tqdm`` that prints its state as whole lines (see the module docstring); the same
-    ``n``, ``total`` and ``postfix`` as the bar it stands for."""
+class BarLines:
+    """The file a bar writes to off a terminal (``file=``): each write is a redraw, after which the bar's
+    state is written to ``out`` as a line when one is due (see the module docstring). ``quiet``: no line
+    at all (a fit's bar, whose lines the progress callback writes). ``bar`` is set once the bar is made."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, out: TextIO, quiet: bool = False) -> None:
+        self.out, self.quiet = out, quiet
+        self.bar: Any = None
         self._printed = 0.0  # n at the last line written
-        self._silent = not kwargs.get("leave", True)  # a bar that would vanish (a fit's validation): its last line only
-        kwargs["bar_format"] = LINE_FORMAT
-        super().__init__(*args, **kwargs)
 
-    def _due(self) -> bool:
-        if not self.n:
-            return False
-        total = self.total
+    def write(self, text: str) -> int:
+        bar = self.bar
+        if bar is None or self.quiet:
+            return len(text)
+        n, total = bar.n, bar.total
+        if n < self._printed:  # reset: the next dataloader
+            self._printed = 0.0
+        closing = bar.disable  # tqdm's close disables the bar before its last redraw
+        if n and ((closing and n != self._printed) or (not closing and bar.leave and self._due(n, total))):
+            self.out.write(bar.format_meter(**{**bar.format_dict, "bar_format": LINE_FORMAT}) + "\n")
+            self.out.flush()
+            self._printed = n
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # each line is flushed as it is written
+
+    def _due(self, n: float, total: float | None) -> bool:
         if total and total != float("inf"):
-            return int(PARTS * self.n / total) > int(PARTS * self._printed / total)
-        return self.n - self._printed >= UNKNOWN_TOTAL_EVERY
-
-    def _line(self) -> None:
-        self.fp.write(self.__str__() + "\n")
-        self.fp.flush()
-        self._printed = self.n
-
-    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
-        if msg is None and not self._silent and self._due():
-            self._line()
-        return False  # nothing to clear after: tqdm's close then writes no "\r"
-
-    def clear(self, nolock: bool = False) -> None:
-        pass  # a line once written stays (tqdm.write clears bars with "\r" before it writes)
-
-    def reset(self, total: float | None = None) -> None:
-        self._printed = 0.0
-        super().reset(total)
-
-    def close(self) -> None:
-        if not self.disable and self.n and self.n != self._printed:
-            self._line()  # the bar's last state
-        self.leave = False  # tqdm's own close would redraw it and end the line
-        super().close()
+            return int(PARTS * n / total) > int(PARTS * self._printed / total)
+        return n - self._printed >= UNKNOWN_TOTAL_EVERY
 
 
 def line_every(trainer: Any) -> int:
@@ -76,9 +69,10 @@ def line_every(trainer: Any) -> int:
 
 
 def train_line(trainer: Any, metrics: dict[str, Any], elapsed_s: float) -> str:
-    """``Epoch 3, step 8/40 (35 s): train/loss=11.9, ...``: where a fit is, for a log file."""
+    """``Epoch 3, step 8/40 (35 s): train/loss=11.90, ...``: where a fit is, for a log file; the values as the
+    bar on a terminal shows them (``Tqdm.format_num``)."""
     of = f"/{trainer.max_steps}" if trainer.max_steps and trainer.max_steps > 0 else ""
-    values = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items())
+    values = ", ".join(f"{k}={Tqdm.format_num(v)}" for k, v in metrics.items())
     return f"Epoch {trainer.current_epoch}, step {trainer.global_step}{of} ({elapsed_s:.0f} s)" + (
         f": {values}" if values else ""
     )

@@ -150,11 +150,37 @@ def read_arguments(argv: list[str], subcommands: tuple[str, ...]) -> Arguments:
     sub_at = subcommand_at(argv, subcommands)
     args = Arguments(argv[sub_at])
     for path in config_paths(argv[:sub_at]):
-        section = read_config(path).get(args.sub) or {}
+        section = section_for(path, args.sub)
         merge(args.values, copy.deepcopy(section))  # options then change values' dicts, not files'
         merge(args.files, section)
     args.given = apply_arguments(argv[sub_at + 1 :], args.values, args.files, args.valueless)
     return args
+
+
+# the subcommands a config file given before the subcommand holds a section for
+SUBCOMMANDS = ("fit", "validate", "test", "predict", "serve")
+
+
+def section_for(path: str, sub: str) -> dict[str, Any]:
+    """The ``sub`` section of a config file given before the subcommand, which holds a section per
+    subcommand (as LightningCLI reads it); UsageError naming any other key (a flat config there would
+    otherwise be ignored without a word) or a section that is not a mapping."""
+    config = read_config(path)
+    flat = [str(k) for k in config if k not in SUBCOMMANDS]
+    if flat:
+        close = difflib.get_close_matches(flat[0], SUBCOMMANDS, n=1, cutoff=0.75)
+        if close:
+            raise UsageError(f"config file {path} has a section {flat[0]!r}: did you mean {close[0]}?")
+        shown = ", ".join(flat[:4]) + (f" ... ({len(flat) - 4} more)" if len(flat) > 4 else "")
+        raise UsageError(
+            f"config file {path}, given before the subcommand, sets {shown} at its top level, where only a "
+            f"section per subcommand is read ({', '.join(SUBCOMMANDS)}): put them under '{sub}:', or give the "
+            f"file after the subcommand (omni-lightning {sub} -c {path})"
+        )
+    section = config.get(sub) or {}
+    if not isinstance(section, dict):
+        raise UsageError(f"config file {path}: its {sub} section must be a mapping of options, got {section!r}")
+    return section
 
 
 # the command line's own options (entry.py, lightning_cli.py) and LightningCLI's

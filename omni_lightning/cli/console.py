@@ -81,7 +81,7 @@ examples:
 exit status: 0 done; 1 a bug or a broken environment (traceback printed); 2 a usage error (one error: line);
 3 predict finished but some requests failed (listed in <out_dir>/manifest.jsonl); 130 interrupted (Ctrl-C);
 143 terminated (SIGTERM). Interrupted or terminated, predict first writes what it decoded, and the same
-command resumes it.
+command resumes it; serve exits 0 once it answered everything in flight, 130/143 when a stop cut that short.
 """
 
 

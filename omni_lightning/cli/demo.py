@@ -158,8 +158,8 @@ def _run(work: Path, n_requests: int, fit_steps: int, start: float) -> dict:
         wandb.finish()
     print(
         f"[4/4] evaluation: mel distance to the teacher {mel_before['val/mel_distance']:.3f} before fine-tuning, "
-        f"{metrics['val/mel_distance']:.3f} after; SI-SDR {metrics['val/si_sdr']:.1f} dB, "
-        f"SNR {metrics['val/snr']:.1f} dB; logs in {(work / 'runs').resolve()}"
+        f"{metrics['val/mel_distance']:.3f} after, STFT distance {mel_before['val/stft_distance']:.3f} -> "
+        f"{metrics['val/stft_distance']:.3f}; logs in {(work / 'runs').resolve()}"
         + (f"; W&B offline run: `wandb sync {wandb_run}` uploads it" if wandb_run else "")
     )
     return {"seconds": time.perf_counter() - start, "wavs": work / "wavs_after", "before": mel_before, "after": metrics}

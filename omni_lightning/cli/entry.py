@@ -1,13 +1,13 @@
 """``omni-lightning``: LightningCLI (fit / validate / test / predict) over Code2WavModule and
-CodesDataModule with omni_lightning's Trainer, plus ``demo``. ``omni-lightning --help`` (``console.HELP``,
-printed before torch loads) lists the subcommands, the options read here, examples and the exit statuses:
+CodesDataModule with omni_lightning's Trainer, plus ``serve`` and ``demo``. ``omni-lightning --help``
+(``console.HELP``, printed before torch loads) lists the subcommands, options, examples and exit statuses:
 
-0 done (predict: every request has its file); 1 an unexpected error (a bug or a broken environment: the
-traceback is printed); 2 a usage error (one ``error:`` line); 3 predict finished but some requests failed
-(each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C); 143 terminated
-(SIGTERM: stopped after the batch in progress, or the step in fit). Interrupted or terminated, predict
-writes the batches already decoded first and says how many requests are saved; a fit that checkpoints
-saves interrupted.ckpt beside its checkpoints and says how to resume from it.
+0 done (predict: every request has its file; serve: stopped after answering all in flight); 1 an unexpected
+error (a bug or a broken environment: the traceback is printed); 2 a usage error (one ``error:`` line); 3 predict
+finished but some requests failed (each is in <out_dir>/manifest.jsonl with its reason); 130 interrupted (Ctrl-C);
+143 terminated (SIGTERM: stopped after the batch in progress, or the step in fit; serve: a drain cut short).
+Interrupted or terminated, predict writes the batches already decoded first and says how many requests are
+saved; a fit that checkpoints saves interrupted.ckpt beside its checkpoints and says how to resume from it.
 """
 
 from __future__ import annotations
@@ -258,8 +258,8 @@ def _run(argv: list[str], timings: dict[str, Any] | None, finished: Any = None, 
         sys.argv = saved
         if silenced:
             os.environ.pop("WANDB_SILENT", None)
-    writer = getattr(cli, "writer", None)
-    return EXIT_FAILED_REQUESTS if cli.subcommand == "predict" and writer is not None and writer.any_failed else EXIT_OK
+    failed = cli.subcommand == "predict" and getattr(cli, "writer", None) is not None and cli.writer.any_failed
+    return getattr(cli, "exit_status", EXIT_FAILED_REQUESTS if failed else EXIT_OK)  # (serve: how it stopped)
 
 
 def _finish_wandb(exit_code: int) -> None:
@@ -277,10 +277,10 @@ def run_cli(
     folder's finished requests as the checks read them (not read again); ``full_help``: ``--help`` lists
     every option (``--help-all``), not only those the subcommand uses."""
     from omni_lightning.cli.lightning_cli import run_lightning_cli
-    from omni_lightning.cli.serve import run_serve_cli
+    from omni_lightning.cli.serve import run_serve_cli, serves
 
     compact_warnings()  # again: importing Lightning replaced the format
-    run = run_serve_cli if (sys.argv[1:] if argv is None else argv)[:1] == ["serve"] else run_lightning_cli
+    run = run_serve_cli if serves(sys.argv[1:] if argv is None else argv) else run_lightning_cli
     return run(argv, description=__doc__, timings=timings, finished=finished, full_help=full_help)
 
 

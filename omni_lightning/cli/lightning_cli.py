@@ -33,6 +33,7 @@ from omni_lightning.cli.preflight import check_weights, set_by_user
 from omni_lightning.data.datamodule import CodesDataModule
 from omni_lightning.data.output_folder import FORMATS, Finished
 from omni_lightning.errors import UsageError
+from omni_lightning.evaluation.metrics import metrics_line
 from omni_lightning.module import Code2WavModule
 from omni_lightning.trainer import Trainer, quiet_checkpoint_callbacks_warning, quiet_cli_trainer
 
@@ -258,7 +259,7 @@ class OmniCLI(LightningCLI):
             metrics = {k: float(v) for k, v in self.trainer.callback_metrics.items()}
             logs = log_places(self.trainer)
             where = f"; logs in {', '.join(logs)}" if logs else ""
-            print(f"{self.subcommand}: " + ", ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())) + where)
+            print(f"{self.subcommand}: {metrics_line(metrics)}{where}")
 
     before_test, after_test = before_validate, after_validate
 

@@ -4,8 +4,10 @@ fit, validate and test start with one line (``fit: tiny preset, 2.4 M parameters
 random weights; cpu 32-true, 1 torch thread (2 cores, load 0.3)``) in place of Lightning's model table
 and its ``GPU available`` / ``TPU available`` lines; predict's start-up line is ``PredictStartLine``'s.
 While a command runs, Lightning's ``Seed set to 0``, ``Restoring states from ...``, ``Loaded model
-weights from ...`` and ``Detected KeyboardInterrupt ...`` are dropped: the start-up line names the
-weights, the last line says what an interrupt saved.
+weights from ...`` and ``Trainer.fit stopped: `max_steps=N` reached`` (or ``max_epochs``) are dropped:
+the start-up line names the weights, the fit's last line where its checkpoints are. (Lightning's
+``Detected KeyboardInterrupt`` line the Trainer drops, in Python too: the last line says what a stop
+saved.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ DROPPED = (
     "Restoring states from the checkpoint path at ",
     "Restored all states from the checkpoint at ",
     "Loaded model weights from the checkpoint at ",
-    "\nDetected KeyboardInterrupt, attempting graceful shutdown",
+    "`Trainer.fit` stopped: `max_steps=",
+    "`Trainer.fit` stopped: `max_epochs=",
 )
 LOGGERS = ("lightning.fabric.utilities.seed", "lightning.pytorch.utilities.rank_zero",
            "lightning.pytorch.trainer.connectors.signal_connector")  # fmt: skip

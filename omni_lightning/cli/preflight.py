@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from omni_lightning.cli.arguments import first_unknown, is_set, lightning_precisions, read_arguments
+from omni_lightning.cli.arguments import SUBCOMMANDS, first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.cli.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
@@ -32,7 +32,6 @@ from omni_lightning.data.output_folder import Finished, check_format, check_name
 from omni_lightning.data.sources import check_source, list_source
 from omni_lightning.errors import UsageError
 
-SUBCOMMANDS = ("fit", "validate", "test", "predict", "serve")
 # the data source each subcommand needs (fit may add data.val)
 REQUIRED_DATA = {"fit": "train", "validate": "val", "test": "test", "predict": "predict"}
 # options these checks read (the no-op rerun may decide on them); of the Trainer's, those a multi-GPU or

@@ -8,22 +8,26 @@ run settings given beside it (``RUN_SETTINGS``). A true precision (``bf16-true``
 mixed one (``bf16-mixed``) runs the decode thread under the precision plugin's autocast.
 ``--devices N`` runs N worker processes behind the port, each parsing this same command line and serving
 its own engine on its own GPU (``serving/workers.py``); on a CPU, CPU workers (that is what the tests run).
+A config file given before ``serve`` holds a section per subcommand: its ``serve:`` section is passed to the
+parser inline (``serve_arguments``). A stopped server's last line and exit status are ``stop_line``'s (not
+with ``--devices N``: the workers' own).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from types import SimpleNamespace
 from typing import Any
 
-from omni_lightning.cli.arguments import read_arguments
+from omni_lightning.cli.arguments import SUBCOMMANDS, config_paths, read_arguments, section_for, subcommand_at
 from omni_lightning.cli.lightning_cli import RUN_SETTINGS, OmniCLI, OneLineErrorParser
+from omni_lightning.cli.lines import quiet_cli_run
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.trainer import Trainer, quiet_cli_trainer
 
-ROUTES = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
 # serve's own options: (name, type, default, help)
 OPTIONS = (
     ("host", str, "127.0.0.1", "the address to listen on (0.0.0.0: every interface)"),
@@ -62,17 +66,34 @@ class ServeCLI(OmniCLI):
             super().instantiate_classes()
 
 
+def serves(argv: list[str]) -> bool:
+    """Whether ``argv`` (the arguments after the program) runs ``serve``, config files given before it too."""
+    try:
+        return argv[subcommand_at(argv, SUBCOMMANDS)] == "serve"
+    except UsageError:
+        return False
+
+
+def serve_arguments(argv: list[str]) -> list[str]:
+    """``argv``'s arguments after ``serve``, each config file given before ``serve`` first as its ``serve``
+    section (inline YAML, as the parser takes ``--config``)."""
+    sub_at = subcommand_at(argv, SUBCOMMANDS)
+    sections = [section_for(path, "serve") for path in config_paths(argv[:sub_at])]
+    return [*(a for s in sections if s for a in ("--config", json.dumps(s))), *argv[sub_at + 1 :]]
+
+
 def run_serve_cli(argv: list[str] | None = None, full_help: bool = False, **ignored: Any) -> Any:
     """``omni-lightning serve``: builds and serves until SIGTERM or Ctrl-C (drained first). ``argv``: the
-    command line from ``serve`` on (None: ``sys.argv``), checked before torch loaded (``cli.main`` runs
-    ``preflight.check_command_line``). Returns what ``cli`` reads of a run (no predict writer)."""
-    argv = list(sys.argv[1:] if argv is None else argv)[1:]
-    main(argv, full_help)
-    return SimpleNamespace(subcommand="serve", writer=None)
+    command line (None: ``sys.argv``), checked before torch loaded (``cli.main`` runs
+    ``preflight.check_command_line``). Returns what ``cli`` reads of a run: its exit status."""
+    argv = serve_arguments(list(sys.argv[1:] if argv is None else argv))
+    with quiet_cli_run():  # Lightning's "Seed set to 0"
+        status = main(argv, full_help)
+    return SimpleNamespace(subcommand="serve", writer=None, exit_status=status)
 
 
 def main(argv: list[str], full_help: bool = False) -> int:
-    """Serves ``argv`` (after ``serve``); returns 0 once stopped."""
+    """Serves ``argv`` (after ``serve``) until stopped; returns the exit status (:func:`stop_line`)."""
     values = read_arguments(["serve", *argv], ("serve",)).values
     devices, fronts = str(values.get("devices") or 1), str(values.get("front_processes") or -1)
     if not devices.isdigit() or int(devices) < 1:
@@ -83,9 +104,8 @@ def main(argv: list[str], full_help: bool = False) -> int:
     if fronts_n == 0 and int(devices) > 1:
         raise UsageError(f"--front_processes 0 (one process) serves one device: --devices {devices} needs fronts")
     if fronts_n == 0 or {"-h", "--help"} & set(argv):
-        cli = _parse(argv, full_help)
-        serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
-        return 0
+        return serve_here(argv, values, full_help)
+    from omni_lightning.serving.app import ROUTES
     from omni_lightning.serving.front_process import FrontSettings, run_front
     from omni_lightning.serving.supervisor import ChildDied, Supervisor
 
@@ -98,13 +118,16 @@ def main(argv: list[str], full_help: bool = False) -> int:
         print(f"serve: {info['what']}; {info['limits']}; {processes}; listening on http://{host}:{port} ({ROUTES})",
               flush=True)  # fmt: skip
 
+    supervisor = Supervisor(int(devices), fronts_n, host, port, engine_main, (argv,), run_front, (settings,), on_ready)
     try:
-        Supervisor(int(devices), fronts_n, host, port, engine_main, (argv,), run_front, (settings,), on_ready).run()
+        supervisor.run()
     except ValueError as err:
         raise UsageError(str(err)) from err
     except ChildDied as err:
-        raise SystemExit(f"error: {err}") from None
-    return 0
+        raise SystemExit(f"error: serve: {err}") from None
+    status, line = supervisor.stop_line()
+    print(line, file=sys.stderr if status else sys.stdout, flush=True)
+    return status
 
 
 def engine_main(index: int, address: str, conn: Any, argv: list[str]) -> None:
@@ -112,7 +135,8 @@ def engine_main(index: int, address: str, conn: Any, argv: list[str]) -> None:
     from omni_lightning.serving.engine_process import run_engine
 
     def build() -> tuple[Any, dict]:
-        cli = _parse(argv)
+        with quiet_cli_run():  # Lightning's "Seed set to 0"
+            cli = _parse(argv)
         return decode_loop_for(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path)
 
     run_engine(build, address, conn)
@@ -169,16 +193,40 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     what = what_runs(module, module.config, params, ckpt_path, device, trainer.precision)
     cuda_graphs = bool(module.fast_path and module.hparams.get("graph_frames", 512))
     share = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share)
+    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
+    # on a GPU, the shapes steps take (streams' chunks, whole requests' pieces, at each row bucket) are
+    # captured before the first client, not in its way; on a CPU there is nothing to capture
+    warm = (1, 8, 10, 16, config.request_frames) if device.type == "cuda" else (1, 8)
+    rows = tuple(2**i for i in range(8)) if device.type == "cuda" else (1,)
     loop = DecodeLoop(decoder, config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
-                      bulk_slice_s=config.bulk_slice_ms / 1000)  # fmt: skip
+                      warmup=tuple(sorted(set(warm))), bulk_slice_s=config.bulk_slice_ms / 1000,
+                      warmup_rows=rows)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
     return loop, {"config": module.config, "what": what, "limits": limits}
 
 
-def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None) -> None:
-    """Serves ``module`` in this process (``--front_processes 0``): the app and its decode thread together."""
-    from omni_lightning.serving.app import app_over
+def serve_here(argv: list[str], values: dict, full_help: bool = False) -> int:
+    """``--front_processes 0``: the app and its decode thread in this process (and ``--help``); returns the
+    exit status (``stop_line``). The port is bound before the model loads: a port in use is said at once."""
+    from omni_lightning.serving.server import bound_socket, stop_line, stop_summary
+
+    help_only = bool({"-h", "--help"} & set(argv))
+    sock = None if help_only else bound_socket(str(values.get("host") or "127.0.0.1"), int(values.get("port") or 8000))
+    try:
+        cli = _parse(argv, full_help)
+        server = serve_module(_load(cli, argv), cli.trainer, cli.config, cli.config.ckpt_path, sock)
+    finally:
+        if sock is not None:
+            sock.close()
+    status, line = stop_line(stop_summary(server))
+    print(line, file=sys.stderr if status else sys.stdout, flush=True)
+    return status
+
+
+def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, sock: Any = None) -> Any:
+    """Serves ``module`` in this process until stopped (``sock``: a bound socket to listen on); returns the
+    stopped ``DrainingServer``."""
+    from omni_lightning.serving.app import ROUTES, app_over
     from omni_lightning.serving.server import request_log, server_for
 
     request_log()
@@ -189,5 +237,9 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None) 
         print(f"serve: {info['what']}; {info['limits']}; one process; listening on http://{host}:{port} ({ROUTES})",
               flush=True)  # fmt: skip
 
-    server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning").run()
+    server = server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning")
+    if sock is not None:
+        sock.listen(2048)
+    server.run(sockets=[sock] if sock is not None else None)
     sys.stdout.flush()
+    return server

@@ -11,8 +11,8 @@ When a capture fails (out of memory, or anything else a driver or library raises
 eagerly from then on and nothing more is captured into the pool it failed in: a failed capture can
 leave the pool's bookkeeping unusable (CUDACachingAllocator asserts on the next capture into it),
 so later captures get a fresh pool, and the failed graph object is kept, never destroyed mid-run.
-``capture`` is injectable (``GraphCapture``): the tests pass a stand-in that records the callable,
-or fails, to run this logic on a CPU.
+``capture`` is injectable (``GraphCapture``; CUDA's is ``engine/cuda_capture.py``): the tests pass a
+stand-in that records the callable, or fails, to run this logic on a CPU.
 
 Graphs read the weights at the addresses they were captured with: :class:`BoundWeights` holds
 those tensors (the convolution weights channels-last, :func:`conv_layout`) and a capture runs the
@@ -25,6 +25,7 @@ Not done: graphs are not shared across processes or devices.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -48,71 +49,6 @@ class GraphCapture(Protocol):
     ``(replay, static_output)``. Raises :class:`CaptureError` when the recording fails."""
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]: ...
-
-
-class TorchGraphCapture:
-    """``torch.cuda.graph`` captures into one pool, warm-ups too (see the module docstring).
-
-    The warm-up allocates from the graphs' pool (``torch.cuda.use_mem_pool``, where this torch has
-    it): its freed blocks are what the capture then takes, so a new bucket needs one forward's
-    memory, not two. The capture mode is ``thread_local``: threads that do their own CUDA work
-    meanwhile (a data loader pinning memory) must not break a capture, and never touch its stream.
-    """
-
-    def __init__(self) -> None:
-        self.pool: Any = None
-        self.stream: torch.cuda.Stream | None = None
-        self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
-
-    @staticmethod
-    def shares_warmup_memory() -> bool:
-        return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
-
-    def reset(self) -> None:
-        """A new pool for the captures to come (the old one is freed with the graphs that hold it)."""
-        self.pool = None
-
-    def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-        cached = torch.is_autocast_cache_enabled()
-        torch.set_autocast_cache_enabled(False)  # a cast cached in the warm-up is freed when autocast exits
-        try:
-            return self._capture(fn)
-        finally:
-            torch.set_autocast_cache_enabled(cached)
-
-    def run_in_pool(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``fn()`` eagerly on the captures' stream, allocating from their pool where this torch can (a
-        capture's warm-up): the blocks it frees are the ones the capture then takes."""
-        if self.pool is None:
-            self.pool = torch.cuda.MemPool() if self.shares_warmup_memory() else torch.cuda.graph_pool_handle()
-        if self.stream is None:  # warm-ups and captures on one stream: the allocator reuses blocks per stream
-            self.stream = torch.cuda.Stream()
-        self.stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(self.stream):
-                if self.shares_warmup_memory():
-                    with torch.cuda.use_mem_pool(self.pool):
-                        return fn()
-                return fn()
-        except BaseException:
-            self.stream.synchronize()  # nothing of a failed forward may still run when its memory is reused
-            raise
-        finally:
-            torch.cuda.current_stream().wait_stream(self.stream)
-
-    def _capture(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
-        self.run_in_pool(fn)
-        pool_id = getattr(self.pool, "id", self.pool)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=pool_id, stream=self.stream, capture_error_mode="thread_local"):
-                out = fn()
-        except Exception as err:
-            torch.cuda.synchronize()
-            self.failed.append(graph)
-            self.pool = None
-            raise CaptureError(f"{type(err).__name__}: {err}") from err
-        return graph.replay, out
 
 
 @dataclass
@@ -181,6 +117,12 @@ class GraphCache:
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - start
         return graph
+
+    def capture_largest_first(self, codes: torch.Tensor, scratch: int, largest: int) -> None:
+        """Before the first capture: the bucket of ``codes``' rows and ``largest`` frames, so the captures
+        after it fit in the memory it leaves in the shared pool (smallest first, each would add its own)."""
+        if largest > codes.shape[2]:
+            self.get(codes.repeat(1, 1, math.ceil(largest / codes.shape[2]))[..., :largest], scratch)
 
     def run(self, graph: StepGraph, codes: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         graph.codes.copy_(codes)

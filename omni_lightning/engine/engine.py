@@ -9,9 +9,8 @@ The engine owns what makes that fast and safe on a device:
   within a frame budget derived from the memory budget (``engine/budget.py``);
 - **CUDA graphs**, one per bucket, captured lazily into one pool (``engine/bucket_graphs.py``): short forwards
   (at most ``graph_frames`` padded frames: streaming steps, a batch's last chunks) and, with no memory
-  cap, whole-budget ones (the planner's long forwards: ~10 ms of host launches each on qwen3-omni).
-  Under a cap long forwards run eagerly in the allocator's regular pool: a whole-budget capture at a
-  0.03 share ran out of memory where the eager forward fit (H100, docs/performance.md);
+  cap, whole-budget ones (~10 ms of host launches each on qwen3-omni). Under a cap they run eagerly
+  unless ``whole_graphs``, which halves the frame budget (their pool beside the eager forwards' blocks);
 - **memory**: a forward that runs out of memory changes no state (the model commits state last); the
   engine halves its frame budget and plans again, down to one frame, then gives up with the error;
   a capture that fails leaves its bucket eager. The run finishes with every request exact.
@@ -27,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -36,7 +34,8 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from omni_lightning.engine import budget as budgets
-from omni_lightning.engine.bucket_graphs import BoundWeights, GraphCache, GraphCapture, TorchGraphCapture
+from omni_lightning.engine.bucket_graphs import BoundWeights, GraphCache, GraphCapture
+from omni_lightning.engine.cuda_capture import TorchGraphCapture
 from omni_lightning.engine.plan import Planner
 from omni_lightning.engine.serial import serialized
 from omni_lightning.engine.stats import EngineStats
@@ -56,7 +55,9 @@ class DecodeEngine(EngineStats):
     ``max_rows``: slots, so requests (or open streams) at once. ``cuda_graphs``: capture buckets on
     CUDA, forwards of up to ``graph_frames`` padded frames, whose pool takes at most ``graph_share`` of
     the budget (``budget.py``; ``graph_frames`` is halved until it does). ``capture`` replaces
-    ``torch.cuda.graph`` (tests). ``kernels``: default for the device.
+    ``torch.cuda.graph`` (tests). ``kernels``: default for the device. ``new_shape_cost``: the
+    planner's price of a shape not run yet on CUDA (``plan.py``; a streaming decoder's is higher).
+    ``whole_graphs``: whole-budget forwards as CUDA graphs (None: with no cap only, see above).
     Call :meth:`refresh` when the model's weights may have changed place (each predict start).
     """
 
@@ -73,6 +74,8 @@ class DecodeEngine(EngineStats):
         out_dtype: torch.dtype = torch.float32,
         graph_frames: int = 512,
         graph_share: float = 0.25,
+        new_shape_cost: int = Planner.new_shape_cost,
+        whole_graphs: bool | None = None,
     ) -> None:
         if graph_frames < 0:
             raise ValueError(f"graph_frames must be >= 0 (0: no CUDA graphs), got {graph_frames}")
@@ -86,7 +89,7 @@ class DecodeEngine(EngineStats):
         self.device, self.dtype = ref.device, ref.dtype
         self.out_dtype = out_dtype
         self.kernels = kernels or Kernels.for_inference(self.device)
-        self.max_rows = max_rows
+        self.max_rows, self.new_shape_cost = max_rows, new_shape_cost
         self.state = DecodeState(model, max_rows + 1)  # the last slot is scratch: padding rows
         self.scratch = max_rows
         self._free = deque(range(max_rows))
@@ -95,6 +98,7 @@ class DecodeEngine(EngineStats):
         self.graphs = GraphCache(self._forward, capture) if use_graphs else None
         self.weights = BoundWeights(model, conv_weights_channels_last=True) if use_graphs else None
         self.graph_frames = graph_frames if use_graphs else 0
+        self.whole_graphs = use_graphs and (gpu_memory_utilization is None if whole_graphs is None else whole_graphs)
         if frames_per_forward is None:
             budget = budgets.budget_bytes(self.device, gpu_memory_utilization) if budget is None else budget
             per_frame = budgets.activation_bytes_per_frame(model)
@@ -102,6 +106,8 @@ class DecodeEngine(EngineStats):
             if use_graphs:  # the graphs' pool comes out of the budget first (budget.py)
                 self.graph_frames = budgets.graph_frames_for_budget(budget, per_frame, graph_frames, graph_share)
                 budget -= budgets.graph_pool_bytes(self.graph_frames, per_frame)
+                if self.whole_graphs and gpu_memory_utilization is not None:  # the pool's forward beside an eager one
+                    budget //= 2
             frames_per_forward = budgets.frames_for_budget(budget, per_frame)
         self.planner = self._planner(frames_per_forward)
         self._up, self._tail = model.config.total_upsample, model.config.tail
@@ -118,7 +124,7 @@ class DecodeEngine(EngineStats):
             max_rows=self.max_rows,
             graph_frames=min(self.graph_frames, frames),
             exact_eager=self.graph_frames > 0,
-            new_shape_cost=0 if self.device.type != "cuda" else Planner.new_shape_cost,
+            new_shape_cost=0 if self.device.type != "cuda" else self.new_shape_cost,
         )
 
     @property
@@ -273,26 +279,20 @@ class DecodeEngine(EngineStats):
         with torch.no_grad():
             frames = codes.shape[0] * codes.shape[2]
             short = frames <= self.graph_frames
-            whole = self.graph_frames > 0 and self.gpu_memory_utilization is None and frames == self.planner.frames
-            graphed = short or whole  # see the module docstring
+            graphed = short or (self.whole_graphs and self.graph_frames > 0 and frames == self.planner.frames)
             if graphed:
                 self.graphs.follow_autocast(self.device)
-            if short and not self.graphs.graphs and not self.graphs.eager:
-                self._capture_largest_first(codes)
+            if short and not self.graphs.graphs and not self.graphs.eager:  # largest first: see GraphCache
+                rows, limit = codes.shape[0], min(self.planner.frames, self.graph_frames)
+                self.graphs.capture_largest_first(
+                    codes, self.scratch, max(c for c in self.planner.chunks if c * rows <= limit)
+                )
             graph = self.graphs.get(codes, self.scratch) if graphed else None
             if graph is None:
                 if self.graphs is not None:
                     self.graphs.stats.eager += 1
                 return self._forward(codes, slots, valid)
             return self.graphs.run(graph, codes, slots, valid)
-
-    def _capture_largest_first(self, codes: torch.Tensor) -> None:
-        """Before the first capture: this row count's largest captured bucket, so the captures after it
-        fit in the memory it leaves in the shared pool (captured smallest first, each would add its own)."""
-        rows, chunk = codes.shape[0], codes.shape[2]
-        largest = max(c for c in self.planner.chunks if c * rows <= min(self.planner.frames, self.graph_frames))
-        if largest > chunk:
-            self.graphs.get(codes.repeat(1, 1, math.ceil(largest / chunk))[..., :largest], self.scratch)
 
     def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if self.weights is not None:  # the tensors the graphs read, wherever the parameters are

@@ -8,13 +8,13 @@ or decoded twice. A step whose forward raises marks its streams failed (their st
 ``retire`` ends every stream when the weights are about to change. Calls from several threads run
 one at a time (``engine/serial.py``).
 
-Not done: re-reading parameters replaced rather than updated in place (``model.to(...)``: build a
-new decoder; ``reads`` tells), or detecting weights written in place while a stream is open outside
-``fit`` (a pass over every parameter per step).
+Not done: re-reading parameters replaced rather than updated in place (``model.to(...)``: build a new
+decoder; ``reads`` tells), or seeing weights written in place while a stream is open outside ``fit``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import OrderedDict
@@ -28,9 +28,10 @@ from omni_lightning.engine.engine import DecodeEngine
 from omni_lightning.engine.serial import serialized
 from omni_lightning.errors import check_count
 from omni_lightning.models.code2wav import Code2Wav
-from omni_lightning.models.codes import check_request_codes
+from omni_lightning.models.codes import all_codes, check_request_codes
 
 STEP_FRAMES = 16  # frames per stream a full step may push and still replay a CUDA graph (default budget)
+NEW_SHAPE_COST = 1024  # a step that captures a new shape waits for it: streams keep to the shapes they have
 
 
 @dataclass
@@ -44,19 +45,15 @@ class _Stream:
 class StreamingDecoder:
     """Decodes many streams at once (see the module docstring).
 
-    ``open()`` a stream, ``push(stream, codes[Q, n])`` its frames as they arrive (any ``n``, a single
-    frame too), and ``step()`` advances every stream with pushed frames, returning each one's new
-    samples ``[1, m]`` (float32, on the model's device); ``close(stream)`` frees its slot.
-    ``step({stream: codes, ...})`` pushes and steps in one call.
-
-    Bad input (codes out of range, the wrong number of codebooks, a non-integer dtype, a chunk for a
-    closed or unknown stream) raises ``ValueError`` naming the stream, before anything of any stream
-    changes; the other streams go on with the next call. Codes on a GPU are range-checked there (one
-    synchronization per chunk: bad codes must never reach an embedding lookup).
-
-    ``engine``: the engine to run on (default: a new one over ``model`` with ``max_streams`` slots;
-    ``cuda_graphs``, ``frames_per_forward`` and ``gpu_memory_utilization``, the share of the GPU its
-    memory budget comes from on a shared GPU, and ``capture``, go to it). Each stream holds ``state_bytes_per_stream``.
+    ``open()`` a stream, ``push(stream, codes[Q, n])`` its frames as they arrive (any ``n``, one frame
+    too), ``step()`` advances every stream with pushed frames, returning each one's new samples ``[1, m]``
+    (float32, on the model's device); ``close(stream)`` frees its slot. ``step({stream: codes})`` pushes
+    and steps. Bad input (codes out of range, the wrong number of codebooks, a non-integer dtype, a
+    chunk for a closed or unknown stream) raises ``ValueError`` naming the stream, before anything of
+    any stream changes. Codes on a GPU are range-checked there (one sync a call: bad codes must never
+    reach an embedding lookup). ``engine``: the engine to run on (default: a new one over ``model``
+    with ``max_streams`` slots; ``cuda_graphs``, ``frames_per_forward``, ``gpu_memory_utilization``
+    (its budget's share of the GPU) and ``capture`` go to it). A stream holds ``state_bytes_per_stream``.
     """
 
     def __init__(
@@ -68,23 +65,25 @@ class StreamingDecoder:
         engine: DecodeEngine | None = None,
         gpu_memory_utilization: float | None = None,
         capture: GraphCapture | None = None,
+        step_frames: int = STEP_FRAMES,
     ) -> None:
         check_count("max_streams", max_streams)
+        check_count("step_frames", step_frames)
         check_count("frames_per_forward", frames_per_forward, none_ok=True)  # None: from the memory budget
         self.model, self.config = model, model.config
-        # a step of up to STEP_FRAMES frames per stream replays a CUDA graph; graphs take most of the budget
+        # a step of up to step_frames frames per stream replays a CUDA graph; graphs take most of the budget
         self.engine = engine or DecodeEngine(
             model,
             frames_per_forward=frames_per_forward,
             max_rows=max_streams,
             cuda_graphs=cuda_graphs,
-            graph_frames=max(512, max_streams * STEP_FRAMES),
+            graph_frames=max(512, max_streams * step_frames),
             graph_share=0.75,
             gpu_memory_utilization=gpu_memory_utilization,
             capture=capture,
+            new_shape_cost=NEW_SHAPE_COST,
         )
-        self.max_streams = self.engine.max_rows
-        self.cuda_graphs = cuda_graphs
+        self.max_streams, self.cuda_graphs = self.engine.max_rows, cuda_graphs
         ref = next(model.parameters())
         self._param = (ref.data_ptr(), ref.dtype)
         self._streams: dict[Hashable, _Stream] = {}
@@ -147,7 +146,7 @@ class StreamingDecoder:
     def push(self, stream_id: Hashable, codes: torch.Tensor) -> None:
         """Queues ``codes [Q, n]`` (any integer dtype, any device; ``n`` may be 0) for the next step."""
         stream = self._get(stream_id)
-        stream.pending.append(self._checked(stream_id, stream, codes))
+        stream.pending.append(self._checked_all({stream_id: (stream, codes)})[stream_id])
 
     @serialized
     def step(self, chunks: Mapping[Hashable, torch.Tensor] | None = None) -> dict[Hashable, torch.Tensor]:
@@ -160,7 +159,7 @@ class StreamingDecoder:
             )
         self._check_serving()
         if chunks:
-            checked = {sid: self._checked(sid, self._get(sid), codes) for sid, codes in chunks.items()}
+            checked = self._checked_all({sid: (self._get(sid), codes) for sid, codes in chunks.items()})
             for sid, codes in checked.items():
                 self._streams[sid].pending.append(codes)
         return self._decode([sid for sid, s in self._streams.items() if s.pending])
@@ -266,19 +265,25 @@ class StreamingDecoder:
             )
 
     def _release(self, stream_id: Hashable) -> None:
-        stream = self._streams.pop(stream_id, None)
-        if stream is None:
+        if (stream := self._streams.pop(stream_id, None)) is None:
             return
         self.engine.release(stream.slot)
         self._closed[stream_id] = None
         while len(self._closed) > 4096:
             self._closed.popitem(last=False)
 
-    def _checked(self, stream_id: Hashable, stream: _Stream, codes: torch.Tensor) -> torch.Tensor:
-        """``codes`` as int64 ``[Q, n]`` after the checks ``decode`` makes, bad values named at their
-        frame in this stream."""
-        first = stream.frames + sum(p.shape[1] for p in stream.pending)
-        return check_request_codes(codes, self.config, f"stream {stream_id!r}", chunk_from=first)
+    def _checked_all(self, chunks: dict[Hashable, tuple[_Stream, torch.Tensor]]) -> dict[Hashable, torch.Tensor]:
+        """Each stream's ``codes`` as int64 ``[Q, n]`` after ``decode``'s checks, all values in one pass (one
+        sync on a GPU); where any fails, chunk by chunk: the first bad one raises, named at its frame."""
+        out: dict[Hashable, torch.Tensor] = {}
+        with contextlib.suppress(ValueError):  # a bad layout: named below
+            out = {sid: check_request_codes(c, self.config, "", False, 0) for sid, (_, c) in chunks.items()}
+            if all_codes(list(out.values()), self.config):
+                return out
+        for sid, (stream, codes) in chunks.items():
+            first, who = stream.frames + sum(p.shape[1] for p in stream.pending), f"stream {sid!r}"
+            out[sid] = check_request_codes(codes, self.config, who, chunk_from=first)
+        return out
 
 
 def _check_hashable(stream_id: Hashable) -> None:
@@ -288,8 +293,7 @@ def _check_hashable(stream_id: Hashable) -> None:
         raise ValueError(f"stream ids must be hashable, got {type(stream_id).__name__}") from None
 
 
-def _sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:
-    """``sizes`` as a tuple of integers >= 1, else a ValueError naming ``name`` and the bad value."""
+def _sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:  # integers >= 1, else a ValueError naming them
     sizes = tuple(sizes) if isinstance(sizes, Iterable) else sizes
     if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
         raise ValueError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")

@@ -28,7 +28,28 @@ from torchmetrics.functional.audio import scale_invariant_signal_distortion_rati
 from omni_lightning.training.losses import MultiResolutionMelLoss, MultiResolutionSTFTLoss
 
 NAMES = ("mel_distance", "stft_distance", "si_sdr", "snr")
+# what a vocoder is judged by: magnitudes and perceptual scores, blind to phase as a listener mostly is
+HEARD = ("mel_distance", "stft_distance", "pesq", "stoi", "estoi")
+WAVEFORM = ("si_sdr", "snr")  # sample-exact matches: a vocoder's phase is free, so they can fall as the audio improves
 LOSSES = ("loss", "mel", "stft")  # the module's reconstruction losses (training/losses.py), batch means
+
+
+def metrics_line(metrics: dict[str, float]) -> str:
+    """A validate or test run's metrics as one line: first the ones that track what a listener hears
+    (:data:`HEARD`, each with its ``_unscored`` count), then the rest by name, then SI-SDR and SNR
+    apart, named as waveform measures (docs/evaluation.md#what-the-metrics-mean-for-a-vocoder).
+    Nothing is left out: the loggers and ``trainer.validate``'s return hold the same values."""
+
+    def place(key: str) -> tuple[int, str]:
+        name = key.rsplit("/", 1)[-1].removesuffix("_unscored")
+        return (HEARD.index(name), key) if name in HEARD else (len(HEARD), key)
+
+    def listed(keys: list[str]) -> str:
+        return ", ".join(f"{k}={metrics[k]:.4g}" for k in keys)
+
+    waveform = sorted(k for k in metrics if k.rsplit("/", 1)[-1] in WAVEFORM)
+    line = listed(sorted((k for k in metrics if k not in waveform), key=place))
+    return line + (f"; waveform match (phase-sensitive): {listed(waveform)}" if waveform else "")
 
 
 def batch_metrics(

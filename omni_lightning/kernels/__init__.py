@@ -16,6 +16,7 @@ import torch
 from omni_lightning.kernels import snake_beta
 from omni_lightning.kernels.conv_snake import conv_snake_triton, conv_snake_triton_autograd, widths_supported
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
+from omni_lightning.kernels.residual_unit import residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 
 
@@ -30,8 +31,11 @@ class Kernels:
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
     autograd needs the stream's earlier values) and ``conv_snake`` (``kernels/conv_snake.py``: a
     residual unit's dilated convolution with its second SnakeBeta as the epilogue, for the widths it
-    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta), also where autograd records
-    when ``conv_snake_grad`` (it is differentiable: ``conv_snake_triton_autograd``)."""
+    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta; also where autograd records
+    when ``conv_snake_grad``: it is differentiable, ``conv_snake_triton_autograd``) and ``residual_unit``
+    (``kernels/residual_unit.py``: that convolution, its SnakeBeta, the 1x1 convolution and the residual
+    add as one kernel, in place, for the same widths and dtypes; None: not fused; opt-in until a GPU
+    measures it)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
@@ -40,6 +44,7 @@ class Kernels:
     conv_snake: Callable[..., torch.Tensor] | None = None
     conv_snake_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     conv_snake_grad: bool = False
+    residual_unit: Callable[..., torch.Tensor] | None = None
 
     def fuses_conv_snake(self, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
         """Whether the convolution ``conv`` of the SnakeBeta output ``a`` runs as ``conv_snake`` (its
@@ -52,13 +57,29 @@ class Kernels:
             and (self.conv_snake_grad or not torch.is_grad_enabled())
         )
 
+    def fuses_residual_unit(self, x: torch.Tensor, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
+        """Whether a residual unit on the stream ``x`` (its first SnakeBeta's output ``a``, its dilated
+        convolution ``conv``) runs as ``residual_unit``: inference, in place, ``x`` contiguous in ``a``'s
+        dtype, the widths and dtypes :meth:`fuses_conv_snake` takes."""
+        return (
+            self.residual_unit is not None
+            and self.inplace
+            and x.is_contiguous()
+            and x.dtype == a.dtype
+            and conv.in_channels == conv.out_channels == x.shape[-1]
+            and self.fuses_conv_snake(a, conv)
+        )
+
     @classmethod
-    def for_inference(cls, device: torch.device | str, fused: bool = True) -> Kernels:
+    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool = False) -> Kernels:
         """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, the residual units'
         dilated convolutions with their SnakeBeta fused (16-bit, 32-256 channels), in-place residuals;
-        elsewhere the torch reference with in-place residuals."""
+        with ``fused_units`` too, those units' convolutions, SnakeBeta, 1x1 convolutions and residual adds
+        as one kernel each (opt-in); elsewhere the torch reference with in-place residuals."""
         if fused and torch.device(device).type == "cuda" and triton_available():
-            return cls(snake_beta_triton, inplace=True, name="triton", conv_snake=conv_snake_triton)
+            unit = residual_unit_triton if fused_units else None
+            name = "triton-units" if fused_units else "triton"
+            return cls(snake_beta_triton, inplace=True, name=name, conv_snake=conv_snake_triton, residual_unit=unit)
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod

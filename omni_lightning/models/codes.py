@@ -127,6 +127,15 @@ def validate_codes(
     return lengths
 
 
+def all_codes(chunks: Sequence[torch.Tensor], config: Code2WavConfig) -> bool:
+    """Whether every value of these int64 tensors is a code: one pass per device (one sync on a GPU),
+    where checking each would take one per tensor. It names nothing: check the tensors one by one
+    where it says no."""
+    devices = {c.device for c in chunks}
+    flat = [torch.cat([c.reshape(-1) for c in chunks if c.device == d]) for d in devices]
+    return not any(bool(((f < 0) | (f >= config.codebook_size)).any()) for f in flat)
+
+
 def check_request_codes(
     codes: Any, config: Code2WavConfig, who: str, values: bool = True, chunk_from: int | None = None
 ) -> torch.Tensor:

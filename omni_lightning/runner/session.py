@@ -278,12 +278,12 @@ class InferenceSession:
             raise ValueError(FIT_ELSEWHERE)
 
     def streaming_decoder(self, module: Any, max_streams: int, cuda_graphs: bool,
-                          gpu_memory_utilization: float | None) -> StreamingDecoder:  # fmt: skip
+                          gpu_memory_utilization: float | None, step_frames: int = 16) -> StreamingDecoder:  # fmt: skip
         """A decoder over ``module.model``, retired when the module starts fit."""
         self.refuse_during_fit(module)
         graphs = cuda_graphs and module.fast_path  # laid out in place: a stream never refreshes copies
         decoder = StreamingDecoder(module.model, max_streams, graphs, capture=self._capture(module.model, graphs),
-                                   gpu_memory_utilization=gpu_memory_utilization)  # fmt: skip
+                                   gpu_memory_utilization=gpu_memory_utilization, step_frames=step_frames)  # fmt: skip
         self._decoders.add(decoder)
         return decoder
 

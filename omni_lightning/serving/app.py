@@ -17,6 +17,7 @@ import itertools
 import logging
 import os
 import re
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ import torch
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from omni_lightning.serving.audio_encoding import (
@@ -39,10 +41,12 @@ from omni_lightning.serving.decode_loop import DecodeLoop
 from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
+from omni_lightning.serving.request_log import ended
 
 log = logging.getLogger("omni_lightning.serving")
 MAX_BODY_BYTES = 8 * 2**20  # a JSON body of ~100 k frames (2 h of audio); .npy int16 takes 32 bytes a frame
 _SAFE_ID = re.compile(r"[^A-Za-z0-9._:-]")
+ROUTES = "POST /v1/code2wav, WebSocket /v1/code2wav/stream, GET /health, GET /metrics"
 
 
 @dataclass
@@ -146,12 +150,22 @@ def app_over(loop: Any, metrics: ServeMetrics, max_body_bytes: int = MAX_BODY_BY
         finally:
             state.handlers -= 1
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> Response:
+        """A wrong path or method (404, 405) as every other error: ``{"error": "<one line>"}``."""
+        where = f"{request.method} {request.url.path}"
+        said = {404: f"{where}: no such route", 405: f"{where}: the route does not take {request.method}"}
+        message = said.get(err.status_code, f"{where}: {err.detail}")
+        if err.status_code in (404, 405):
+            message += f" (routes: {ROUTES})"
+        return JSONResponse({"error": message}, err.status_code, headers=err.headers)
+
     add_stream_route(app, state)
     return app
 
 
 async def _whole_request(state: ServeState, request: Request, rid: str) -> Response:
-    query = request.query_params
+    started, query = time.perf_counter(), request.query_params
     audio_format, subtype = query.get("format", "wav").lower(), query.get("subtype", "FLOAT").upper()
     stream = query.get("stream", "false").lower()
     if stream not in ("true", "false", "1", "0"):
@@ -165,7 +179,6 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
     body = await read_body(request, state.max_body_bytes, f"request {rid}")
     codes = body_codes(body, request.headers.get("content-type"), state.loop.config, f"request {rid}")
     config = state.loop.config
-    n_samples = config.output_length(codes.shape[1])
     log.info(
         "serve: %s POST /v1/code2wav %d frames, %s %s%s",
         rid,
@@ -181,7 +194,7 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
         headers["X-Sample-Format"] = PCM_NAMES[subtype]
     if stream_out:
         state.handlers += 1  # until the body is sent
-        body_iter = _streamed(state, job, queue, audio_format, subtype, n_samples)
+        body_iter = _streamed(state, job, queue, audio_format, subtype, codes.shape[1], started)
         return StreamingResponse(body_iter, media_type=MEDIA_TYPES[audio_format], headers=headers)
     pieces: list[torch.Tensor] = []
     try:
@@ -191,11 +204,13 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
             except TimeoutError:
                 if await request.is_disconnected():
                     log.info("serve: %s client went away: slot freed", rid)
+                    ended(rid, "499", codes.shape[1], started)
                     return Response(status_code=499)
                 continue
             if kind == "audio":
                 pieces.extend(value)
             elif kind == "error":
+                ended(rid, str(value[0]), codes.shape[1], started)
                 return _error(state, "code2wav", rid, *value)
             else:
                 break
@@ -209,18 +224,20 @@ async def _whole_request(state: ServeState, request: Request, rid: str) -> Respo
         data = sample_bytes(samples, subtype)
         data = wav_header(samples.shape[-1], config.sample_rate, subtype) + data if audio_format == "wav" else data
     state.metrics.requests.labels("code2wav", "200").inc()
+    ended(rid, "200", codes.shape[1], started)
     return Response(data, media_type=MEDIA_TYPES[audio_format], headers=headers)
 
 
 async def _streamed(
-    state: ServeState, job: Job, queue: asyncio.Queue, audio_format: str, subtype: str, n_samples: int
+    state: ServeState, job: Job, queue: asyncio.Queue, audio_format: str, subtype: str, frames: int, started: float
 ) -> AsyncIterator[bytes]:
     """The body of a streamed response: the WAV header first (its length known from the codes), then each
     piece as it is decoded. A decode that fails after the header ends the body short (the log says why)."""
     status = "200"
     try:
         if audio_format == "wav":
-            yield wav_header(n_samples, state.loop.config.sample_rate, subtype)
+            config = state.loop.config
+            yield wav_header(config.output_length(frames), config.sample_rate, subtype)
         while True:
             kind, value = await queue.get()
             if kind == "audio":
@@ -238,6 +255,7 @@ async def _streamed(
             status = "499"
         state.metrics.requests.labels("code2wav", status).inc()
         state.handlers -= 1
+        ended(job.rid, status, frames, started)
 
 
 async def read_body(request: Request, limit: int, who: str) -> bytes:

@@ -1,27 +1,22 @@
 """``DecodeLoop``: the one owner of a server's :class:`StreamingDecoder` and its decode steps.
 
 Every client is a stream of that decoder: a WebSocket stream pushes its chunks as they come, a whole
-request pushes its codes up to ``request_frames`` at a time (so a long request neither holds back the
-other streams' first audio nor waits to send its own). Each step pushes what the schedule takes
-(``schedule.py``: every waiting stream chunk first; whole requests' frames capped to a slice of engine
-time while a stream is open), advances every stream with frames at once (``StreamingDecoder.step``: one
-planned set of forwards), copies the step's audio to the host in one copy, and hands each client its
-audio, a stream's split per chunk it sent. So every client gets exactly ``decode`` of its codes, as
-``StreamingDecoder`` guarantees, whatever else was in the step. A step follows the last at once while
-work remains; the loop sleeps only when idle.
+request up to ``request_frames`` a step. Each step pushes what the schedule takes (``schedule.py``: stream
+chunks first; whole requests capped to a slice of engine time while a stream is open), advances every
+stream with frames at once (``StreamingDecoder.step``), copies the step's audio to the host in one copy
+(``host_audio.py``) and hands each client its audio, a stream's split per chunk. So every client gets
+exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
+remains; the loop sleeps only when idle.
 
 Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
-a whole request takes one when one frees, waiting in a queue of at most ``max_queue`` (full:
-:class:`Overloaded`). A client that goes away is closed at the next step, its slot freed. A step whose
-forward raises fails the clients in that step (each told why) and no other.
-
-Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``); the loop answers through
-the job's ``sink``, called on the loop's thread: ``("audio", [samples, ...])`` (views of a buffer the next
-step reuses: a sink that keeps them copies them), ``("end", None)`` or
-``("error", (status, message))``. The loop runs on a thread of its own (``start``: an app in one process)
-or on its caller's (``warm`` then ``run_step`` in a loop: the engine process, ``engine_process.py``, which
-reads its sockets while the device computes, ``between``). Not done: a deadline per request (a client
-that wants one closes its connection, which frees the slot).
+a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
+A client that goes away is closed at the next step. A step whose forward raises fails its clients (each
+told why) and no other. Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``);
+it answers through the job's ``sink`` on the loop's thread: ``("audio", [samples, ...])`` (views the next
+step reuses: a sink that keeps them copies them), ``("end", None)`` or ``("error", (status, message))``.
+The loop runs on a thread of its own (``start``: one process) or its caller's (``warm``, then ``run_step``:
+the engine process, which reads its socket while the device computes, ``between``). Not done: a deadline
+per request (a client that wants one closes its connection, which frees the slot).
 """
 
 from __future__ import annotations
@@ -37,6 +32,7 @@ from typing import Any
 import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
+from omni_lightning.serving.host_audio import HostAudio
 from omni_lightning.serving.jobs import Job, Overloaded, Sink
 from omni_lightning.serving.schedule import FrameCost, bulk_frames
 
@@ -46,7 +42,8 @@ log = logging.getLogger("omni_lightning.serving")
 class DecodeLoop:
     """Runs the decode steps (see the module docstring). ``context``: a context manager factory entered
     where the steps run (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
-    ``warmup``: chunk sizes run once before ``ready`` is set; ``bulk_slice_s``: while a stream is open,
+    ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
+    steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
     the engine time a step gives whole requests (``schedule.py``)."""
 
     def __init__(
@@ -58,11 +55,13 @@ class DecodeLoop:
         metrics: Any = None,
         warmup: tuple[int, ...] = (1, 8),
         bulk_slice_s: float = 0.01,
+        warmup_rows: tuple[int, ...] = (1,),
     ) -> None:
         self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
         self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
         self.config, self.bulk_slice_s, self.cost = decoder.config, bulk_slice_s, FrameCost()
-        self._host: torch.Tensor | None = None  # the steps' audio on the host (see _to_host)
+        self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
+        self._host = HostAudio()  # the steps' audio on the host, one buffer reused
         self.ready, self.warmup_error = threading.Event(), None
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
         self._active: list[Job] = []  # holding a slot (or about to open one)
@@ -150,8 +149,9 @@ class DecodeLoop:
         """Runs the warm-up; sets ``ready``, or ``warmup_error`` and returns False."""
         try:
             if self.warmup:
-                seconds = self.decoder.warmup(chunk_sizes=self.warmup)
-                log.info("serve: warm-up (chunks of %s frames) took %.2f s", self.warmup, seconds)
+                seconds = self.decoder.warmup(chunk_sizes=self.warmup, batch_sizes=self.warmup_rows)
+                log.info("serve: warm-up (chunks of %s frames, %s streams) took %.2f s", self.warmup,
+                         self.warmup_rows, seconds)  # fmt: skip
         except Exception as err:  # the server answers /health 503 with this
             self.warmup_error = f"{type(err).__name__}: {err}"
             log.exception("serve: warm-up failed")
@@ -232,7 +232,7 @@ class DecodeLoop:
             if between is not None:
                 between()
             sids = [job.sid for job in pushed]
-            host = self._to_host([out[sid] for sid in sids])
+            host = self._host.gather([out[sid] for sid in sids])
         except Exception as err:
             n = len(pushed)
             why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
@@ -247,21 +247,6 @@ class DecodeLoop:
         pieces = host.split([out[sid].shape[-1] for sid in sids], dim=-1)
         for (job, frames), samples in zip(pushed.items(), pieces):
             self._deliver(job, self._split(samples, frames, first=job.sent_frames == sum(frames)))
-
-    def _to_host(self, outs: list[torch.Tensor]) -> torch.Tensor:
-        """A step's outputs side by side in one host buffer, reused from step to step (pinned under CUDA: one
-        fast copy, not a pageable one per client). Sinks get views of it: one that keeps a piece copies it."""
-        total = sum(o.shape[-1] for o in outs)
-        if self._host is None or self._host.shape[-1] < total:
-            pinned = outs[0].is_cuda
-            self._host = torch.empty((1, max(total, 1 << 16) * 2), dtype=torch.float32, pin_memory=pinned)
-        host = self._host[:, :total]
-        if outs[0].is_cuda:
-            host.copy_(torch.cat(outs, dim=-1), non_blocking=True)
-            torch.cuda.current_stream(outs[0].device).synchronize()
-        else:
-            torch.cat(outs, dim=-1, out=host)
-        return host
 
     def _push(self, job: Job, take: int | None) -> list[int]:
         if job.codes is not None:

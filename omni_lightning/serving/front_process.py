@@ -1,6 +1,7 @@
 """A front process: the app's routes (``app.py``) over a :class:`RemoteLoop` of the engine processes, under
 uvicorn on the port every front shares (``SO_REUSEPORT``). It parses, checks and encodes; it never decodes.
-Started by ``supervisor.py``, which waits for its ``("listening", port)`` on ``conn``."""
+Started by ``supervisor.py``, which waits for its ``("listening", port)`` on ``conn``, and once it has
+stopped reads ``("stopped", summary)`` (``server.stop_summary``: whether clients were cut off)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 from omni_lightning.serving.app import app_over
 from omni_lightning.serving.engine_client import RemoteLoop
 from omni_lightning.serving.metrics import ServeMetrics
-from omni_lightning.serving.server import request_log, server_for
+from omni_lightning.serving.server import request_log, server_for, stop_summary
 from omni_lightning.serving.supervisor import reuse_port_socket
 
 
@@ -36,3 +37,4 @@ def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any
     server = server_for(app, settings.host, port, settings.drain_timeout, lambda h, p: conn.send(("listening", p)))
     sock.listen(2048)
     server.run(sockets=[sock])
+    conn.send(("stopped", stop_summary(server)))

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -25,6 +26,7 @@ from fastapi.responses import JSONResponse
 from omni_lightning.serving.audio_encoding import sample_bytes
 from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.request_body import BadRequest, body_codes
+from omni_lightning.serving.request_log import ended
 
 log = logging.getLogger("omni_lightning.serving")
 ROUTE = "stream"
@@ -58,22 +60,25 @@ def add_stream_route(app: FastAPI, state: Any) -> None:
             return
         state.handlers += 1
         log.info("serve: %s stream opened", rid)
-        status = "200"
+        status, started, frames = "200", time.perf_counter(), [0]  # frames: those received, counted by _receive
         try:
             await ws.accept(headers=[(b"x-request-id", rid.encode())])
-            status = await _serve_stream(ws, state, job, rid, queue, subtype)
+            status = await _serve_stream(ws, state, job, rid, queue, subtype, frames)
         finally:
             if not job.done:
                 state.loop.abort(job)
                 log.info("serve: %s client went away: slot freed", rid)
             state.metrics.requests.labels(ROUTE, status).inc()
             state.handlers -= 1
+            ended(rid, status, frames[0], started, " stream")
 
 
-async def _serve_stream(ws: WebSocket, state: Any, job: Job, rid: str, queue: asyncio.Queue, subtype: str) -> str:
+async def _serve_stream(
+    ws: WebSocket, state: Any, job: Job, rid: str, queue: asyncio.Queue, subtype: str, frames: list[int]
+) -> str:
     """Receives chunks and sends audio until the stream ends; returns the status counted in the metrics."""
     lock = asyncio.Lock()  # the receiver's error replies and the sender's audio, one message at a time
-    receiver = asyncio.create_task(_receive(ws, state, job, rid, lock))
+    receiver = asyncio.create_task(_receive(ws, state, job, rid, lock, frames))
     sender = asyncio.create_task(_send(ws, queue, subtype, lock))
     try:
         done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
@@ -89,8 +94,9 @@ async def _serve_stream(ws: WebSocket, state: Any, job: Job, rid: str, queue: as
                 await task
 
 
-async def _receive(ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.Lock) -> str:
-    """Chunks into the loop until ``{"end": true}`` (returns "ended") or a disconnect ("gone")."""
+async def _receive(ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.Lock, received: list[int]) -> str:
+    """Chunks into the loop until ``{"end": true}`` (returns "ended") or a disconnect ("gone"); ``received[0]``
+    counts the frames taken."""
     frames, config, who = 0, state.loop.config, f"stream {rid}"
     while True:
         try:
@@ -121,6 +127,7 @@ async def _receive(ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.
                 await ws.send_text(json.dumps({"error": str(err), "status": err.status}))
             continue
         frames += codes.shape[1]
+        received[0] = frames
         state.loop.push(job, codes)
 
 
@@ -156,5 +163,5 @@ async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asy
             else:
                 status, message = value
                 await ws.send_text(json.dumps({"error": message, "status": status}))
-                await ws.close(1011 if status == 500 else 1013)
+                await ws.close(1011 if status == 500 else 1013, message[:120])
                 return str(status)

@@ -69,8 +69,8 @@ def end_with_parent() -> None:
 class Supervisor:
     """Runs ``engine(index, address, conn, *engine_args)`` in ``engines`` processes, then, once all are
     ready, ``front(index, port, addresses, info, conn, *front_args)`` in ``fronts`` processes; ``on_ready(info,
-    host, port)`` once every front listens. :meth:`run` returns after a drain (SIGTERM, Ctrl-C) and raises
-    :class:`ChildDied` if a child ends on its own."""
+    host, port)`` once every front listens. :meth:`run` returns after a drain (SIGTERM, Ctrl-C; then
+    :meth:`stop_line` says how it ended) and raises :class:`ChildDied` if a child ends on its own."""
 
     def __init__(self, engines: int, fronts: int, host: str, port: int, engine: Callable[..., Any],
                  engine_args: tuple, front: Callable[..., Any], front_args: tuple,
@@ -79,14 +79,18 @@ class Supervisor:
         self.engine, self.engine_args, self.front, self.front_args = engine, engine_args, front, front_args
         self.on_ready = on_ready
         self.children: dict[str, multiprocessing.Process] = {}
+        self.conns: dict[str, Any] = {}  # each child's pipe: its start-up message, a front's stop summary
         self.signals: list[int] = []
 
     def run(self) -> None:
         gpus = _gpus()
         if gpus and self.engines > len(gpus):
             raise ValueError(f"--devices {self.engines}: this machine shows {len(gpus)} GPUs: give at most {len(gpus)}")
-        reserved = reuse_port_socket(self.host, self.port)  # holds the port (0: chooses it) until the fronts listen
-        port = reserved.getsockname()[1]
+        from omni_lightning.serving.server import bound_socket
+
+        with bound_socket(self.host, self.port) as probe:  # in use by anyone (even with SO_REUSEPORT): said now
+            port = probe.getsockname()[1]  # (port 0: a free one, chosen)
+        reserved = reuse_port_socket(self.host, port)  # held until the fronts listen on it
         folder = tempfile.mkdtemp(prefix="omni-serve-")
         metrics_dir = os.path.join(folder, "metrics")
         os.mkdir(metrics_dir)
@@ -119,6 +123,7 @@ class Supervisor:
                 child = context.Process(target=_child, args=(function, args), name=f"omni-{kind}-{index}")
                 child.start()
             self.children[child.name] = child
+            self.conns[child.name] = receive
             pending[receive] = (index, child)
         infos: list[Any] = [None] * count
         while pending:
@@ -169,6 +174,20 @@ class Supervisor:
             if child.is_alive():
                 child.kill()
                 child.join()
+
+    def stop_line(self) -> tuple[int, str]:
+        """The exit status and last line of the stopped server, from every front's ``stop_summary``."""
+        from omni_lightning.serving.server import stop_line
+
+        by = {signal.SIGTERM: "SIGTERM", signal.SIGINT: "Ctrl-C"}.get(self.signals[0] if self.signals else 0, "request")
+        summaries = []
+        for name, conn in self.conns.items():
+            if name.startswith("omni-front"):
+                said = conn.recv() if conn.poll() else None
+                summaries.append(said[1] if said and said[0] == "stopped" else
+                                 {"by": by, "cut_reason": f"{name} ended without saying how", "cut_off": 0,
+                                  "drained_s": 0.0})  # fmt: skip
+        return stop_line(*summaries)
 
 
 def _child(function: Callable[..., Any], args: tuple) -> None:

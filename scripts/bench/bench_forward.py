@@ -2,12 +2,16 @@
 
     python scripts/bench/bench_forward.py                                     # a GPU: batch 1 and 32, bf16
     python scripts/bench/bench_forward.py --compile                           # + transformers with torch.compile
+    python scripts/bench/bench_forward.py --budget-gib 8 --no-fidelity        # the engine at another default budget
     python scripts/bench/bench_forward.py --device cpu --preset tiny --batches 1 2 --repeats 2   # smoke test
 
 - **forward**: ``DecodeEngine.decode`` of ``--batches`` 10 s clips (codes on the device, waveforms on
   the device; CUDA graphs replayed, warm), against transformers' ``Qwen3OmniMoeCode2Wav`` eager (and
   ``torch.compile``'d, ``dynamic=False``, with ``--compile``) on the same weights; x real time =
-  audio seconds / median wall seconds. Batch 1 is also the latency of one clip.
+  audio seconds / median wall seconds. Batch 1 is also the latency of one clip. ``eager``: the same
+  model's plain forward with the engine's kernels, one call for the batch (the engine's ceiling);
+  ``engine_vs_eager`` the ratio. ``--budget-gib``: the engine's memory budget with no cap (default:
+  ``budget.DEFAULT_BUDGET``), for choosing that default.
 - **fidelity**: four 10 s clips, relative L2 and multi-resolution mel distance against the fp32
   reference (transformers, TF32 off): the engine in bf16 and transformers in bf16. The guard: ours
   no worse than theirs.
@@ -28,10 +32,10 @@ from workload import median_time, memory, peer, random_model, rel_l2, save
 from omni_lightning import Code2Wav, DecodeEngine
 
 
-def engine_for(base: Code2Wav, device: torch.device, dtype: torch.dtype) -> DecodeEngine:
+def engine_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None) -> DecodeEngine:
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
-    return DecodeEngine(model)
+    return DecodeEngine(model, budget=None if budget_gib is None else int(budget_gib * 2**30))
 
 
 def fidelity(base: Code2Wav, device: torch.device) -> dict:
@@ -59,7 +63,7 @@ def fidelity(base: Code2Wav, device: torch.device) -> dict:
 
 def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    engine = engine_for(base, device, dtype)
+    engine = engine_for(base, device, dtype, args.budget_gib)
     ref = peer(base, dtype, device)
     compiled = torch.compile(ref, dynamic=False) if args.compile else None
     frames = round(args.seconds * base.config.frame_rate)
@@ -73,6 +77,7 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
         with torch.inference_mode():
             candidates = {
                 "ours": lambda c=codes, n=[frames] * batch: engine.decode(c, n),
+                "eager": lambda c=codes: engine.model(c, None, engine.kernels),
                 "transformers": lambda c=codes: ref(c),
             }
             if compiled is not None:
@@ -80,6 +85,8 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
             for name, fn in candidates.items():
                 seconds = median_time(fn, device, warmup=3, repeats=args.repeats)
                 row[name] = {"ms": 1e3 * seconds, "x_realtime": audio / seconds}
+        row["frames_per_forward"] = engine.frames_per_forward
+        row["engine_vs_eager"] = row["ours"]["x_realtime"] / row["eager"]["x_realtime"]
         row["ours_vs_transformers"] = row["ours"]["x_realtime"] / row["transformers"]["x_realtime"]
         if compiled is not None:
             row["ours_vs_compile"] = row["ours"]["x_realtime"] / row["transformers_compile"]["x_realtime"]
@@ -97,6 +104,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--budget-gib", type=float, default=None, help="the engine's memory budget (default: its own)")
     parser.add_argument("--no-fidelity", action="store_true")
     parser.add_argument("--out", default="bench_forward.json")
     return parser
@@ -111,14 +119,14 @@ def main() -> None:
         res["fidelity"] = fidelity(base, device)
     save(args.out, res, args)
     print(f"\n{args.preset} {args.dtype}, {args.seconds:g} s clips")
-    print("| batch | ours ms | ours x | transformers x | ours/transformers | transformers+compile x | ours/compile |")
+    print("| batch | ours ms | ours x | engine/eager | transformers x | ours/transformers | transformers+compile x |")
     print("|---|---|---|---|---|---|---|")
     for r in res["forward"]:
         comp = r.get("transformers_compile", {}).get("x_realtime")
         print(
-            f"| {r['batch']} | {r['ours']['ms']:.2f} | {r['ours']['x_realtime']:,.0f} | "
+            f"| {r['batch']} | {r['ours']['ms']:.2f} | {r['ours']['x_realtime']:,.0f} | {r['engine_vs_eager']:.2f} | "
             f"{r['transformers']['x_realtime']:,.0f} | {r['ours_vs_transformers']:.2f} | "
-            f"{'' if comp is None else f'{comp:,.0f}'} | {r.get('ours_vs_compile', '')} |"
+            f"{'' if comp is None else f'{comp:,.0f}'} |"
         )
     if "fidelity" in res:
         f = res["fidelity"]

@@ -5,6 +5,7 @@ job, under a GPU memory cap, cold then warm, each request checked against its wh
     python scripts/bench/bench_job.py --share 0.02 --precision 32-true --check 384   # fp32: every request exact
     python scripts/bench/bench_job.py --requests 1 --min-s 600 --max-s 600 --check 1  # one 600 s request
     python scripts/bench/bench_job.py --job long-tailed --share 0.03     # most requests under 5 s, a few over a minute
+    python scripts/bench/bench_job.py --default-budget-gib 8             # no cap, the default budget at 8 GiB
     python scripts/bench/bench_job.py --peer                             # + a plain transformers loop
     python scripts/bench/bench_job.py --device cpu --preset tiny --requests 8 --max-s 4   # smoke test
 
@@ -17,6 +18,8 @@ Peak reserved memory is ``torch.cuda.max_memory_reserved`` (it sees CUDA-graph p
 the first N requests decoded alone, whole, in one eager forward with the cap lifted (fp32: max abs
 difference; bf16: relative L2). ``--peer``: transformers' ``Qwen3OmniMoeCode2Wav`` on the same
 weights, the batches in file order padded to their longest, ``.cpu()`` per request, warm.
+``--default-budget-gib``: the engine's budget with no cap as if ``budget.DEFAULT_BUDGET`` were that
+(for choosing the default; a cap's budget does not read it).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: worklo
 from workload import audio_seconds, long_tailed_job, memory, mixed_job, peer, random_model, rel_l2, save, timed
 
 from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule, CodesDataModule, Trainer
+from omni_lightning.engine import budget as budgets
 
 
 class Clock(pl.Callback):
@@ -152,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--graph-frames", type=int, default=512, help="longest forward run as a CUDA graph (0: none)")
     parser.add_argument("--frames", type=int, default=None, help="frames per forward (default: the memory budget's)")
     parser.add_argument("--check", type=int, default=16, help="requests compared with their whole decode")
+    parser.add_argument("--default-budget-gib", type=float, default=None, help="see the module docstring")
     parser.add_argument("--peer", action="store_true")
     parser.add_argument("--profile", action="store_true", help="one more warm run under torch.profiler: GPU busy time")
     parser.add_argument("--out", default="bench_job.json")
@@ -171,6 +176,8 @@ def main() -> None:
     cli = parser()
     args = cli.parse_args()
     device = torch.device(args.device)
+    if args.default_budget_gib is not None:  # a candidate default, measured before it is made one
+        budgets.DEFAULT_BUDGET = int(args.default_budget_gib * 2**30)
     base = random_model(args.preset)
     reqs = job(base.config, args, cli)
     audio = audio_seconds(base.config, [c.shape[-1] for c in reqs.values()])
@@ -184,6 +191,7 @@ def main() -> None:
         "requests": len(reqs),
         "audio_s": audio,
         "share": args.share,
+        "default_budget_gib": budgets.DEFAULT_BUDGET / 2**30,
         "precision": args.precision,
         "cold_s": cold["seconds"],
         "cold_engine": stats,

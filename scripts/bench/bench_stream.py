@@ -7,8 +7,11 @@ Compares ``StreamingDecoder`` (stateful, exact) with what serving stacks do, re-
 chunk with ``--context`` frames of left context (vLLM-Omni: 25; sglang-omni: 10-frame chunks, 25 of
 context), eager and as a CUDA graph per shape, same weights, same GPU, same run:
 
-- **time to first audio**: a new stream's 1-frame first chunk, from the call to its samples on the
-  device (synchronized), median of ``--ttfa-trials``;
+- **time to first audio**: a new stream's 1-frame first chunk, from the call that opens the stream
+  to its samples on the device (synchronized), median of ``--ttfa-trials``; its shape's CUDA graph
+  captured before (``warmup``), no other stream running (``stream_step``: the step alone, the stream
+  opened before the clock starts). With ``--profile``, a table of one such first chunk (host and
+  device time by op);
 - **steady state**: ``--streams`` streams past the attention window, each advancing by ``--chunk``
   frames per step; x real time = audio seconds per wall second over ``--steps`` steps, host work
   included, both pipelined (no synchronization between steps) and synchronized after every step;
@@ -83,8 +86,14 @@ class Redecode:
         return wav[..., context * up - (tail if start else 0) :].clone()
 
 
+def first_audio(decoder: StreamingDecoder, codes: torch.Tensor) -> dict:
+    """A new stream's first chunk: opened, stepped (left open: the caller closes it, off the clock)."""
+    sid = decoder.open()
+    return decoder.step({sid: codes})
+
+
 def profile(stream_step: Callable[[int, int], dict], start: int, args: argparse.Namespace) -> None:
-    """Kernel time of two eager steps by op, to stderr (where the device's time goes)."""
+    """Host and kernel time of two steps by op, to stderr (where the time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -124,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     # --- time to first audio: a new stream, a 1-frame first chunk -------------------------------
     first = [codes_of(q, 1) for _ in range(args.ttfa_trials)]
     streamers = {"stream": decoder, **({"stream_eager": eager} if eager else {})}
-    ttfa: dict[str, list[float]] = {k: [] for k in [*streamers, *baselines]}
+    ttfa: dict[str, list[float]] = {k: [] for k in [*streamers, "stream_step", *baselines]}
     with torch.no_grad():
         for base in baselines.values():  # warm-up (autotune, capture)
             base.chunk(first[0][None].to(device), 0, 1)
@@ -132,11 +141,17 @@ def run(args: argparse.Namespace) -> dict:
             list(eager.stream([first[0]]))
         for codes in first:
             for name, dec in streamers.items():
-                sid = dec.open()
-                ttfa[name].append(timed(lambda c=codes, s=sid, d=dec: d.step({s: c}), device))
-                dec.close(sid)
+                ttfa[name].append(timed(lambda c=codes, d=dec: first_audio(d, c), device))
+                dec.close(dec.streams[-1])
+            sid = decoder.open()
+            ttfa["stream_step"].append(timed(lambda c=codes, s=sid: decoder.step({s: c}), device))
+            decoder.close(sid)
             for name, base in baselines.items():
                 ttfa[name].append(timed(lambda c=codes, b=base: b.chunk(c[None].to(device), 0, 1), device))
+        if args.profile and device.type == "cuda":
+            profile(lambda a, b: first_audio(decoder, first[0]), 0, args)  # two new streams' first chunks
+            for sid in decoder.streams:
+                decoder.close(sid)
     res["ttfa_ms"] = {k: 1e3 * statistics.median(v) for k, v in ttfa.items()}
     res["ttfa_p90_ms"] = {k: 1e3 * sorted(v)[int(0.9 * (len(v) - 1))] for k, v in ttfa.items()}
     print(f"  ttfa {res['ttfa_ms']}", file=sys.stderr, flush=True)

@@ -3,7 +3,8 @@
 Standard library only. ``args`` are a step's arguments on the GPU, ``smoke`` the dry run's (the tiny
 preset on the CPU); ``est_s`` is a guess at one run on an H200 until a run of that step is timed;
 ``ab`` steps run on the before tree and on this one, ``rounds`` times, interleaved (before, after,
-before, after); ``limit`` is a figure's ceiling, said in the summary.
+before, after); ``limit`` is a figure's ceiling, said in the summary. ``FIGURES`` are keyed by script; a script
+without an entry (pytest aside) shows no figures, only its exit status.
 """
 
 from __future__ import annotations
@@ -39,12 +40,12 @@ LONE = ("--requests", "1", "--batch", "1", "--check", "1")  # one request of --m
 UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
 
 STEPS = (
-    # issues 41-43, first in a short loan: the fused residual units against the layers, stage by stage and
+    # first, where GPU time is short: the fused residual units against the layers, stage by stage and
     # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
     Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
     Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
     Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
-    # issue 35: the predict job, uncapped and at 0.03, and streaming, before and after
+    # the predict job, uncapped and at 0.03, and streaming, before and after
     Step("job", "ab", "bench_job", ("--check", "4"), JOB_SMOKE, 45, ab=True, rounds=2),
     Step(
         "job-0.03",
@@ -67,9 +68,9 @@ STEPS = (
         limit=("outside batches s", 0.03),
     ),  # fmt: skip
     Step("stream", "ab", "bench_stream", (), STREAM_SMOKE, 60, ab=True, rounds=2),
-    # issue 35: every CUDA test on the GPU
+    # every CUDA test on the GPU
     Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
-    # issues 34 and 37: forward and fine-tuning throughput, the long-tailed job
+    # forward and fine-tuning throughput, the long-tailed job
     Step(
         "long-tailed-0.03",
         "throughput",
@@ -116,6 +117,90 @@ STEPS = (
         (*TRAIN_SMOKE, "--fit-cli"),
         150,
     ),  # fmt: skip
+    # the engine at the forward's speed: a smaller share, the default budget at 6 and 8 GiB (this tree, same
+    # call), whole-budget graphs under a cap (the fallback that crashed, under compute-sanitizer too)
+    Step(
+        "job-0.02",
+        "engine",
+        "bench_job",
+        ("--share", "0.02", "--check", "4"),
+        (*JOB_SMOKE, "--share", "0.02"),
+        45,
+        ab=True,
+    ),
+    Step(
+        "job-6g",
+        "engine",
+        "bench_job",
+        ("--default-budget-gib", "6", "--check", "4"),
+        (*JOB_SMOKE, "--default-budget-gib", "6"),
+        45,
+    ),
+    Step(
+        "job-8g",
+        "engine",
+        "bench_job",
+        ("--default-budget-gib", "8", "--check", "4"),
+        (*JOB_SMOKE, "--default-budget-gib", "8"),
+        45,
+    ),
+    Step(
+        "forward-6g",
+        "engine",
+        "bench_forward",
+        ("--budget-gib", "6", "--no-fidelity"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--no-fidelity"),
+        45,
+    ),
+    Step(
+        "forward-8g",
+        "engine",
+        "bench_forward",
+        ("--budget-gib", "8", "--no-fidelity"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--no-fidelity"),
+        45,
+    ),
+    Step(
+        "capped-graphs",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        90,
+    ),
+    Step(
+        "capped-graphs-ab",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03", "--modes", "forced"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        45,
+        ab=True,
+    ),
+    Step(
+        "stream-first-audio-profile",
+        "engine",
+        "bench_stream",
+        ("--profile", "--steps", "4", "--ttfa-trials", "10", "--fidelity-requests", "1"),
+        STREAM_SMOKE,
+        60,
+    ),
+    Step(
+        "job-600s-profile",
+        "engine",
+        "bench_job",
+        (*LONE, "--min-s", "600", "--max-s", "600", "--repeats", "1", "--check", "0", "--profile"),
+        (*JOB_SMOKE, *LONE, "--min-s", "20", "--max-s", "20", "--check", "0"),
+        60,
+    ),
+    Step(
+        "capped-graphs-sanitize",
+        "engine",
+        "repro_capped_graphs",
+        ("--share", "0.03", "--batches", "1", "--modes", "forced", "eager", "--sanitize"),
+        (*TINY, "--batches", "1", "--requests", "2", "--modes", "forced"),
+        240,
+    ),
 )
 PARTS = tuple(dict.fromkeys(s.part for s in STEPS))
 
@@ -129,6 +214,18 @@ def _get(result: dict, *keys: Any) -> float | None:
         except (KeyError, IndexError):
             return None
     return result if isinstance(result, (int, float)) else None
+
+
+def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
+    """``bench_units``' forward row of ``kernels`` at its first (0) or last (-1) batch size."""
+    rows = [r for r in result.get("forward", ()) if isinstance(r, dict) and r.get("kernels") == kernels]
+    return _get(rows, which, key) if rows else None
+
+
+def _sum(result: dict, key: str, **where: Any) -> float | None:
+    rows = [r for r in result.get("rows", ()) if all(r.get(k) == v for k, v in where.items())]
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return sum(values) if values else None
 
 
 Figure = tuple[str, Callable[[dict], float | None], str]  # label, reader, format
@@ -152,10 +249,20 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
     ),
     "bench_units": (
-        ("fused units, batch x real time", lambda r: _get(r, "forward", 0, "x_realtime"), ",.0f"),
-        ("layers, batch x real time", lambda r: _get(r, "forward", 1, "x_realtime"), ",.0f"),
-        ("fused units, batch 1 ms", lambda r: _get(r, "forward", 3, "ms"), ".2f"),
-        ("layers, batch 1 ms", lambda r: _get(r, "forward", 4, "ms"), ".2f"),
+        ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
+        ("layers, batch x real time", lambda r: _forward(r, "layers", 0, "x_realtime"), ",.0f"),
+        ("one-kernel units, batch x real time", lambda r: _forward(r, "one-kernel units", 0, "x_realtime"), ",.0f"),
+        ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
+        ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
+        ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
+    ),
+    "probe_convs": (
+        ("convolutions, as run, ms", lambda r: _sum(r, "ms", variant="as run"), ".2f"),
+        ("convolutions, cudnn.benchmark, ms", lambda r: _sum(r, "benchmark_ms", variant="as run"), ".2f"),
+    ),
+    "profile_memory": (
+        ("qwen share 0.03, peak reserved GiB", lambda r: _get(r, "qwen-0.03", "peak_reserved_gib"), ".2f"),
+        ("tiny share 0.02, peak reserved GiB", lambda r: _get(r, "tiny-0.02", "peak_reserved_gib"), ".2f"),
     ),
     "bench_train": (
         ("audio s/s", lambda r: _get(r, "rows", 0, "audio_s_per_s"), ",.1f"),

@@ -1,15 +1,15 @@
-"""The GPU checks and benchmarks a device call runs: a past commit (before) against this tree (after),
-interleaved, in one command that ends inside its time; results as JSON under ``--out`` ($OUT).
+"""The GPU tests and benchmarks, on a GPU machine: a past commit (before) against this tree (after),
+interleaved, in one command that ends inside its time; results as JSON under ``--out``.
 
-    python scripts/device/device_battery.py --prepare --wheels    # here, just before the call: .bench/ and .whl/
-    python3 scripts/device/device_battery.py --parts ab           # on the device (carry .bench and .whl)
+    python scripts/device/device_battery.py --prepare --wheels    # where git works: .bench/ and .whl/
+    python3 scripts/device/device_battery.py --parts ab           # on a GPU machine (with .bench/ and .whl/)
     python3 scripts/device/device_battery.py --parts tests throughput
     python scripts/device/device_battery.py --dry-run --out DIR   # any CPU: every step on the tiny preset
     python scripts/device/device_battery.py --plan                # the steps and commands, nothing run
 
-Before every device call, ``python scripts/kernels/kernel_report.py`` runs here (no GPU needed): every Triton
+Before a GPU run, ``python scripts/kernels/kernel_report.py`` runs on any machine (no GPU needed): every Triton
 launch the code makes on qwen3-omni's shapes compiled for sm_90a, exit status 1 where one on the
-default path spills or exceeds shared memory; a device call then confirms a design the report passed.
+default path spills or exceeds shared memory; a GPU run then confirms a design the report passed.
 
 The steps are ``battery_plan.STEPS``. This tree's scripts time both versions; only the package on
 ``PYTHONPATH`` differs. The before tree comes from ``--before-tar`` (``--prepare`` makes it with
@@ -232,10 +232,12 @@ def summary(step_runs: list[dict]) -> list[str]:
         if not runs:
             continue
         if step.script == "pytest":
-            counts = ", ".join(f"{n} {k}" for k, n in runs[-1]["figures"].items()) or runs[-1]["tail"][-1]
-            lines.append(f"| {step.name} | pytest -m gpu | | {counts} (exit {runs[-1]['rc']}) | |")
+            last = runs[-1]
+            counts = ", ".join(f"{n} {k}" for k, n in last["figures"].items()) or (last["tail"] or ["no output"])[-1]
+            lines.append(f"| {step.name} | pytest -m gpu | | {counts} (exit {last['rc']}) | |")
             continue
-        for label, _, fmt in FIGURES[step.script]:
+        shown = len(lines)
+        for label, _, fmt in FIGURES.get(step.script, ()):
             got = {v: [r["figures"][label] for r in runs if r["version"] == v and label in r["figures"]]
                    for v in ("before", "after")}  # fmt: skip
             if not any(got.values()):
@@ -247,6 +249,9 @@ def summary(step_runs: list[dict]) -> list[str]:
                 ratio += f" (limit {step.limit[1]:g}: {'ok' if max(got['after']) <= step.limit[1] else 'OVER'})"
             cells = [", ".join(format(v, fmt) for v in got[k]) for k in ("before", "after")]
             lines.append(f"| {step.name} | {label} | {cells[0]} | {cells[1]} | {ratio} |")
+        if len(lines) == shown:  # a script without figures (or none read): its exit statuses
+            exits = {v: ", ".join(str(r["rc"]) for r in runs if r["version"] == v) for v in ("before", "after")}
+            lines.append(f"| {step.name} | exit status | {exits['before']} | {exits['after']} | |")
     failed = [f"{r['step']} {r['version']} r{r['round']} (exit {r['rc']})" for r in step_runs if r["rc"]]
     return lines + ([f"FAILED: {'; '.join(failed)}"] if failed else [])
 

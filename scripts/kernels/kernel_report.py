@@ -17,7 +17,7 @@ costs in bf16 (``models/shapes.layer_cost``: derived from the model's layers, co
 so) and the floor each sets: bytes over bandwidth, FLOPs over the dense bf16 rate, at an H100's
 datasheet rates and at the rates measured on this workplace's H100. Not here: timings (a device
 call measures those), weights' bytes (once per forward, printed apart), any kernel's achieved rate.
-Run it before every device call (``scripts/device/device_battery.py``'s docstring).
+Run it before a GPU run of the battery (``scripts/device/device_battery.py``'s docstring).
 """
 
 from __future__ import annotations

@@ -1,28 +1,32 @@
-"""The fine-tuning recipe's evidence (issue 53): distils a teacher into a student, tiny preset, CPU, and
-logs mel distance, PESQ and STOI on the validation pairs against steps, per recipe variant.
+"""The fine-tuning recipe's evidence: distils a teacher into a student, tiny preset, CPU, and logs mel
+distance, PESQ and STOI on the validation pairs against steps, per recipe variant.
 
 The teacher is ``make_teacher("tiny", seed=21)``; ``make_demo_data`` makes 24 training pairs of 1-2 s
-(seed 0) and 6 validation pairs of 1.5-3 s (seed 1) from it. Targets:
+(seed 0) and 6 validation pairs of 1.5-3 s (seed 1) from it. Benchmarks (a variant's ``target``):
 
-- ``perturbed``: the student is the teacher with every weight tensor of more than one element
-  perturbed by 0.3 of its std (the issue's definition);
-- ``perturbed-net``: the same, but the code embedding left as the teacher's (see docs/finetuning.md:
-  most of its rows the validation codes use appear in no training pair, so no recipe can undo their
-  perturbation);
-- ``other-seed``: the harder one: the student is ``make_teacher("tiny", seed=7)``, another teacher;
-- ``only:<part>``: only one part perturbed (``code_embedding``, ``pre_transformer``, ``upsample``, ``decoder``).
+- ``decoder`` (the default benchmark): the student is the teacher with every weight tensor of more than
+  one element, except the code embedding, perturbed by 0.25 of its std. The training pairs use a fifth
+  of the embedding's rows, so only a benchmark that leaves the embedding alone can be won;
+- ``covered``: every weight perturbed by 0.25 of its std, and training pairs whose codes cover every
+  embedding row the validation codes use: each codebook's validation codes, shuffled in time
+  (independently per codebook, so the frames are new), repeated ``COVER`` times and cut into pairs of
+  1-2 s; the teacher's audio of them;
+- ``perturbed``: the old benchmark, every weight perturbed by 0.3 of its std, random training pairs:
+  the embedding floor's evidence (``docs/results/recipe_sweep_floor.json``);
+- ``perturbed-net``, ``other-seed``, ``only:<part>``: the old benchmark's diagnostics (the embedding
+  left as the teacher's; another teacher, ``make_teacher("tiny", seed=7)``; one part perturbed).
 
 Each variant is a ``Code2WavModule`` recipe (the module's defaults overridden by its settings) and
-the data's batch and crop (``train_pairs``: 96 instead of 24 for ``96-pairs``); ``--set`` overrides
-settings for every variant named, ``--tag`` names such a run. Results are written to the JSON after
-each variant (a killed sweep keeps what it finished); ``--plot`` and ``--table`` make the figure and
-markdown table from that JSON.
+the data's batch and crop; ``--set`` overrides settings for every variant named, ``--tag`` names such
+a run. Results are written to the JSON after each variant (a killed sweep keeps what it finished);
+``--plot`` and ``--table`` make the figure and markdown table from that JSON.
 
     OMP_NUM_THREADS=1 python scripts/quality/recipe_sweep.py --variants default --steps 600 --eval-every 100
     python scripts/quality/recipe_sweep.py --plot docs/results/recipe_curves.png --table
 
 The validation during fit is of the EMA weights where the variant has EMA, as Lightning's is; the
-``train_pairs`` figures are of the module after fit (the same weights) on the training pairs.
+``train_pairs`` figures are of the module after fit (the same weights) on the training pairs. Not
+done: a GPU run (the recipe is measured on the tiny preset only).
 """
 
 from __future__ import annotations
@@ -38,53 +42,106 @@ from typing import Any
 
 import torch
 
-# name: (target, module settings, data settings); module settings override Code2WavModule's defaults, and the
-# variants around lr 1e-3 (no warm-up, no EMA) change one thing each
-OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before issue 53
-BASE = dict(learning_rate=1e-3, warmup_steps=0, ema_decay=None)
-VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
-    "default": ("perturbed", {}, {}),
-    "old-default": ("perturbed", OLD, {}),
-    "lr-1e-3": ("perturbed", BASE, {}),
-    "lr-3e-4": ("perturbed", {**BASE, "learning_rate": 3e-4}, {}),
-    "lr-3e-3": ("perturbed", {**BASE, "learning_rate": 3e-3}, {}),
-    "lr-1e-2": ("perturbed", {**BASE, "learning_rate": 1e-2}, {}),
-    "lr-3e-3-constant": ("perturbed", {**BASE, "learning_rate": 3e-3, "min_lr_ratio": 1.0}, {}),
-    "warmup-20": ("perturbed", {**BASE, "warmup_steps": 20}, {}),
-    "ema-0.999": ("perturbed", {**BASE, "ema_decay": 0.999}, {}),
-    "betas-0.9-0.999": ("perturbed", {**BASE, "betas": (0.9, 0.999)}, {}),
-    "no-clip": ("perturbed", {**BASE, "grad_clip": None}, {}),
-    "clip-0.1": ("perturbed", {**BASE, "grad_clip": 0.1}, {}),
-    "mel-only": ("perturbed", {**BASE, "stft_weight": 0.0}, {}),
-    "waveform-10": ("perturbed", {**BASE, "waveform_weight": 10.0}, {}),
-    "crop-12": ("perturbed", BASE, {"crop_frames": 12}),
-    "gan": ("perturbed", {**BASE, "adversarial": True}, {}),
-    "96-pairs": ("perturbed", BASE, {"train_pairs": 96}),
-    "frozen-embedding": ("perturbed", {**BASE, "freeze": ["code_embedding"]}, {}),
-    **{f"lr-1e-3/{part}": (f"only:{part}", BASE, {}) for part in ("code_embedding", "pre_transformer", "decoder")},
-    "lr-1e-3/net": ("perturbed-net", BASE, {}),
-    "lr-1e-3/other-seed": ("other-seed", BASE, {}),
-    "default/net": ("perturbed-net", {}, {}),
-    "default/other-seed": ("other-seed", {}, {}),
-    "old-default/other-seed": ("other-seed", OLD, {}),
+# a recipe: module settings over Code2WavModule's defaults, and data settings; each variant changes one thing
+OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before the first sweep
+RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "default": ({}, {}),
+    "old-default": (OLD, {}),
+    "lr-1e-3": ({"learning_rate": 1e-3}, {}),
+    "lr-3e-4": ({"learning_rate": 3e-4}, {}),
+    "lr-3e-3": ({"learning_rate": 3e-3}, {}),
+    "lr-1e-2": ({"learning_rate": 1e-2}, {}),
+    "constant": ({"min_lr_ratio": 1.0}, {}),
+    "lr-3e-3-constant": ({"learning_rate": 3e-3, "min_lr_ratio": 1.0}, {}),
+    "warmup-20": ({"warmup_steps": 20}, {}),
+    "ema-0.999": ({"ema_decay": 0.999}, {}),
+    "betas-0.9-0.999": ({"betas": (0.9, 0.999)}, {}),
+    "no-clip": ({"grad_clip": None}, {}),
+    "clip-0.1": ({"grad_clip": 0.1}, {}),
+    "mel-only": ({"stft_weight": 0.0}, {}),
+    "stft-only": ({"mel_weight": 0.0}, {}),
+    "mel-45": ({"mel_weight": 45.0}, {}),
+    "waveform-10": ({"waveform_weight": 10.0}, {}),
+    "crop-12": ({}, {"crop_frames": 12}),
+    "batch-8": ({}, {"batch_size": 8}),
+    "gan": ({"adversarial": True}, {}),
+    "96-pairs": ({}, {"train_pairs": 96}),
+    "frozen-embedding": ({"freeze": ["code_embedding"]}, {}),
+    "frozen-pre-transformer": ({"freeze": ["code_embedding", "pre_transformer"]}, {}),
 }
+# a variant is "<recipe>" (the decoder benchmark) or "<recipe>/<target>"; the old sweep's names ("lr-1e-3/net",
+# "default" on "perturbed") are in recipe_sweep_floor.json
+TARGETS = ("decoder", "covered", "perturbed", "perturbed-net", "other-seed",
+           *(f"only:{part}" for part in ("code_embedding", "pre_transformer", "upsample", "decoder")))  # fmt: skip
 RECIPE = ("learning_rate", "betas", "warmup_steps", "min_lr_ratio", "grad_clip", "mel_weight", "stft_weight",
           "waveform_weight", "ema_decay", "adversarial", "freeze")  # fmt: skip
 METRICS = (("mel_distance", ".3f"), ("pesq", ".2f"), ("stoi", ".3f"))
 DATA = {"batch_size": 4, "crop_frames": 25}  # the sweep's data settings unless a variant says otherwise
+COVER = 4  # the covered benchmark: how often each validation code's row appears in its training pairs
 
 
-def make_pairs(folder: Path, train_pairs: int = 24) -> tuple[Path, Path]:
+def variant(name: str) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """``(target, module settings, data settings)`` of a variant name (a ``+tag`` ignored)."""
+    recipe, _, target = name.split("+")[0].partition("/")
+    target = target or "decoder"
+    if recipe not in RECIPES or target not in TARGETS:
+        raise SystemExit(f"error: unknown variant {name!r}: recipes {', '.join(RECIPES)}; targets {', '.join(TARGETS)}")
+    return (target, *RECIPES[recipe])
+
+
+def _write_pairs(folder: Path, name: str, codes: list[torch.Tensor], teacher: torch.nn.Module) -> Path:
+    """A manifest of ``codes`` (``[16, T]`` each) and the teacher's audio of them."""
+    import numpy as np
+    import soundfile as sf
+
+    (folder / "codes").mkdir(parents=True, exist_ok=True)
+    (folder / "audio").mkdir(exist_ok=True)
+    rows = []
+    for i, c in enumerate(codes):
+        req_id = f"{Path(name).stem}-{i:03d}"
+        np.save(folder / "codes" / f"{req_id}.npy", c.numpy().astype(np.int64))
+        with torch.inference_mode():
+            wav = teacher(c[None])[0, 0].float()
+        sf.write(folder / "audio" / f"{req_id}.wav", wav.numpy(), 24000, subtype="FLOAT")
+        rows.append({"id": req_id, "codes": f"codes/{req_id}.npy", "audio": f"audio/{req_id}.wav"})
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder / name
+
+
+def covering_codes(val_codes: list[torch.Tensor], repeat: int = COVER, seed: int = 2) -> list[torch.Tensor]:
+    """Training codes holding every (codebook, code) of ``val_codes`` ``repeat`` times: per codebook its
+    validation codes, shuffled in time independently of the other codebooks, cut into pairs of 13-25 frames."""
+    gen = torch.Generator().manual_seed(seed)
+    stream = torch.cat(val_codes, dim=1).repeat(1, repeat)  # [16, F]
+    stream = torch.stack([row[torch.randperm(row.numel(), generator=gen)] for row in stream])
+    pieces, at = [], 0
+    while at < stream.shape[1]:
+        length = int(torch.randint(13, 26, (), generator=gen))
+        pieces.append(stream[:, at : at + length])
+        at += length
+    return [p for p in pieces if p.shape[1] >= 13] or pieces  # a stub of the end would be shorter than a crop
+
+
+def make_pairs(folder: Path, train_pairs: int = 24, target: str = "decoder") -> tuple[Path, Path]:
     """The training and validation manifests (made once in ``folder``); ``train_pairs`` other than 24: a
-    larger training set (the same 24 first, then more), for the data-size check."""
+    larger training set (the same 24 first, then more); ``covered``: the training pairs of
+    :func:`covering_codes`."""
+    import numpy as np
+
     from omni_lightning.data.synthetic import make_demo_data, make_teacher
 
     name = "train.jsonl" if train_pairs == 24 else f"train-{train_pairs}.jsonl"
+    name = "train-covered.jsonl" if target == "covered" else name
     train, val = folder / name, folder / "val.jsonl"
-    if not val.exists() or not train.exists():
-        teacher = make_teacher("tiny", seed=21)
-        make_demo_data(folder, train_pairs, 1.0, 2.0, teacher=teacher, seed=0, name=name)
+    teacher = make_teacher("tiny", seed=21)
+    if not val.exists():
         make_demo_data(folder, 6, 1.5, 3.0, teacher=teacher, seed=1, name="val.jsonl")
+    if not train.exists() and target == "covered":
+        rows = [json.loads(line) for line in val.read_text().splitlines()]
+        codes = covering_codes([torch.from_numpy(np.load(folder / r["codes"])) for r in rows])
+        _write_pairs(folder, name, codes, teacher)
+    elif not train.exists():
+        make_demo_data(folder, train_pairs, 1.0, 2.0, teacher=teacher, seed=0, name=name)
     return train, val
 
 
@@ -103,13 +160,17 @@ def perturbed(model: torch.nn.Module, scale: float = 0.3, seed: int = 0, keep: t
 def student_for(target: str) -> Any:
     from omni_lightning.data.synthetic import make_teacher
 
+    teacher = make_teacher("tiny", seed=21)
+    if target == "decoder":
+        return perturbed(teacher, 0.25, keep=("code_embedding",))
+    if target == "covered":
+        return perturbed(teacher, 0.25)
     if target == "other-seed":
         return make_teacher("tiny", seed=7).train()
     if target.startswith("only:"):  # one part perturbed (the parts: code_embedding, pre_transformer, upsample, decoder)
-        teacher = make_teacher("tiny", seed=21)
         parts = tuple({n.split(".")[0] for n, _ in teacher.named_parameters()} - {target[5:]})
         return perturbed(teacher, keep=parts)
-    return perturbed(make_teacher("tiny", seed=21), keep=("code_embedding",) if target == "perturbed-net" else ())
+    return perturbed(teacher, keep=("code_embedding",) if target == "perturbed-net" else ())
 
 
 def _scores(metrics: dict[str, Any], stage: str) -> dict[str, float]:
@@ -145,18 +206,17 @@ def _curve_logger() -> Any:
     return CurveLogger()
 
 
-def run_variant(name: str, train: Path, val: Path, steps: int, eval_every: int, extra: dict) -> dict[str, Any]:
+def run_variant(name: str, work: Path, steps: int, eval_every: int, extra: dict) -> dict[str, Any]:
     from omni_lightning import Code2WavModule, CodesDataModule
 
-    target, settings, data_settings = VARIANTS[name.split("+")[0]]
+    target, settings, data_settings = variant(name)
     data = {**DATA, **data_settings, **{k: v for k, v in extra.items() if k in DATA}}
     settings = {**settings, **{k: v for k, v in extra.items() if k not in DATA}}
     torch.manual_seed(0)
     module = Code2WavModule(
         model=student_for(target), quality_metrics=["pesq", "stoi"], quality_workers=1, log_samples=0, **settings
     )
-    if data.get("train_pairs", 24) != 24:
-        train, val = make_pairs(train.parent, data["train_pairs"])
+    train, val = make_pairs(work, data.get("train_pairs", 24), target)
     loader = {k: v for k, v in data.items() if k != "train_pairs"}
     datamodule = CodesDataModule(train=str(train), val=str(val), num_workers=0, **loader)
     curve = [{"step": 0, **_scores(_trainer().validate(module, datamodule=datamodule, verbose=False)[0], "val")}]
@@ -181,10 +241,11 @@ def run_variant(name: str, train: Path, val: Path, steps: int, eval_every: int, 
 
 
 def sweep(names: list[str], out: Path, work: Path, steps: int, eval_every: int, extra: dict, tag: str) -> None:
-    train, val = make_pairs(work)
+    for name in names:
+        variant(name)  # an unknown name fails before any run
     results = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
-        result = run_variant(name + tag, train, val, steps, eval_every, extra)
+        result = run_variant(name + tag, work, steps, eval_every, extra)
         results[name + tag] = result
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
@@ -197,13 +258,13 @@ def sweep(names: list[str], out: Path, work: Path, steps: int, eval_every: int, 
 def table(results: dict[str, Any]) -> str:
     """Markdown: per variant, the validation pairs' values before and after, and the training pairs' after."""
     rows = [
-        "| variant | target | steps | mel distance | PESQ | STOI | training pairs: mel, PESQ |",
+        "| variant | target | steps | mel distance | PESQ | STOI | training pairs: mel, PESQ, STOI |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results.values():
         first, last, seen = r["curve"][0], r["final"], r["train_pairs"]
         cells = [f"{first.get(k, math.nan):{f}} -> {last.get(k, math.nan):{f}}" for k, f in METRICS]
-        trained = f"{seen['mel_distance']:.3f}, {seen.get('pesq', math.nan):.2f}"
+        trained = f"{seen['mel_distance']:.3f}, {seen.get('pesq', math.nan):.2f}, {seen.get('stoi', math.nan):.3f}"
         rows.append(f"| {r['name']} | {r['target']} | {r['steps']} | {' | '.join(cells)} | {trained} |")
     return "\n".join(rows).replace("nan -> nan", "-").replace("-> nan", "-> -")
 
@@ -215,12 +276,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    for ax in axes:  # more variants than the default cycle's 10 colours
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for r in results.values():
         steps = [p["step"] for p in r["curve"]]
-        style = "-" if r["target"] == "perturbed" else "--" if r["target"] == "perturbed-net" else ":"
+        style = {"decoder": "-", "covered": "--"}.get(r["target"], ":")
         for ax, key in zip(axes, ("mel_distance", "pesq", "stoi")):
             ax.plot(steps, [p.get(key, float("nan")) for p in r["curve"]], style, label=r["name"], linewidth=1.2)
-    for ax, title in zip(axes, ("mel distance (val)", "PESQ (val)", "STOI (val)")):
+    for ax, title, target in zip(axes, ("mel distance (val)", "PESQ (val)", "STOI (val)"), (None, 3.5, 0.8)):
+        if target:  # the recipe's target on this benchmark
+            ax.axhline(target, color="gray", linestyle="-.", linewidth=0.8)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -232,7 +297,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--variants", nargs="*", default=["default"], help=f"from: {', '.join(VARIANTS)}")
+    names = f"<recipe>[/<target>]; recipes: {', '.join(RECIPES)}; targets: {', '.join(TARGETS)}"
+    parser.add_argument("--variants", nargs="*", default=["default"], help=names)
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument(

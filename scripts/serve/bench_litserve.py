@@ -85,7 +85,8 @@ def litserve_server(port: int) -> None:
     if ls is None:
         raise SystemExit("bench_litserve.py needs litserve: pip install litserve")
     api = Code2WavAPI(max_batch_size=16, batch_timeout=0.01)
-    ls.LitServer(api, accelerator="cpu", workers_per_device=1).run(host="127.0.0.1", port=port)
+    server = ls.LitServer(api, accelerator="cpu", workers_per_device=1)
+    server.run(host="127.0.0.1", port=port, generate_client_file=False)  # no client.py in the working folder
 
 
 async def load(url: str, clients: int, seconds: float) -> dict:

@@ -1,0 +1,183 @@
+"""The residual unit kernel (``kernels/residual_unit.py``) against its torch reference and the layers, run by
+Triton's interpreter on the CPU (fp32: the interpreter gets bf16 dots wrong; the CUDA tests check bf16).
+
+Both launchers: the in-place one (``a`` given: padding rows past the length, a row tile cut by the length,
+one and two parts of the output channels, the weights as given and as the engine holds them) and the
+prologue one (history given or zeros, fresh rows all, some or none, junk rows). Then the model's forward
+with ``Kernels(residual_unit=...)``, whole and as a stateful chunked decode, against the layers'. Not
+checked here: the fast sine (inline PTX has no interpreter; ``precise=True`` runs libdevice's) and speed.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
+    from omni_lightning.kernels import Kernels
+    from omni_lightning.kernels.conv_snake import Tiles
+    from omni_lightning.kernels.residual_unit import (residual_unit_prologue_reference, residual_unit_prologue_triton,
+                                                      residual_unit_reference, residual_unit_triton, unit_tiles)
+    from omni_lightning.kernels.snake_beta import snake_beta_reference
+    from omni_lightning.models.code2wav import REFERENCE
+
+    gen = torch.Generator().manual_seed(3)
+    def rand(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen) * scale
+    def rel(got, want):
+        return float((got - want).norm() / want.norm())
+    cases = 0
+    for c, length, batch, d, pad in ((96, 70, 2, 3, 5), (64, 33, 1, 9, 0), (32, 20, 3, 1, 2)):
+        ctx = 6 * d
+        x, a = rand(batch, length, c), rand(batch, ctx + length + pad, c)
+        w1, w2 = rand(c, c, 7, scale=(7 * c) ** -0.5), rand(c, c, 1, scale=c ** -0.5)
+        b1, la2, lb2 = rand(c, scale=0.1), rand(c, scale=0.3), rand(c, scale=0.3)
+        t = unit_tiles(c)
+        tiles = Tiles(64, t.block_n, t.block_n2, t.block_k, t.num_warps, 1)  # fewer rows: a faster interpreter
+        for weight in (w1, w1.transpose(1, 2).contiguous().transpose(1, 2)):  # as given, as the engine holds it
+            want = residual_unit_reference(x, a, weight, b1, la2, lb2, w2, d)
+            stream = x.clone()
+            got = residual_unit_triton(stream, a, weight, b1, la2, lb2, w2, d, tiles=tiles, precise=True)
+            assert got is stream and rel(got, want) < 1e-5, (c, d, rel(got, want))
+            cases += 1
+        pending, la1, lb1 = rand(c, scale=0.1), rand(c, scale=0.3), rand(c, scale=0.3)
+        fresh_rows = torch.arange(batch) % 2 == 0
+        runs = ((rand(batch, ctx, c), fresh_rows, 5), (None, True, 4), (rand(batch, ctx, c), False, 3))
+        for history, fresh, junk in runs:
+            want = residual_unit_prologue_reference(x, pending, history, fresh, junk, la1, lb1, w1, b1, la2, lb2, w2, d)
+            got = residual_unit_prologue_triton(x, pending, history, fresh, junk, la1, lb1, w1, b1, la2, lb2, w2, d,
+                                                tiles=tiles, precise=True)
+            assert rel(got, want) < 1e-5, (c, d, junk, rel(got, want))
+            cases += 1
+    # the model: whole requests and a stateful chunked decode, the fused units against the layers
+    micro = Code2WavConfig.from_name("tiny", name="micro", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, intermediate_size=32, decoder_dim=128)
+    model = randomize_weights(Code2Wav(micro), seed=4).eval()
+    def small(x, *args):  # the launcher's own parts and K step, fewer rows
+        t = unit_tiles(x.shape[2])
+        return residual_unit_triton(x, *args, tiles=Tiles(64, t.block_n, t.block_n2, 32, 4, 1), precise=True)
+    fused = Kernels(snake_beta_reference, inplace=True, name="units", residual_unit=small,
+                    conv_snake_dtypes=(torch.float32,))
+    codes = torch.randint(0, 2048, (2, 16, 3), generator=gen)
+    with torch.no_grad():
+        want = model(codes, kernels=REFERENCE)
+        got = model(codes, kernels=fused)
+        assert float((got - want).abs().max()) < 1e-5, float((got - want).abs().max())
+        state = model.new_state(2)
+        pieces = [model(codes[..., s : s + 2], state, kernels=fused) for s in (0, 2)]
+        chunked = torch.cat(pieces, -1)[..., model.config.tail :]
+        assert float((chunked - want).abs().max()) < 1e-5, float((chunked - want).abs().max())
+    cases += 1
+    print("residual unit ok", cases)
+    """
+)
+
+
+def test_residual_unit_in_the_triton_interpreter_equals_its_reference_and_the_layers():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and "residual unit ok 16" in done.stdout, done.stderr[-3000:]
+
+
+def test_the_report_compiles_what_the_launchers_launch(monkeypatch):
+    """At 96 and 192 channels, both launchers' calls (recorded, on CPU tensors), bound as Triton's JIT binds
+    them, equal the launches ``hopper_launches`` lists at the launchers' default setting."""
+    pytest.importorskip("triton")
+    import torch
+
+    from omni_lightning.kernels import launches, residual_unit
+    from omni_lightning.models.shapes import layer_shapes
+
+    calls = []
+
+    class Recorder:
+        fn = residual_unit._residual_unit_kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: calls.append((args, kwargs))
+
+    listed = {(one.kernel, one.label.split()[0], one.num_warps, one.tiles): one
+              for one in residual_unit.hopper_launches(layer_shapes("qwen3-omni"))}  # fmt: skip
+    monkeypatch.setattr(residual_unit, "_residual_unit_kernel", Recorder())
+    for channels in (96, 192):
+        bf16 = torch.bfloat16
+        x, a = torch.zeros(2, 40, channels, dtype=bf16), torch.zeros(2, 40 + 54, channels, dtype=bf16)
+        w1, w2 = torch.zeros(channels, channels, 7, dtype=bf16), torch.zeros(channels, channels, 1, dtype=bf16)
+        p = torch.zeros(channels, dtype=bf16)
+        residual_unit.residual_unit_triton(x, a, w1, p, p, p, w2, 3)
+        pending, history = torch.zeros(channels), torch.zeros(2, 18, channels, dtype=bf16)
+        residual_unit.residual_unit_prologue_triton(x, pending, history, True, 6, p, p, w1, p, p, p, w2, 3)
+        t = residual_unit.unit_tiles(channels)
+        tiles = f"{t.block_m}x{t.block_n}x{t.block_n2}x{t.block_k}"
+        for kernel in ("residual_unit.prologue", "residual_unit"):
+            one = listed[(kernel, str(channels), t.num_warps, tiles)]
+            args, kwargs = calls.pop()
+            bound = launches.bind(Recorder.fn, args, kwargs)
+            assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_residual_unit_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
+    """Both launchers (tensor-core dots, fast sine) against the torch reference in fp64, beside the layers'
+    own error in ``dtype`` (cuDNN, SnakeBeta, the GEMM): no larger than theirs."""
+    import torch
+
+    from omni_lightning.kernels import residual_unit as ru
+
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    rand = lambda *s, scale=1.0: torch.randn(*s, device="cuda", generator=gen) * scale  # noqa: E731
+    for c, d, length in ((96, 9, 3001), (192, 3, 3001), (192, 1, 77), (64, 1, 5)):
+        x, a, hist = rand(2, length, c), rand(2, 6 * d + length + 4, c), rand(2, 6 * d, c)
+        w1, w2 = rand(c, c, 7, scale=(7 * c) ** -0.5), rand(c, c, 1, scale=c**-0.5)
+        b1, la2, lb2, pending, la1, lb1 = (rand(c, scale=s) for s in (0.1, 0.3, 0.3, 0.1, 0.3, 0.3))
+        fresh = torch.tensor([True, False], device="cuda")
+        high = [v.double() for v in (x, a, w1, b1, la2, lb2, w2)]
+        low = [x.to(dtype), a.to(dtype), w1.to(dtype).transpose(1, 2).contiguous().transpose(1, 2), b1, la2, lb2,
+               w2.to(dtype)]  # fmt: skip
+        cases = {
+            "in place": (ru.residual_unit_reference(*high, d), ru.residual_unit_triton(low[0].clone(), *low[1:], d),
+                         ru.residual_unit_reference(*low, d)),
+            "prologue": (ru.residual_unit_prologue_reference(high[0], pending.double(), hist.double(), fresh, 5,
+                                                             la1.double(), lb1.double(), *high[2:], d),
+                         ru.residual_unit_prologue_triton(low[0], pending, hist.to(dtype), fresh, 5, la1, lb1, *low[2:],
+                                                          d),
+                         ru.residual_unit_prologue_reference(low[0], pending, hist.to(dtype), fresh, 5, la1, lb1,
+                                                             *low[2:], d)),
+        }  # fmt: skip
+        for name, (want, ours, theirs) in cases.items():
+            errors = [float((y.double() - want).norm() / want.norm()) for y in (ours, theirs)]
+            assert errors[0] <= 1.1 * errors[1] + 1e-4, (name, c, d, errors)
+
+
+@pytest.mark.gpu
+def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(no_tf32):
+    """qwen3-omni widths in bf16: the whole forward with ``Kernels.for_inference(fused_units=True)`` against
+    the fp32 forward, no further off than the layers in bf16."""
+    import dataclasses
+
+    import torch
+    from conftest import random_model
+    from helpers import random_codes
+
+    from omni_lightning.kernels import Kernels
+
+    model = random_model("qwen3-omni", seed=0).cuda()
+    codes = random_codes(2, 40, model.config, seed=1).cuda()
+    with torch.inference_mode():
+        want = model(codes, kernels=Kernels()).double()
+        low = model.to(torch.bfloat16)
+        units = Kernels.for_inference("cuda", fused_units=True)
+        errors = {}
+        for name, kernels in (("units", units), ("layers", dataclasses.replace(units, conv_snake=None,
+                                                                               residual_unit=None))):  # fmt: skip
+            got = low(codes, kernels=kernels).double()
+            errors[name] = float((got - want).norm() / want.norm())
+    assert errors["units"] <= 1.1 * errors["layers"] + 1e-3, errors
