@@ -10,16 +10,17 @@ their pool while the process goes on decoding):
 - **library workspaces**: cuBLAS and cuBLASLt keep one workspace per (handle, stream), made on the
   stream's first GEMM by the caching allocator and held by torch until cleared. Made in a warm-up,
   the capture stream's would live in the graphs' pool, and every graph records its address. So it
-  is made first, outside the pool (:meth:`TorchGraphCapture.prime_workspaces`), and when the graphs
-  are dropped (:meth:`reset`) every workspace is cleared after the device is idle, so none a dropped
-  graph recorded is reused.
+  is made first, outside the pool (:meth:`TorchGraphCapture.prime_workspaces`), so a dropped pool
+  never takes it. It is not cleared when graphs are dropped: ``torch._C._cuda_clearCublasWorkspaces``
+  is process-wide, and other live graphs (another engine's, fit's step graph) recorded their streams'
+  workspaces. Clearing them made the next predict's kernels fail on an H100 ("unspecified launch
+  failure" in the second of two predicts, tests/test_host_weights.py), so this is not done.
 - **a failed capture's state**: ``torch.cuda.graph`` leaves the capture stream current and the pool's
   allocation routing open when ``capture_end`` raises (later allocations on that stream would go to
   a pool being freed); both are undone here. The failed graph is kept alive (destroying it mid-run
   can leave the pool's bookkeeping unusable), later captures go to a fresh pool.
 Not done: graphs shared across processes or devices; priming cuDNN (it keeps no workspace between
-calls: a capture's own are the graph's). Clearing the workspaces is process-wide: another thread's
-GEMM in flight at that moment is not waited for (the engine's own calls are serialized).
+calls: a capture's own are the graph's).
 """
 
 from __future__ import annotations
@@ -47,13 +48,10 @@ class TorchGraphCapture:
         return hasattr(torch.cuda, "MemPool") and hasattr(torch.cuda, "use_mem_pool")
 
     def reset(self) -> None:
-        """A new pool for the captures to come (the old one is freed with the graphs that held it); the
-        library workspaces those graphs recorded are cleared (see the module docstring)."""
+        """A new pool for the captures to come (the old one is freed with the graphs that held it). The
+        library workspaces stay: primed outside the pool, they are not freed with it, and clearing them
+        (process-wide) would free what other live graphs recorded (see the module docstring)."""
         self.pool = None
-        if self.primed and hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
-            torch.cuda.synchronize()  # no replay still reads a workspace cleared next
-            torch._C._cuda_clearCublasWorkspaces()
-            self.primed = False
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]:
         cached = torch.is_autocast_cache_enabled()
