@@ -89,16 +89,18 @@ class Kernels:
         return cls.for_training(device) if torch.is_grad_enabled() else cls.for_inference(device)
 
     @classmethod
-    def for_training(cls, device: torch.device | str, fused: bool = True) -> Kernels:
-        """Triton SnakeBeta forward and backward (one autograd function) and the residual units' dilated
-        convolutions with their SnakeBeta fused, forward and backward (16-bit, 32-256 channels), on CUDA
-        when Triton is installed (and ``fused``), the torch reference elsewhere; residuals out of place
-        (autograd keeps the stream). On the CPU, whatever ``fused``, transposed convolutions in bf16 take their
-        input's gradient in fp32 (oneDNN's bf16 one is wrong on AMX: ``kernels/conv_transpose.py``)."""
+    def for_training(cls, device: torch.device | str, fused: bool = True, fused_conv: bool = False) -> Kernels:
+        """Triton SnakeBeta forward and backward (one autograd function) on CUDA when Triton is installed
+        (and ``fused``), the torch reference elsewhere; residuals out of place (autograd keeps the stream).
+        ``fused_conv``: the residual units' dilated convolutions with their SnakeBeta fused, forward and
+        backward (16-bit, 32-256 channels): off by default, since on an H100 a bf16-true step ran at 0.87 of
+        cuDNN's with it (it saves 1.4 GiB at batch 32 x 2 s: docs/performance.md). On the CPU, whatever
+        ``fused``, transposed convolutions in bf16 take their input's gradient in fp32 (oneDNN's bf16 one is
+        wrong on AMX: ``kernels/conv_transpose.py``)."""
         device = torch.device(device)
         if fused and device.type == "cuda" and triton_available():
-            return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd",
-                       conv_snake=conv_snake_triton_autograd, conv_snake_grad=True)  # fmt: skip
+            conv = {"conv_snake": conv_snake_triton_autograd, "conv_snake_grad": True} if fused_conv else {}
+            return cls(snake_beta_triton_autograd, inplace=False, name="triton-autograd", **conv)
         if device.type == "cpu":
             return cls(conv_transpose=conv_transpose_fp32_input_grad, name="reference, fp32 conv-transpose input grads")
         return cls(snake_beta_reference, inplace=False, name="reference")

@@ -25,7 +25,6 @@ callback the command line adds (:class:`FitClock`). Its row follows the benchmar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import logging
@@ -44,6 +43,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule, Trainer, collate_codes, randomize_weights
+from omni_lightning.kernels import Kernels
 
 
 def paired_loader(config: Code2WavConfig, batch: int, frames: int, batches: int, seed: int = 0) -> DataLoader:
@@ -85,25 +85,26 @@ class EagerGenerator(Code2WavModule):
         return None
 
 
-class LayersInTraining(Code2WavModule):
-    """The module with the residual units' convolution and SnakeBeta unfused in fit (``--no-conv-snake``)."""
+class FusedConvInTraining(Code2WavModule):
+    """The module with the residual units' convolution and SnakeBeta fused in fit, backward too (``--conv-snake``:
+    not the default, see ``Kernels.for_training``)."""
 
     def configure_training_kernels(self, device):
-        return dataclasses.replace(super().configure_training_kernels(device), conv_snake=None)
+        return Kernels.for_training(device, fused_conv=True)
 
 
-class EagerLayers(EagerGenerator, LayersInTraining):
-    """Both: ``--graphs off --no-conv-snake``."""
+class EagerFusedConv(EagerGenerator, FusedConvInTraining):
+    """Both: ``--graphs off --conv-snake``."""
 
 
 def fresh_module(
-    base: Code2Wav, adversarial: bool, learning_rate: float, graphs: bool = True, conv_snake: bool = True
+    base: Code2Wav, adversarial: bool, learning_rate: float, graphs: bool = True, conv_snake: bool = False
 ) -> Code2WavModule:
     model = Code2Wav(base.config)
     model.load_state_dict(base.state_dict())
     # a schedule far longer than the run: the measured update is at the nominal rate, not the cosine's tail
-    cls = {(True, True): Code2WavModule, (False, True): EagerGenerator, (True, False): LayersInTraining}.get(
-        (graphs, conv_snake), EagerLayers
+    cls = {(True, False): Code2WavModule, (False, False): EagerGenerator, (True, True): FusedConvInTraining}.get(
+        (graphs, conv_snake), EagerFusedConv
     )
     return cls(model=model, adversarial=adversarial, learning_rate=learning_rate, total_steps=10**6)
 
@@ -151,7 +152,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
     frames = round(args.crop_seconds * config.frame_rate)
     batches = args.warmup + args.steps + 1
     clock = StepClock(args.warmup, batches)
-    module = fresh_module(base, args.adversarial, args.learning_rate, graphs, not args.no_conv_snake)
+    module = fresh_module(base, args.adversarial, args.learning_rate, graphs, args.conv_snake)
     trainer = fit_trainer(args.device, precision, batches, args.adversarial, [clock])
     if args.device == "cuda":
         torch.cuda.empty_cache()
@@ -180,7 +181,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
         "peak_memory_gib": peak / 2**30,
         "updated": clock.updated,
         "graphs": graphs,
-        "conv_snake": not args.no_conv_snake,
+        "conv_snake": args.conv_snake,
         "graph": clock.graph,
     }
 
@@ -286,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--learning-rate", type=float, default=1e-4)
     parser.add_argument(
-        "--no-conv-snake", action="store_true", help="the residual units' convolution and SnakeBeta unfused in fit"
+        "--conv-snake", action="store_true", help="the residual units' convolution and SnakeBeta fused in fit (opt-in)"
     )
     parser.add_argument("--fit-cli", action="store_true", help="also time `omni-lightning fit` at the same settings")
     parser.add_argument("--out", default="bench_train.json")

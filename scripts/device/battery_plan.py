@@ -264,6 +264,16 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("qwen share 0.03, peak reserved GiB", lambda r: _get(r, "qwen-0.03", "peak_reserved_gib"), ".2f"),
         ("tiny share 0.02, peak reserved GiB", lambda r: _get(r, "tiny-0.02", "peak_reserved_gib"), ".2f"),
     ),
+    "repro_capped_graphs": (  # per mode: forced (the old crash setting), whole-budget graphs, eager
+        *(
+            (f"{m} x real time", lambda r, m=m: _get(r, "modes", m, "x_realtime"), ",.0f")
+            for m in ("forced", "whole", "eager")
+        ),
+        *(
+            (f"{m} max rel L2", lambda r, m=m: _get(r, "modes", m, "max_rel_l2"), ".1e")
+            for m in ("forced", "whole", "eager")
+        ),
+    ),
     "bench_train": (
         ("audio s/s", lambda r: _get(r, "rows", 0, "audio_s_per_s"), ",.1f"),
         ("step ms", lambda r: None if (s := _get(r, "rows", 0, "step_s")) is None else 1e3 * s, ".0f"),
