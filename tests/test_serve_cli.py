@@ -167,7 +167,7 @@ def test_past_the_drain_timeout_the_clients_in_flight_are_told_and_the_server_st
 
     try:
         error, closed = asyncio.run(main())
-        assert error["status"] == 503 and "stopped before it was decoded" in error["error"]
+        assert error["status"] == 503 and "stopped before all of it was decoded" in error["error"]
         assert closed.code == 1013 and closed.reason == error["error"]
         assert wait_until(lambda: not live.thread.is_alive(), 30)
         status, line = stop_line(stop_summary(live.server))
@@ -202,7 +202,7 @@ def test_a_second_signal_stops_at_once_each_client_told_in_json(capfd):
         error, response = asyncio.run(main())
         assert error["status"] == 503
         assert response.status_code == 503 and response.headers["content-type"] == "application/json", response.text
-        assert "stopped before it was decoded" in response.json()["error"]
+        assert "stopped before all of it was decoded" in response.json()["error"]
         assert wait_until(lambda: not live.thread.is_alive(), 30)
         status, line = stop_line(stop_summary(live.server))
         assert status == 130 and line.startswith("error: serve: stopped at once by a second Ctrl-C: 2 requests"), line

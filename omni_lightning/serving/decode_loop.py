@@ -183,7 +183,7 @@ class DecodeLoop:
             left = self._active + list(self._waiting)
             self._active, self._waiting = [], deque()
         for job in left:
-            self._end(job, ("error", (503, f"request {job.rid}: the server stopped before it was decoded")))
+            self._end(job, ("error", (503, f"request {job.rid}: the server stopped before all of it was decoded")))
 
     def _run(self) -> None:
         with self.context(), torch.no_grad():

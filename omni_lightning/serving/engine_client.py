@@ -75,7 +75,7 @@ class RemoteLoop:
         for sock in self.sockets:
             sock.close()
         for job in list(self.jobs.values()):
-            self._answer(job, "error", (503, f"request {job.rid}: the server stopped before it was decoded"))
+            self._answer(job, "error", (503, f"request {job.rid}: the server stopped before all of it was decoded"))
 
     def submit(self, rid: str, codes: torch.Tensor, sink: Sink) -> Job:
         job = self._job(Job(rid, sink, codes=codes, finishing=True))
