@@ -46,10 +46,6 @@ class RemoteLoop:
     def open_jobs(self) -> int:
         return len(self.jobs)
 
-    @property
-    def queue_depth(self) -> int:
-        return 0  # the engines queue; their /metrics gauge says how deep
-
     def start(self) -> None:
         """Connects to the engines; call on the front's event loop."""
         context = zmq.asyncio.Context.instance()
