@@ -2,9 +2,10 @@
 
 Every client is a stream of that decoder: a WebSocket stream pushes its chunks as they come, a whole
 request up to ``request_frames`` a step. Each step pushes what the schedule takes (``schedule.py``: stream
-chunks first; whole requests capped to a slice of engine time while a stream is open), advances every
-stream with frames at once (``StreamingDecoder.step``), copies the step's audio to the host in one copy
-(``host_audio.py``) and hands each client its audio, a stream's split per chunk. So every client gets
+chunks first; whole requests capped to a slice of engine time while a stream is open) in two decodes: the
+streams' chunks alone first, then the whole requests' frames (a chunk never waits for bulk rows in its own
+forward); each decode advances its streams at once (``StreamingDecoder.step``), copies its audio to the host
+in one copy (``host_audio.py``) and hands each client its audio, a stream's split per chunk. So every client gets
 exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
 remains; the loop sleeps only when idle.
 
@@ -202,8 +203,24 @@ class DecodeLoop:
         streams, bulk = [j for j in jobs if j.is_stream], [j for j in jobs if not j.is_stream]
         takes = bulk_frames([j.codes.shape[1] - j.sent_frames for j in bulk], self.request_frames,
                             bool(streams), self.cost, self.bulk_slice_s)  # fmt: skip
-        pushed: dict[Job, list[int]] = {}  # job -> frames of each chunk pushed this step
-        for job, take in [(j, None) for j in streams] + list(zip(bulk, takes)):
+        # the streams' chunks and the bulk slice are two decodes: a chunk never waits for bulk rows in its own
+        phases = [[(j, None) for j in streams], list(zip(bulk, takes))]
+        decoded = False
+        for phase in (p for p in phases if p):
+            if pushed := self._push_all(phase):
+                self._decode(pushed, between, bulk=phase[0][1] is not None)
+                decoded = True
+        if not decoded and between is not None:
+            between()
+        for job in jobs:
+            if job.finishing and not job.done and not job.aborted and not self._has_more(job):
+                self._close(job, ("end", None))
+
+    def _push_all(self, phase: list[tuple[Job, int | None]]) -> dict[Job, list[int]]:
+        """Pushes each job's frames of this decode (a stream's chunks, a whole request's ``take``); returns
+        job -> frames of each chunk pushed."""
+        pushed: dict[Job, list[int]] = {}
+        for job, take in phase:
             try:
                 if job.sid is None:
                     job.sid = self.decoder.open()
@@ -213,15 +230,9 @@ class DecodeLoop:
                 continue
             if frames:
                 pushed[job] = frames
-        if pushed:
-            self._decode(pushed, between)
-        elif between is not None:
-            between()
-        for job in jobs:
-            if job.finishing and not job.done and not job.aborted and not self._has_more(job):
-                self._close(job, ("end", None))
+        return pushed
 
-    def _decode(self, pushed: dict[Job, list[int]], between: Callable[[], None] | None) -> None:
+    def _decode(self, pushed: dict[Job, list[int]], between: Callable[[], None] | None, bulk: bool) -> None:
         start = time.perf_counter()
         try:
             out = self.decoder.step()
@@ -239,7 +250,8 @@ class DecodeLoop:
                 self._close(job, ("error", (500, f"request {job.rid}: {why}")))
             return
         seconds = time.perf_counter() - start
-        self.cost.update(sum(sum(f) for f in pushed.values()), seconds)
+        if bulk:  # the slice is priced at the bulk decodes' cost per frame
+            self.cost.update(sum(sum(f) for f in pushed.values()), seconds)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
         pieces = host.split([out[sid].shape[-1] for sid in sids], dim=-1)

@@ -1,0 +1,66 @@
+"""The serving decode loop's steps (``serving/decode_loop.py``), driven step by step on a real tiny decoder:
+a stream's chunk is decoded apart from the bulk slice (never in a forward with whole requests' rows), and
+every client still gets exactly ``decode`` of its codes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from omni_lightning import Code2WavModule
+from omni_lightning.engine.streaming import StreamingDecoder
+from omni_lightning.serving.decode_loop import DecodeLoop
+
+
+class RecordingDecoder(StreamingDecoder):
+    """The real decoder; each ``step`` records which streams it advanced (to see what shared a forward)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps: list[set] = []
+
+    def step(self, chunks=None):
+        out = super().step(chunks)
+        self.steps.append({sid for sid, samples in out.items() if samples.shape[-1]})
+        return out
+
+
+def _sink(into: list):
+    return lambda kind, value: into.append((kind, [v.clone() for v in value] if kind == "audio" else value))
+
+
+def _audio(messages: list) -> torch.Tensor:
+    assert messages[-1][0] == "end", messages[-1]
+    return torch.cat([piece for kind, pieces in messages if kind == "audio" for piece in pieces], dim=-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_equals_decode(seed):
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    module = Code2WavModule(config="tiny", random_weights=True).eval()
+    decoder = RecordingDecoder(module.model, max_streams=8, cuda_graphs=False)
+    loop = DecodeLoop(decoder, request_frames=rng.choice([4, 8, 32]), warmup=(), bulk_slice_s=0.005)
+    q = module.config.num_quantizers
+    wholes = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 60))) for _ in range(3)]
+    chunks = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 12))) for _ in range(6)]
+    answers = {i: [] for i in range(len(wholes) + 1)}
+    with torch.no_grad():
+        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
+        stream = loop.open_stream("s", _sink(answers[len(wholes)]))
+        for chunk in chunks:
+            loop.push(stream, chunk)
+            loop.run_step()
+        loop.finish(stream)
+        while loop.has_work():
+            loop.run_step()
+        whole_sids = {job.sid for job in jobs}
+        stream_steps = [s for s in decoder.steps if stream.sid in s]
+        assert len(stream_steps) == len(chunks)  # one decode per chunk pushed before a step
+        assert all(s == {stream.sid} for s in stream_steps)  # never with a whole request's rows
+        assert any(s & whole_sids for s in decoder.steps)  # the bulk work ran in steps of its own
+        for i, codes in enumerate([*wholes, torch.cat(chunks, dim=1)]):
+            expected = module.model.decode(codes[None])[0]
+            torch.testing.assert_close(_audio(answers[i]), expected, rtol=0, atol=1e-5)
