@@ -1,6 +1,7 @@
 """The serving decode loop's steps (``serving/decode_loop.py``), driven step by step on a real tiny decoder:
 a stream's chunk is decoded apart from the bulk slice (never in a forward with whole requests' rows), and
-every client still gets exactly ``decode`` of its codes."""
+every client still gets exactly ``decode`` of its codes. On CUDA (``-m gpu``) the same, with CUDA graphs and the
+decodes pipelined (the default there): fp32 with TF32 off, within 1e-4 of ``decode``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ class RecordingDecoder(StreamingDecoder):
         return out
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _tiny(seed: int, device: str) -> Code2WavModule:
+    torch.manual_seed(seed)
+    return Code2WavModule(config="tiny", random_weights=True).eval().to(device)
+
+
+def _check(got: torch.Tensor, module: Code2WavModule, codes: torch.Tensor) -> None:
+    expected = module.model.decode(codes[None].to(module.device))[0].cpu()
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=1e-5 if module.device.type == "cpu" else 1e-4)
+
+
 def _sink(into: list):
     return lambda kind, value: into.append((kind, [v.clone() for v in value] if kind == "audio" else value))
 
@@ -36,13 +50,16 @@ def _audio(messages: list) -> torch.Tensor:
     return torch.cat([piece for kind, pieces in messages if kind == "audio" for piece in pieces], dim=-1)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_equals_decode(seed):
-    torch.manual_seed(seed)
+def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_equals_decode(
+    seed, pipeline, device, no_tf32
+):
     rng = random.Random(seed)
-    module = Code2WavModule(config="tiny", random_weights=True).eval()
-    decoder = RecordingDecoder(module.model, max_streams=8, cuda_graphs=False)
-    loop = DecodeLoop(decoder, request_frames=rng.choice([4, 8, 32]), warmup=(), bulk_slice_s=0.005)
+    module = _tiny(seed, device)
+    decoder = RecordingDecoder(module.model, max_streams=8, cuda_graphs=device == "cuda")
+    loop = DecodeLoop(decoder, request_frames=rng.choice([4, 8, 32]), warmup=(), bulk_slice_s=0.005, pipeline=pipeline)
     q = module.config.num_quantizers
     wholes = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 60))) for _ in range(3)]
     chunks = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 12))) for _ in range(6)]
@@ -62,5 +79,38 @@ def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_
         assert all(s == {stream.sid} for s in stream_steps)  # never with a whole request's rows
         assert any(s & whole_sids for s in decoder.steps)  # the bulk work ran in steps of its own
         for i, codes in enumerate([*wholes, torch.cat(chunks, dim=1)]):
-            expected = module.model.decode(codes[None])[0]
-            torch.testing.assert_close(_audio(answers[i]), expected, rtol=0, atol=1e-5)
+            _check(_audio(answers[i]), module, codes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(4))
+def test_pipelined_whole_requests_each_equal_decode_and_an_abort_in_flight_frees_its_slot(seed, device, no_tf32):
+    """With ``pipeline`` (the default on CUDA) a step launches its bulk decode before handing out the last
+    one's audio; on this CPU the same bookkeeping runs: every request whole and exact, in order, an aborted
+    one told nothing more, every slot free at the end."""
+    rng = random.Random(seed)
+    module = _tiny(seed, device)
+    decoder = StreamingDecoder(module.model, max_streams=3, cuda_graphs=device == "cuda")
+    loop = DecodeLoop(decoder, max_queue=16, request_frames=rng.choice([3, 8]), warmup=(), pipeline=True)
+    q = module.config.num_quantizers
+    wholes = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 40))) for _ in range(7)]
+    answers = {i: [] for i in range(len(wholes))}
+    with torch.no_grad():
+        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
+        loop.run_step()
+        loop.run_step()
+        assert loop._in_flight is not None  # a decode launched and not yet handed out
+        gone = next(j for j in jobs if j.in_flight and not j.done)
+        loop.abort(gone)
+        steps = 0
+        while loop.has_work():
+            loop.run_step()
+            steps += 1
+            assert steps < 500
+    assert decoder.streams == [] and loop.open_jobs == 0
+    for i, codes in enumerate(wholes):
+        if jobs[i] is gone:
+            assert all(kind == "audio" for kind, _ in answers[i])  # no end, no error: the client left
+            continue
+        with torch.no_grad():
+            _check(_audio(answers[i]), module, codes)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -33,9 +32,9 @@ from typing import Any
 import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
-from omni_lightning.serving.host_audio import HostAudio
+from omni_lightning.serving.decodes import Decode, Decodes
 from omni_lightning.serving.jobs import Job, Overloaded, Sink
-from omni_lightning.serving.schedule import FrameCost, bulk_frames
+from omni_lightning.serving.schedule import bulk_frames
 
 log = logging.getLogger("omni_lightning.serving")
 
@@ -45,7 +44,9 @@ class DecodeLoop:
     where the steps run (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
     ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
     steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
-    the engine time a step gives whole requests (``schedule.py``)."""
+    the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): with no
+    stream open, a step launches its bulk decode before handing out the last one's audio (the device
+    never waits for the host between them)."""
 
     def __init__(
         self,
@@ -57,12 +58,15 @@ class DecodeLoop:
         warmup: tuple[int, ...] = (1, 8),
         bulk_slice_s: float = 0.01,
         warmup_rows: tuple[int, ...] = (1,),
+        pipeline: bool | None = None,
     ) -> None:
         self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
         self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
-        self.config, self.bulk_slice_s, self.cost = decoder.config, bulk_slice_s, FrameCost()
+        self.config, self.bulk_slice_s = decoder.config, bulk_slice_s
         self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
-        self._host = HostAudio()  # the steps' audio on the host, one buffer reused
+        self.decodes = Decodes(decoder, metrics, self._fail)
+        self.pipeline = decoder.engine.device.type == "cuda" if pipeline is None else pipeline
+        self._in_flight: Decode | None = None  # a bulk decode launched, its audio not yet handed out
         self.ready, self.warmup_error = threading.Event(), None
         self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
         self._active: list[Job] = []  # holding a slot (or about to open one)
@@ -160,8 +164,9 @@ class DecodeLoop:
         """Whether a step now would do something (else the caller may sleep until ``push``/``submit``)."""
         with self._lock:
             jobs = list(self._active)
-        return any(j.aborted or j.chunks or (j.finishing and not j.done) or j.sid is None or self._has_more(j)
-                   for j in jobs)  # fmt: skip
+        return self._in_flight is not None or any(
+            j.aborted or j.chunks or (j.finishing and not j.done) or j.sid is None or self._has_more(j) for j in jobs
+        )
 
     def run_step(self, between: Callable[[], None] | None = None) -> None:
         """One step; a failure in it is told to its clients, not raised. ``between`` runs while the
@@ -175,7 +180,11 @@ class DecodeLoop:
                     self._close(job, ("error", (500, f"request {job.rid}: the server failed ({err!r})")))
 
     def close_all(self) -> None:
-        """Tells every client left that the server stopped before its audio was decoded."""
+        """Tells every client left that the server stopped before its audio was decoded (a decode in flight
+        is handed out first)."""
+        if self._in_flight is not None:
+            self.decodes.land(self._in_flight, None)
+            self._in_flight = None
         with self._lock:
             left = self._active + list(self._waiting)
             self._active, self._waiting = [], deque()
@@ -202,18 +211,28 @@ class DecodeLoop:
         jobs = [j for j in jobs if not j.aborted]
         streams, bulk = [j for j in jobs if j.is_stream], [j for j in jobs if not j.is_stream]
         takes = bulk_frames([j.codes.shape[1] - j.sent_frames for j in bulk], self.request_frames,
-                            bool(streams), self.cost, self.bulk_slice_s)  # fmt: skip
+                            bool(streams), self.decodes.cost, self.bulk_slice_s)  # fmt: skip
         # the streams' chunks and the bulk slice are two decodes: a chunk never waits for bulk rows in its own
         phases = [[(j, None) for j in streams], list(zip(bulk, takes))]
-        decoded = False
+        landing, self._in_flight = self._in_flight, None  # handed out after the next launch: the device goes on
         for phase in (p for p in phases if p):
-            if pushed := self._push_all(phase):
-                self._decode(pushed, between, bulk=phase[0][1] is not None)
-                decoded = True
-        if not decoded and between is not None:
-            between()
+            if not (pushed := self._push_all(phase)):
+                continue
+            is_bulk = phase[0][1] is not None
+            launched = self.decodes.launch(pushed, is_bulk)
+            if landing is not None:
+                self.decodes.land(landing, between)
+                landing = None
+            if launched is not None and is_bulk and self.pipeline and not streams:
+                self._in_flight = launched
+            elif launched is not None:
+                self.decodes.land(launched, between)
+        if landing is not None:
+            self.decodes.land(landing, between)
+        elif between is not None and self._in_flight is None:
+            between()  # nothing decoded: the socket is read all the same
         for job in jobs:
-            if job.finishing and not job.done and not job.aborted and not self._has_more(job):
+            if job.finishing and not job.done and not job.aborted and not self._has_more(job) and not job.in_flight:
                 self._close(job, ("end", None))
 
     def _push_all(self, phase: list[tuple[Job, int | None]]) -> dict[Job, list[int]]:
@@ -232,31 +251,12 @@ class DecodeLoop:
                 pushed[job] = frames
         return pushed
 
-    def _decode(self, pushed: dict[Job, list[int]], between: Callable[[], None] | None, bulk: bool) -> None:
-        start = time.perf_counter()
-        try:
-            out = self.decoder.step()
-            if between is not None:  # the socket's time is not the engine's: kept out of the cost per frame
-                read = time.perf_counter()
-                between()
-                start += time.perf_counter() - read
-            sids = [job.sid for job in pushed]
-            host = self._host.gather([out[sid] for sid in sids])
-        except Exception as err:
-            n = len(pushed)
-            why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
-            log.error("serve: %s", why)
-            for job in pushed:
-                self._close(job, ("error", (500, f"request {job.rid}: {why}")))
-            return
-        seconds = time.perf_counter() - start
-        if bulk:  # the slice is priced at the bulk decodes' cost per frame
-            self.cost.update(sum(sum(f) for f in pushed.values()), seconds)
-        if self.metrics is not None:
-            self.metrics.step_seconds.observe(seconds)
-        pieces = host.split([out[sid].shape[-1] for sid in sids], dim=-1)
-        for (job, frames), samples in zip(pushed.items(), pieces):
-            self._deliver(job, self._split(samples, frames, first=job.sent_frames == sum(frames)))
+    def _fail(self, pushed: dict[Job, list[int]], err: Exception) -> None:
+        n = len(pushed)
+        why = f"decode failed in a step of {n} stream{'s' * (n != 1)} ({type(err).__name__}: {err})"
+        log.error("serve: %s", why)
+        for job in pushed:
+            self._close(job, ("error", (500, f"request {job.rid}: {why}")))
 
     def _push(self, job: Job, take: int | None) -> list[int]:
         if job.codes is not None:
@@ -274,21 +274,6 @@ class DecodeLoop:
 
     def _has_more(self, job: Job) -> bool:
         return bool(job.chunks) if job.codes is None else job.sent_frames < job.codes.shape[1]
-
-    def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
-        """A step's samples of one stream, cut per chunk pushed (``output_length`` of each)."""
-        up, tail = self.config.total_upsample, self.config.tail
-        sizes = [n * up - (tail if first and i == 0 else 0) for i, n in enumerate(frames)]
-        return list(samples.split(sizes, dim=-1)) if len(sizes) > 1 else [samples]
-
-    def _deliver(self, job: Job, pieces: list[torch.Tensor]) -> None:
-        if self.metrics is not None:
-            if job.first_audio is None:
-                self.metrics.first_audio_seconds.observe(time.perf_counter() - job.created)
-            self.metrics.audio_seconds.inc(sum(p.shape[-1] for p in pieces) / self.config.sample_rate)
-        if job.first_audio is None:
-            job.first_audio = time.perf_counter()
-        job.sink("audio", pieces)
 
     def _close(self, job: Job, message: tuple[str, Any] | None) -> None:
         """Frees the job's slot (decoding nothing more: what was pushed is decoded by the step already)."""

@@ -40,6 +40,7 @@ class Job:
     created: float = field(default_factory=time.perf_counter)
     first_audio: float | None = None
     done: bool = False
+    in_flight: int = 0  # decodes launched with its frames whose audio is not handed out yet
     key: int = 0  # its number in a front process (engine_client.py)
     engine: int = 0  # which engine process decodes it (engine_client.py)
 

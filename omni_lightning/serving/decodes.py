@@ -1,0 +1,103 @@
+"""``Decodes``: a serving step's decodes from launch to each client's audio.
+
+``launch`` steps the decoder over what the loop pushed and starts the copy of its audio to the host
+(``host_audio.py``); ``land`` waits for that copy and hands each client its part, a stream's split per chunk
+it sent (``output_length`` of each). Between the two the device computes: a decode launched after another
+queues behind it on the device, so a loop that launches the next decode before landing the last keeps the
+device busy while the host hands out audio (``DecodeLoop``'s ``pipeline``). Each landing times the decode
+from its launch, or from the last landing when it was queued behind that one (the socket's reads left out):
+the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``), every decode's time is the
+``step_seconds`` metric. A decode that fails is told to its clients through ``fail``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_lightning.engine.streaming import StreamingDecoder
+from omni_lightning.serving.host_audio import HostAudio, HostCopy
+from omni_lightning.serving.jobs import Job
+from omni_lightning.serving.schedule import FrameCost
+
+
+@dataclass
+class Decode:
+    """A decode launched: each job's frames per chunk pushed (and whether they start it), its outputs'
+    sizes, their copy to the host, when it was launched, and whether it was the bulk slice."""
+
+    pushed: dict[Job, list[int]]
+    firsts: list[bool]
+    sizes: list[int]
+    copy: HostCopy
+    start: float
+    bulk: bool
+
+
+class Decodes:
+    """Launches and lands ``decoder``'s decodes (see the module docstring); ``fail(pushed, err)`` tells a
+    failed decode's clients."""
+
+    def __init__(self, decoder: StreamingDecoder, metrics: Any, fail: Callable[[dict, Exception], None]) -> None:
+        self.decoder, self.metrics, self.fail = decoder, metrics, fail
+        self.config, self.cost, self.host = decoder.config, FrameCost(), HostAudio()
+        self.landed = 0.0  # when the last decode's audio landed
+
+    def launch(self, pushed: dict[Job, list[int]], bulk: bool) -> Decode | None:
+        """Steps the decoder over what was pushed and starts its audio's copy (None: it failed, told)."""
+        start = time.perf_counter()
+        try:
+            out = self.decoder.step()
+            outs = [out[job.sid] for job in pushed]
+            copy = self.host.start(outs)
+        except Exception as err:
+            self.fail(pushed, err)
+            return None
+        for job in pushed:
+            job.in_flight += 1
+        firsts = [job.sent_frames == sum(frames) for job, frames in pushed.items()]
+        return Decode(pushed, firsts, [o.shape[-1] for o in outs], copy, start, bulk)
+
+    def land(self, d: Decode, between: Callable[[], None] | None) -> None:
+        """Reads the socket (``between``), waits for ``d``'s audio and hands each client still there its part."""
+        read = 0.0
+        if between is not None:
+            mark = time.perf_counter()
+            between()
+            read = time.perf_counter() - mark
+        for job in d.pushed:
+            job.in_flight -= 1
+        try:
+            host = d.copy.wait()
+        except Exception as err:
+            self.fail(d.pushed, err)
+            return
+        done = time.perf_counter()
+        seconds = done - max(d.start, self.landed) - read
+        self.landed = done
+        if d.bulk:
+            self.cost.update(sum(sum(f) for f in d.pushed.values()), seconds)
+        if self.metrics is not None:
+            self.metrics.step_seconds.observe(seconds)
+        for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
+            if not job.aborted and not job.done:
+                self._deliver(job, self._split(samples, frames, first))
+
+    def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
+        """A decode's samples of one stream, cut per chunk pushed (``output_length`` of each)."""
+        up, tail = self.config.total_upsample, self.config.tail
+        sizes = [n * up - (tail if first and i == 0 else 0) for i, n in enumerate(frames)]
+        return list(samples.split(sizes, dim=-1)) if len(sizes) > 1 else [samples]
+
+    def _deliver(self, job: Job, pieces: list[torch.Tensor]) -> None:
+        if self.metrics is not None:
+            if job.first_audio is None:
+                self.metrics.first_audio_seconds.observe(time.perf_counter() - job.created)
+            self.metrics.audio_seconds.inc(sum(p.shape[-1] for p in pieces) / self.config.sample_rate)
+        if job.first_audio is None:
+            job.first_audio = time.perf_counter()
+        job.sink("audio", pieces)
