@@ -10,8 +10,8 @@ counts every ``LightningOptimizer.step()`` (the loop's ``optim_step_progress``),
 through it and the discriminators through ``trainer.strategy.optimizer_step``, the call that
 ``LightningOptimizer.step`` makes once it has counted: the same precision plugin (GradScaler unscale,
 step and update; autocast's and master weights' handling), the same ``on_before_optimizer_step`` hooks
-and the same DDP handling, without the count. So ``max_steps``, ``val_check_interval``, checkpoints'
-``every_n_train_steps``, the schedules' length and EMA read batches.
+and the same DDP handling, without the count. So ``max_steps``, checkpoints' ``every_n_train_steps``
+and names, the schedules' length and EMA count batches (``val_check_interval`` always did).
 
 Gradients are clipped in :meth:`AdversarialStep.clip`, called from ``on_before_optimizer_step``,
 where 16-mixed's GradScaler has unscaled them. Under 16-mixed each backward is unscaled by the scale
