@@ -37,6 +37,11 @@ TRAIN_SMOKE = (*TINY, "--batch", "2", "--steps", "1", "--warmup", "1", "--crop-s
 BF16, MIXED = ("--precision", "bf16-true"), ("--precision", "bf16-mixed")
 LONE = ("--requests", "1", "--batch", "1", "--check", "1")  # one request of --min-s = --max-s seconds
 
+SERVE = ("--device", "cuda", "--preset", "qwen3-omni", "--precision", "bf16-true", "--frames", "25", "125",
+         "--offline-batch", "32", "--offline-requests", "256", "--check", "64", "--max-streams", "128",
+         "--client-processes", "4", "--seconds", "25")  # fmt: skip
+SERVE_SMOKE = (*TINY, "--clients", "2", "--paced", "2", "--seconds", "2", "--offline-requests", "4", "--check", "4")
+
 UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
 
 STEPS = (
@@ -68,6 +73,12 @@ STEPS = (
         limit=("outside batches s", 0.03),
     ),  # fmt: skip
     Step("stream", "ab", "bench_stream", (), STREAM_SMOKE, 60, ab=True, rounds=2),
+    # `omni-lightning serve` under load (engine and front processes): 64 bulk clients against the offline
+    # engine, then 64 paced talkers beside 16 bulk clients; before and after
+    Step("serve-whole", "serve", "load_test_serve", (*SERVE, "--clients", "64"), SERVE_SMOKE, 90, ab=True),
+    Step(
+        "serve-mix", "serve", "load_test_serve", (*SERVE, "--clients", "16", "--paced", "64"), SERVE_SMOKE, 90, ab=True
+    ),  # fmt: skip
     # every CUDA test on the GPU
     Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
     # forward and fine-tuning throughput, the long-tailed job
@@ -236,6 +247,18 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("outside batches s", lambda r: _get(r, "outside_batches_s"), ".3f"),
         ("padding", lambda r: _get(r, "padding"), ".1%"),
         ("check max rel L2", lambda r: _get(r, "check", "max_rel_l2"), ".1e"),
+    ),
+    "load_test_serve": (
+        ("served audio s/s", lambda r: _get(r, "audio_s_per_s"), ",.0f"),
+        ("served / offline", lambda r: _get(r, "ratio_to_offline"), ".2f"),
+        ("decode loop share", lambda r: _get(r, "decode_loop_share"), ".2f"),
+        ("first audio p50 ms (whole)", lambda r: _get(r, "first_audio_ms_whole_p50"), ".0f"),
+        ("first audio p99 ms (whole)", lambda r: _get(r, "first_audio_ms_whole_p99"), ".0f"),
+        ("talkers' first audio p99 ms", lambda r: _get(r, "first_audio_ms_paced_p99"), ".0f"),
+        ("chunk latency p50 ms", lambda r: _get(r, "chunk_latency_ms_p50"), ".1f"),
+        ("chunk latency p99 ms", lambda r: _get(r, "chunk_latency_ms_p99"), ".1f"),
+        ("lost", lambda r: _get(r, "lost"), ".0f"),
+        ("wrong", lambda r: _get(r, "wrong"), ".0f"),
     ),
     "bench_stream": (
         ("first audio ms", lambda r: _get(r, "ttfa_ms", "stream"), ".2f"),
