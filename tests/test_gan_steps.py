@@ -128,6 +128,7 @@ def test_cli_fit_with_the_gan_counts_batches_then_resumes(gan_pairs, tmp_path):
     proc = cli("fit", *common, "--trainer.max_steps", "3")
     log = proc.communicate(timeout=300)[0]
     assert proc.returncode == 0, log
+    assert "step 3/3" in log, log  # the progress lines count batches against max_steps
     (said,) = [line for line in log.splitlines() if line.startswith("fit: val/mel_distance ")]
     assert "(step 3, one validation)" in said and "epoch=0-step=3.ckpt" in said, said  # named by batches
     last = next(runs.rglob("last.ckpt"))
