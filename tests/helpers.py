@@ -75,6 +75,20 @@ def trainer_kwargs(**kw):
     return {**quiet, "enable_model_summary": False, **kw}
 
 
+def precision_kwargs(precision, accelerator="cpu"):
+    """Trainer arguments for ``precision`` on ``accelerator``. 16-mixed through a GradScaler whose first
+    scale (4,096) does not overflow this model's first step, so that step is taken, not skipped (the
+    default, 65,536, skips it on CUDA); on the CPU a CPU GradScaler (Lightning itself turns CPU
+    16-mixed into bf16-mixed), so the scaler's path runs as it does on CUDA."""
+    if precision != "16-mixed":
+        return {"precision": precision, "accelerator": accelerator}
+    from lightning.pytorch.plugins import MixedPrecision
+
+    device = "cpu" if accelerator == "cpu" else "cuda"
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
+    return {"plugins": [MixedPrecision("16-mixed", device, scaler=scaler)], "accelerator": accelerator}
+
+
 def read_until(proc: subprocess.Popen, marker: str, timeout: float = 300) -> tuple[list[str], threading.Thread]:
     """Reads ``proc``'s stdout on a thread until ``marker`` appears, the process ends or ``timeout``
     passes; returns the list the thread keeps filling (joined: everything printed) and the thread."""

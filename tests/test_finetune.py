@@ -10,7 +10,7 @@ import pytest
 import soundfile as sf
 import torch
 from conftest import random_model
-from helpers import trainer_kwargs
+from helpers import precision_kwargs, trainer_kwargs
 
 from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, CodesDataset, Trainer, collate_codes
 from omni_lightning.callbacks.progress import start_lines
@@ -359,20 +359,6 @@ def short_pairs(tmp_path_factory):
     return make_demo_data(folder, 2, 0.08, 0.16, teacher=make_teacher("tiny"), seed=2, name="short.jsonl")
 
 
-def precision_kwargs(precision, accelerator="cpu"):
-    """Trainer arguments for ``precision`` on ``accelerator``. 16-mixed through a GradScaler whose first
-    scale (4,096) does not overflow this model's first step, so that step is taken, not skipped (the
-    default, 65,536, skips it on CUDA); on the CPU a CPU GradScaler (Lightning itself turns CPU
-    16-mixed into bf16-mixed), so the scaler's path runs as it does on CUDA."""
-    if precision != "16-mixed":
-        return {"precision": precision, "accelerator": accelerator}
-    from lightning.pytorch.plugins import MixedPrecision
-
-    device = "cpu" if accelerator == "cpu" else "cuda"
-    scaler = torch.amp.GradScaler(device, init_scale=2.0**12)
-    return {"plugins": [MixedPrecision("16-mixed", device, scaler=scaler)], "accelerator": accelerator}
-
-
 # 16-mixed with the GAN only: without it, the GradScaler's path is Lightning's own automatic optimization
 CASES = [
     ("32-true", False),
@@ -401,8 +387,7 @@ def test_fine_tunes_in_every_precision_then_predicts_in_place(short_pairs, accel
     model_before = weights(module)
     disc_before = [p.detach().clone() for p in module.discriminators.parameters()] if adversarial else []
     data = CodesDataModule(train=str(short_pairs), val=str(short_pairs), predict=str(short_pairs), batch_size=2)
-    steps = 2 if adversarial else 1  # one batch; with two optimizers Lightning counts two steps
-    trainer = Trainer(**{**fit_kwargs(steps, limit_val_batches=1), **precision_kwargs(precision, accelerator)})
+    trainer = Trainer(**{**fit_kwargs(1, limit_val_batches=1), **precision_kwargs(precision, accelerator)})
     trainer.fit(module, datamodule=data)  # one step, then validation on that same batch
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -39,7 +39,7 @@ HELP_TEXT = {
     ("serve", "--ckpt_path"): "a Lightning checkpoint from fit (.ckpt): its architecture and weights",
     ("serve", "--trainer.gpu_memory_utilization"): "the share of the GPU the decoder's memory budget comes from",
     "--trainer.accelerator": "cpu, gpu, or auto: a GPU when there is one",
-    "--trainer.max_steps": "stop after this many optimizer steps (-1: no limit)",
+    "--trainer.max_steps": "stop after this many training steps (-1: no limit)",
     "--trainer.precision": "32-true, bf16-mixed, bf16-true, or 16-mixed (a GPU's)",
     "--trainer.devices": "how many devices (2), which ([0, 1]), or auto",
     "--trainer.strategy": "auto, or ddp for several devices or nodes",

@@ -5,6 +5,14 @@ generator takes the reconstruction, adversarial and feature-matching losses agai
 is cut to the batch's shortest real length (read on the CPU where the batch carries it), so padding
 never reaches a discriminator.
 
+One batch is one ``trainer.global_step``, as without the GAN. Under manual optimization Lightning
+counts every ``LightningOptimizer.step()`` (the loop's ``optim_step_progress``), so the generator steps
+through it and the discriminators through ``trainer.strategy.optimizer_step``, the call that
+``LightningOptimizer.step`` makes once it has counted: the same precision plugin (GradScaler unscale,
+step and update; autocast's and master weights' handling), the same ``on_before_optimizer_step`` hooks
+and the same DDP handling, without the count. So ``max_steps``, checkpoints' ``every_n_train_steps``
+and names, the schedules' length and EMA count batches (``val_check_interval`` always did).
+
 Gradients are clipped in :meth:`AdversarialStep.clip`, called from ``on_before_optimizer_step``,
 where 16-mixed's GradScaler has unscaled them. Under 16-mixed each backward is unscaled by the scale
 it was made with, and a step with non-finite gradients is skipped. The generator's backward runs with
@@ -19,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import do_nothing_closure
 
 from omni_lightning.errors import UsageError
 from omni_lightning.training.discriminators import Discriminators
@@ -58,12 +67,12 @@ class AdversarialStep:
         opt_g, opt_d = module.optimizers()
         real, fake = audio[:, None, :shortest], wav[..., :shortest]
         d_loss = self.discriminators.discriminator_loss(real, fake)
-        d_norm = self._step(module, opt_d, d_loss, "disc_grad_norm")
+        d_norm = self._step(module, opt_d, d_loss, "disc_grad_norm", counted=False)
         module.toggle_optimizer(opt_g)
         try:
             adv, fm = self.discriminators.generator_losses(real, fake)
             g_loss = reconstruction_loss + self.adversarial_weight * adv + self.feature_matching_weight * fm
-            g_norm = self._step(module, opt_g, g_loss, "grad_norm")
+            g_norm = self._step(module, opt_g, g_loss, "grad_norm", counted=True)
         finally:
             module.untoggle_optimizer(opt_g)
         for scheduler in module.lr_schedulers():
@@ -95,11 +104,20 @@ class AdversarialStep:
             )
         return shortest
 
-    def _step(self, module: pl.LightningModule, optimizer: Any, loss: torch.Tensor, norm: str) -> torch.Tensor:
+    def _step(
+        self, module: pl.LightningModule, optimizer: Any, loss: torch.Tensor, norm: str, counted: bool
+    ) -> torch.Tensor:
+        """Backward and step; Lightning calls ``on_before_optimizer_step``, hence :meth:`clip`, inside.
+        ``counted``: through the ``LightningOptimizer`` (one ``global_step``), else the strategy's step alone."""
         optimizer.zero_grad()
         module.manual_backward(loss)
         self._stepping = norm
-        optimizer.step()  # Lightning calls on_before_optimizer_step, hence clip(), inside
+        if counted:
+            optimizer.step()
+        else:  # what LightningOptimizer.step runs between its count's two halves (core/optimizer.py)
+            trainer = module.trainer
+            with trainer.profiler.profile("optimizer_step"):
+                trainer.strategy.optimizer_step(getattr(optimizer, "optimizer", optimizer), do_nothing_closure)
         if norm not in self._norms:
             raise RuntimeError("on_before_optimizer_step must call AdversarialStep.clip (a subclass overrode it?)")
         return self._norms.pop(norm)

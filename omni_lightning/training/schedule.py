@@ -156,13 +156,13 @@ def fine_tuning_optimizers(
 ) -> Any:
     """What ``configure_optimizers`` returns: the trainable generator parameters' AdamW and schedule,
     and with ``discriminators`` theirs too (no weight decay). The schedule spans ``total_steps``
-    batches, or Lightning's estimate (which counts both optimizers' steps with discriminators); its
+    batches, or Lightning's estimate (one step a batch, the GAN's too: ``adversarial.py``); its
     warm-up is at most a tenth of them (:func:`short_run_warmup`).
     ``fused``: torch's fused AdamW kernel (:func:`fused_adamw` decides)."""
     params = [p for p in generator if p.requires_grad]
     if not params:
         raise ValueError("every model parameter is frozen: nothing to fine-tune")
-    total = total_steps or int(estimated_stepping_batches) // (1 if discriminators is None else 2)
+    total = total_steps or int(estimated_stepping_batches)
     schedule = WarmupCosine(short_run_warmup(warmup_steps, total), max(total, 1), min_lr_ratio)
     opt, sched = adamw_with_schedule(
         params, schedule, fused, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay

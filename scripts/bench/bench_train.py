@@ -62,13 +62,13 @@ def paired_loader(config: Code2WavConfig, batch: int, frames: int, batches: int,
     return DataLoader(items, batch_size=batch, collate_fn=collate_codes)
 
 
-def fit_trainer(device: str, precision: str, batches: int, adversarial: bool, callbacks: list) -> pl.Trainer:
-    """A Trainer for ``batches`` training batches (manual GAN optimization counts two steps per batch)."""
+def fit_trainer(device: str, precision: str, batches: int, callbacks: list) -> pl.Trainer:
+    """A Trainer for ``batches`` training batches (one step a batch, with the GAN too)."""
     return Trainer(
         accelerator=device,
         devices=1,
         precision=precision,
-        max_steps=batches * (2 if adversarial else 1),
+        max_steps=batches,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -153,7 +153,7 @@ def bench_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: i
     batches = args.warmup + args.steps + 1
     clock = StepClock(args.warmup, batches)
     module = fresh_module(base, args.adversarial, args.learning_rate, graphs, args.conv_snake)
-    trainer = fit_trainer(args.device, precision, batches, args.adversarial, [clock])
+    trainer = fit_trainer(args.device, precision, batches, [clock])
     if args.device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
@@ -235,7 +235,7 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
                    "--model.learning_rate", str(args.learning_rate), "--model.total_steps", str(10**6),
                    "--model.adversarial", str(args.adversarial).lower(), "--trainer.precision", precision,
                    "--trainer.accelerator", "gpu" if args.device == "cuda" else args.device,
-                   "--trainer.max_steps", str(batches * (2 if args.adversarial else 1)),
+                   "--trainer.max_steps", str(batches),
                    "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
                    "--trainer.callbacks+=bench_train.FitClock"]  # fmt: skip
         path = os.pathsep.join([str(here), str(root), os.environ.get("PYTHONPATH", "")])

@@ -179,7 +179,7 @@ def profile_one(base: Code2Wav, args: argparse.Namespace, adversarial: bool) -> 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     callback = ProfileOneBatch(args.warmup, activities)
     module = fresh_module(base, adversarial, 1e-4, args.graphs == "on")
-    trainer = fit_trainer(args.device, args.precision, args.warmup + 1, adversarial, [callback])
+    trainer = fit_trainer(args.device, args.precision, args.warmup + 1, [callback])
     trainer.fit(module, train_dataloaders=paired_loader(config, args.batch, frames, args.warmup + 1))
     table = kernel_table(callback.profiler, args.device, args.rows)
     counts = callback.counter.counts if callback.counter is not None else {}
