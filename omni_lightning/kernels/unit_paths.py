@@ -36,12 +36,12 @@ class UnitPaths:
     rows: tuple[tuple[int, tuple[int, ...], str], ...] = ()
 
     def __post_init__(self) -> None:
-        for path in (self.default, *(row[2] for row in self.rows)):
-            if path not in PATHS:
-                raise ValueError(f"unit path {path!r} in table {self.name!r} is not one of {PATHS}")
         for row in self.rows:
             if len(row) != 3 or not isinstance(row[0], int) or row[0] < 1 or not isinstance(row[1], tuple):
                 raise ValueError(f"row {row!r} of table {self.name!r} is not (channels >= 1, (dilations...), path)")
+        for path in (self.default, *(row[2] for row in self.rows)):
+            if path not in PATHS:
+                raise ValueError(f"unit path {path!r} in table {self.name!r} is not one of {PATHS}")
 
     def path(self, channels: int, dilation: int) -> str:
         """The path this table names for a unit of ``channels`` channels and ``dilation``."""
