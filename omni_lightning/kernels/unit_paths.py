@@ -12,7 +12,8 @@ A :class:`UnitPaths` table names a path per shape; a unit that cannot take it (w
 does not take, autograd recording, the kernel absent from its ``Kernels``) takes the next path down.
 :data:`CHOICES` are the tables ``Kernels.for_inference(fused_units=...)`` picks from: conv_snake everywhere
 (``False``, the default), the one kernel everywhere (``True``) and ``"per-width"``: the one kernel up
-to 96 channels, conv_snake above, where each was the faster on a GPU (``docs/performance.md``). Not
+to 96 channels, conv_snake above, where each was the faster on a GPU (``docs/performance.md``); the
+scripts' ``--units`` name them ``none``, ``all`` and ``per-width`` (:data:`NAMES`). Not
 here: the measuring (``scripts/bench/bench_forward.py --units``), a table per GPU model (one table
 serves every card until one measures otherwise). Standard library only: kernel modules and the
 kernel report read it.
@@ -56,6 +57,7 @@ CONV_SNAKE = UnitPaths("conv_snake", "conv_snake")
 ONE_KERNEL = UnitPaths("one kernel", "residual_unit")
 PER_WIDTH = UnitPaths("per-width", "conv_snake", ((96, (), "residual_unit"),))
 CHOICES = {False: CONV_SNAKE, True: ONE_KERNEL, "per-width": PER_WIDTH}  # Kernels.for_inference(fused_units=...)
+NAMES = {"none": False, "all": True, "per-width": "per-width"}  # the scripts' --units: the fused_units each names
 
 
 def choice(fused_units: bool | str) -> UnitPaths:

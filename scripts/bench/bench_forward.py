@@ -39,8 +39,7 @@ from workload import interleaved_times, memory, peer, random_model, rel_l2, save
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
-
-UNITS = {"none": False, "all": True, "per-width": "per-width"}  # --units: Kernels.for_inference(fused_units=...)
+from omni_lightning.kernels.unit_paths import NAMES as UNITS  # --units: Kernels.for_inference(fused_units=...)
 
 
 def engines_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None,
