@@ -21,9 +21,11 @@ next chunk's history is ``a``'s last rows, which this op does not write (the uni
 saves them today); the kernel report and the interpreter judge it first.
 
 Tile settings are data (:func:`unit_tiles`, :data:`CANDIDATES`), each judged by the kernel report
-(``scripts/kernel_report.py --opt-in``: wgmma, registers, spills, shared memory) before any GPU time.
-Opt-in (``Kernels.for_inference(fused_units=True)``) until a GPU measures it against conv_snake and
-the in-place GEMM (``scripts/bench_units.py``). Not here: fp32 on the GPU (a tensor-core dot in fp32 is
+(``scripts/kernels/kernel_report.py --opt-in``: wgmma, registers, spills, shared memory) before any GPU
+time. Which units run it is ``Kernels.units``' table (``kernels/unit_paths.py``): opt-in, everywhere
+(``Kernels.for_inference(fused_units=True)``) or up to 96 channels (``fused_units="per-width"``), until
+a GPU measures whole forwards of each against conv_snake and the in-place GEMM
+(``scripts/bench/bench_forward.py --units``). Not here: fp32 on the GPU (a tensor-core dot in fp32 is
 TF32: fp32 stays on the layers), a backward (inference only), widths ``conv_snake`` does not take.
 """
 
