@@ -61,7 +61,7 @@ def free_loop(args: argparse.Namespace):
 
     config = Code2WavConfig.from_name(args.preset)
     loop = DecodeLoop(FreeDecoder(config, args.max_streams), args.max_queue, args.request_frames,
-                      metrics=ServeMetrics(), bulk_slice_s=args.bulk_slice_ms / 1000)  # fmt: skip
+                      metrics=ServeMetrics(), bulk_slice_s=args.bulk_slice_ms / 1000, pipeline=False)  # fmt: skip
     return loop, {"config": config, "what": f"{args.preset} preset, free decode (a test double)", "limits": ""}
 
 
