@@ -108,6 +108,21 @@ def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 2, re
     return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
+def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int = 2, repeats: int = 5,
+                      rounds: int = 1) -> dict[str, float]:  # fmt: skip
+    """Median seconds of each of ``fns``, timed in turns: each warmed ``warmup`` times, then ``rounds``
+    rounds that time each ``repeats`` times in order, so a drift of the machine (clocks, heat, a
+    neighbour) falls on all of them alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += [timed(fn, device) for _ in range(repeats)]
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 

@@ -3,12 +3,15 @@ Triton's interpreter on the CPU (fp32: the interpreter gets bf16 dots wrong; the
 
 Both launchers: the in-place one (``a`` given: padding rows past the length, a row tile cut by the length,
 one and two parts of the output channels, the weights as given and as the engine holds them) and the
-prologue one (history given or zeros, fresh rows all, some or none, junk rows). Then the model's forward
-with ``Kernels(residual_unit=...)``, whole and as a stateful chunked decode, against the layers'. Not
-checked here: the fast sine (inline PTX has no interpreter; ``precise=True`` runs libdevice's) and speed.
+prologue one (history given or zeros, fresh rows all, some or none, junk rows). Then the table that picks
+each unit's path (``kernels/unit_paths.py``): the model's forward with ``fused_units="per-width"``, whole and
+as a stateful chunked decode, against the layers', each unit on the path the table names; every choice's
+path at each width, the fallbacks, and bad values. Not checked here: the fast sine (inline PTX has no
+interpreter; ``precise=True`` runs libdevice's) and speed.
 """
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,13 +21,9 @@ import pytest
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
-    from omni_lightning.kernels import Kernels
     from omni_lightning.kernels.conv_snake import Tiles
     from omni_lightning.kernels.residual_unit import (residual_unit_prologue_reference, residual_unit_prologue_triton,
                                                       residual_unit_reference, residual_unit_triton, unit_tiles)
-    from omni_lightning.kernels.snake_beta import snake_beta_reference
-    from omni_lightning.models.code2wav import REFERENCE
 
     gen = torch.Generator().manual_seed(3)
     def rand(*shape, scale=1.0):
@@ -54,25 +53,6 @@ SCRIPT = textwrap.dedent(
                                                 tiles=tiles, precise=True)
             assert rel(got, want) < 1e-5, (c, d, junk, rel(got, want))
             cases += 1
-    # the model: whole requests and a stateful chunked decode, the fused units against the layers
-    micro = Code2WavConfig.from_name("tiny", name="micro", hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     num_key_value_heads=1, intermediate_size=32, decoder_dim=128)
-    model = randomize_weights(Code2Wav(micro), seed=4).eval()
-    def small(x, *args):  # the launcher's own parts and K step, fewer rows
-        t = unit_tiles(x.shape[2])
-        return residual_unit_triton(x, *args, tiles=Tiles(64, t.block_n, t.block_n2, 32, 4, 1), precise=True)
-    fused = Kernels(snake_beta_reference, inplace=True, name="units", residual_unit=small,
-                    conv_snake_dtypes=(torch.float32,))
-    codes = torch.randint(0, 2048, (2, 16, 3), generator=gen)
-    with torch.no_grad():
-        want = model(codes, kernels=REFERENCE)
-        got = model(codes, kernels=fused)
-        assert float((got - want).abs().max()) < 1e-5, float((got - want).abs().max())
-        state = model.new_state(2)
-        pieces = [model(codes[..., s : s + 2], state, kernels=fused) for s in (0, 2)]
-        chunked = torch.cat(pieces, -1)[..., model.config.tail :]
-        assert float((chunked - want).abs().max()) < 1e-5, float((chunked - want).abs().max())
-    cases += 1
     print("residual unit ok", cases)
     """
 )
@@ -82,7 +62,69 @@ def test_residual_unit_in_the_triton_interpreter_equals_its_reference_and_the_la
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and "residual unit ok 16" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "residual unit ok 15" in done.stdout, done.stderr[-3000:]
+
+
+MODEL_SCRIPT = textwrap.dedent(
+    """
+    import dataclasses
+    from collections import Counter
+    import torch
+    from omni_lightning import Code2Wav, Code2WavConfig, randomize_weights
+    from omni_lightning.kernels import Kernels
+    from omni_lightning.kernels.conv_snake import Tiles, conv_snake_triton, launch_tiles
+    from omni_lightning.kernels.residual_unit import residual_unit_triton, unit_tiles
+    from omni_lightning.kernels.snake_beta import snake_beta_reference
+    from omni_lightning.models.code2wav import REFERENCE
+
+    ran = Counter()  # (path, channels): the calls each kernel took
+    def small(t):  # the launchers' own parts and K step, fewer rows and one stage: a faster interpreter
+        return Tiles(64, t.block_n, t.block_n2, t.block_k, 4, 1)
+    def conv_snake(a, weight, *args):
+        ran["conv_snake", weight.shape[0]] += 1
+        return conv_snake_triton(a, weight, *args, tiles=small(launch_tiles(a.shape[2], weight.shape[0])), precise=True)
+    def unit(x, *args):
+        ran["residual_unit", x.shape[2]] += 1
+        return residual_unit_triton(x, *args, tiles=small(unit_tiles(x.shape[2])), precise=True)
+    # the table for_inference picks on CUDA, with the kernels run by the interpreter, in fp32
+    per_width = dataclasses.replace(Kernels.for_inference("cuda", fused_units="per-width"),
+                                    snake_beta=snake_beta_reference, conv_snake=conv_snake, residual_unit=unit,
+                                    conv_snake_dtypes=(torch.float32,))
+    assert per_width.name == "triton-units-per-width", per_width.name
+    both = Code2WavConfig.from_name("tiny", name="96-and-192", hidden_size=16, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, intermediate_size=32,
+                                    decoder_dim=384)  # stages of 192, 96, 48 and 24 channels
+    gen = torch.Generator().manual_seed(3)
+    expect = {"tiny": {("residual_unit", 32): 3}, "96-and-192": {("conv_snake", 192): 3, ("residual_unit", 96): 3}}
+    for config in (Code2WavConfig.from_name("tiny"), both):
+        model = randomize_weights(Code2Wav(config), seed=4).eval()
+        codes = torch.randint(0, config.codebook_size, (2, config.num_quantizers, 3), generator=gen)
+        with torch.no_grad():
+            want = model(codes, kernels=REFERENCE)
+            ran.clear()
+            got = model(codes, kernels=per_width)
+            assert dict(ran) == expect[config.name], (config.name, dict(ran))  # each unit on its table's path
+            err = float((got - want).norm() / want.norm())
+            assert err < 1e-5, (config.name, err)
+            state = model.new_state(2)
+            pieces = [model(codes[..., s : s + 2], state, kernels=per_width) for s in (0, 2)]
+            chunked = torch.cat(pieces, -1)[..., config.tail :]
+            err = float((chunked - want).norm() / want.norm())
+            assert err < 1e-5, (config.name, "chunked", err)
+        print("per-width ok", config.name)
+    """
+)
+
+
+def test_the_per_width_forward_in_the_interpreter_equals_the_layers_at_both_kinds_of_width():
+    """``Kernels.for_inference(fused_units="per-width")``'s table with its kernels run by Triton's interpreter
+    (fp32): the tiny preset (its one 32-channel stage: the one kernel) and a decoder of 192, 96, 48 and
+    24 channels (192: conv_snake, 96: the one kernel, the rest: the layers), whole and as a stateful
+    chunked decode, equal the reference layers; each unit ran the path the table names."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", MODEL_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and "per-width ok 96-and-192" in done.stdout, done.stderr[-3000:]
 
 
 def test_the_report_compiles_what_the_launchers_launch(monkeypatch):
@@ -122,6 +164,56 @@ def test_the_report_compiles_what_the_launchers_launch(monkeypatch):
             assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), kernel
 
 
+@pytest.mark.parametrize("bad", ["per_width", "all", "True", 1, 0, None])
+def test_a_bad_fused_units_value_is_an_error_naming_it(bad):
+    from omni_lightning.kernels import Kernels
+
+    for device in ("cpu", "cuda"):  # before any device check: a typo fails on the CPU too
+        with pytest.raises(ValueError, match=re.escape(f"got {bad!r}")):
+            Kernels.for_inference(device, fused_units=bad)
+
+
+def test_a_unit_table_with_an_unknown_path_is_an_error_naming_it():
+    from omni_lightning.kernels.unit_paths import UnitPaths
+
+    with pytest.raises(ValueError, match="'cudnn' in table 'mine'"):
+        UnitPaths("mine", "conv_snake", ((192, (1,), "cudnn"),))
+    with pytest.raises(ValueError, match=re.escape("row (96, 'residual_unit')")):
+        UnitPaths("mine", "conv_snake", ((96, "residual_unit"),))
+
+
+def test_each_choice_names_each_units_path_and_falls_back_where_a_unit_cannot_take_it():
+    """``Kernels.for_inference`` on CUDA (built here, nothing run) at qwen3-omni's widths and dilations:
+    the table each ``fused_units`` picks, and the fallbacks (gradients recorded, widths the kernels do not
+    take, a stream that is not contiguous, fp32); on the CPU, the layers."""
+    pytest.importorskip("triton")
+    import torch
+
+    from omni_lightning.kernels import Kernels
+
+    def path(kernels, channels, dilation=3, dtype=torch.bfloat16, contiguous=True):
+        x = torch.zeros(2, 10, channels, dtype=dtype)
+        x = x if contiguous else torch.zeros(2, channels, 10, dtype=dtype).transpose(1, 2)
+        a = torch.zeros(2, 10 + 6 * dilation, channels, dtype=dtype)
+        return kernels.unit_path(x, a, torch.nn.Conv1d(channels, channels, 7, dilation=dilation))
+
+    want = {
+        False: ("conv_snake", "conv_snake"),
+        True: ("residual_unit", "residual_unit"),
+        "per-width": ("residual_unit", "conv_snake"),
+    }  # fmt: skip  (96, 192 channels)
+    for choice, paths in want.items():
+        kernels = Kernels.for_inference("cuda", fused_units=choice)
+        with torch.no_grad():
+            assert [path(kernels, c, d) for c in (96, 192) for d in (1, 3, 9)] == [p for p in paths for _ in range(3)]
+            assert path(kernels, 48) == path(kernels, 24) == "layers"  # 48 input channels: not a K step of 32
+            assert path(kernels, 96, dtype=torch.float32) == "layers"  # fp32 stays on the layers
+            assert path(kernels, 96, contiguous=False) == "conv_snake"  # the one kernel writes x in place
+        assert path(kernels, 96) == "layers"  # gradients recorded: neither kernel (inference only)
+        with torch.no_grad():
+            assert path(Kernels.for_inference("cpu", fused_units=choice), 96) == "layers"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_residual_unit_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32):
@@ -158,9 +250,10 @@ def test_residual_unit_matches_the_reference_at_qwen3_omni_widths(dtype, no_tf32
 
 
 @pytest.mark.gpu
-def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(no_tf32):
-    """qwen3-omni widths in bf16: the whole forward with ``Kernels.for_inference(fused_units=True)`` against
-    the fp32 forward, no further off than the layers in bf16."""
+@pytest.mark.parametrize("fused_units", [True, "per-width"])
+def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(fused_units, no_tf32):
+    """qwen3-omni widths in bf16: the whole forward with ``Kernels.for_inference(fused_units=...)`` (the one
+    kernel everywhere, or per width) against the fp32 forward, no further off than the layers in bf16."""
     import dataclasses
 
     import torch
@@ -174,7 +267,7 @@ def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(no_tf32):
     with torch.inference_mode():
         want = model(codes, kernels=Kernels()).double()
         low = model.to(torch.bfloat16)
-        units = Kernels.for_inference("cuda", fused_units=True)
+        units = Kernels.for_inference("cuda", fused_units=fused_units)
         errors = {}
         for name, kernels in (("units", units), ("layers", dataclasses.replace(units, conv_snake=None,
                                                                                residual_unit=None))):  # fmt: skip

@@ -18,6 +18,7 @@ from omni_lightning.kernels.conv_snake import conv_snake_triton, conv_snake_trit
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
 from omni_lightning.kernels.residual_unit import residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
+from omni_lightning.kernels.unit_paths import MOST_FUSED, UnitPaths, choice
 
 
 def triton_available() -> bool:
@@ -29,13 +30,13 @@ class Kernels:
     """What a forward runs: ``snake_beta`` (``kernels/snake_beta.py``'s signature), the decoder's
     transposed convolution ``conv_transpose`` (``kernels/conv_transpose.py``'s), ``inplace``
     (residual 1x1 convolutions accumulate into the residual stream in place: inference only, since
-    autograd needs the stream's earlier values) and ``conv_snake`` (``kernels/conv_snake.py``: a
-    residual unit's dilated convolution with its second SnakeBeta as the epilogue, for the widths it
-    takes in ``conv_snake_dtypes``; None: the convolution, then SnakeBeta; also where autograd records
-    when ``conv_snake_grad``: it is differentiable, ``conv_snake_triton_autograd``) and ``residual_unit``
-    (``kernels/residual_unit.py``: that convolution, its SnakeBeta, the 1x1 convolution and the residual
-    add as one kernel, in place, for the same widths and dtypes; None: not fused; opt-in until a GPU
-    measures it)."""
+    autograd needs the stream's earlier values), and for the residual units ``conv_snake``
+    (``kernels/conv_snake.py``: the dilated convolution with its second SnakeBeta as the epilogue, for
+    the widths it takes in ``conv_snake_dtypes``; also where autograd records when ``conv_snake_grad``:
+    it is differentiable, ``conv_snake_triton_autograd``), ``residual_unit`` (``kernels/residual_unit.py``:
+    that convolution, its SnakeBeta, the 1x1 convolution and the residual add as one kernel, in place,
+    inference only, same widths and dtypes; None: neither) and ``units``, the table that picks one of
+    those or the layers per unit shape (``kernels/unit_paths.py``; default: the most fused given)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
@@ -45,41 +46,48 @@ class Kernels:
     conv_snake_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     conv_snake_grad: bool = False
     residual_unit: Callable[..., torch.Tensor] | None = None
+    units: UnitPaths = MOST_FUSED
 
-    def fuses_conv_snake(self, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
-        """Whether the convolution ``conv`` of the SnakeBeta output ``a`` runs as ``conv_snake`` (its
-        widths and ``a``'s dtype taken; channels contiguous; no gradient recorded unless ``conv_snake_grad``)."""
-        return (
-            self.conv_snake is not None
-            and a.dtype in self.conv_snake_dtypes
+    def unit_path(self, x: torch.Tensor, a: torch.Tensor, conv: torch.nn.Conv1d) -> str:
+        """The path a residual unit on the stream ``x`` (its first SnakeBeta's output ``a``, its dilated
+        convolution ``conv``) runs: ``units``' path for its shape, or the next one down where it cannot
+        take that (``kernels/unit_paths.py``). The one kernel needs inference, in-place residuals and
+        ``x`` contiguous in ``a``'s dtype; both kernels need widths :func:`widths_supported` takes, ``a``'s
+        dtype in ``conv_snake_dtypes`` and its channels contiguous."""
+        path = self.units.path(conv.out_channels, conv.dilation[0])
+        grad = torch.is_grad_enabled()
+        takes = (
+            a.dtype in self.conv_snake_dtypes
             and a.stride(-1) == 1
             and widths_supported(conv.in_channels, conv.out_channels)
-            and (self.conv_snake_grad or not torch.is_grad_enabled())
         )
-
-    def fuses_residual_unit(self, x: torch.Tensor, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
-        """Whether a residual unit on the stream ``x`` (its first SnakeBeta's output ``a``, its dilated
-        convolution ``conv``) runs as ``residual_unit``: inference, in place, ``x`` contiguous in ``a``'s
-        dtype, the widths and dtypes :meth:`fuses_conv_snake` takes."""
-        return (
-            self.residual_unit is not None
+        if (
+            path == "residual_unit"
+            and takes
+            and self.residual_unit is not None
             and self.inplace
+            and not grad
             and x.is_contiguous()
             and x.dtype == a.dtype
             and conv.in_channels == conv.out_channels == x.shape[-1]
-            and self.fuses_conv_snake(a, conv)
-        )
+        ):
+            return "residual_unit"
+        if path != "layers" and takes and self.conv_snake is not None and (self.conv_snake_grad or not grad):
+            return "conv_snake"
+        return "layers"
 
     @classmethod
-    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool = False) -> Kernels:
-        """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, the residual units'
-        dilated convolutions with their SnakeBeta fused (16-bit, 32-256 channels), in-place residuals;
-        with ``fused_units`` too, those units' convolutions, SnakeBeta, 1x1 convolutions and residual adds
-        as one kernel each (opt-in); elsewhere the torch reference with in-place residuals."""
+    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool | str = False) -> Kernels:
+        """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, in-place residuals and the
+        residual units' fused kernels (16-bit, 32-256 channels) as ``fused_units`` picks them per unit
+        (``kernels/unit_paths.CHOICES``): ``False`` conv_snake everywhere, ``True`` the one-kernel unit
+        everywhere, ``"per-width"`` the one kernel up to 96 channels and conv_snake above; elsewhere the
+        torch reference with in-place residuals. Any other ``fused_units`` is a ValueError naming it."""
+        units = choice(fused_units)
         if fused and torch.device(device).type == "cuda" and triton_available():
-            unit = residual_unit_triton if fused_units else None
-            name = "triton-units" if fused_units else "triton"
-            return cls(snake_beta_triton, inplace=True, name=name, conv_snake=conv_snake_triton, residual_unit=unit)
+            name = {False: "triton", True: "triton-units"}.get(fused_units, f"triton-units-{fused_units}")
+            return cls(snake_beta_triton, inplace=True, name=name, conv_snake=conv_snake_triton,
+                       residual_unit=residual_unit_triton, units=units)  # fmt: skip
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod

@@ -21,9 +21,11 @@ next chunk's history is ``a``'s last rows, which this op does not write (the uni
 saves them today); the kernel report and the interpreter judge it first.
 
 Tile settings are data (:func:`unit_tiles`, :data:`CANDIDATES`), each judged by the kernel report
-(``scripts/kernel_report.py --opt-in``: wgmma, registers, spills, shared memory) before any GPU time.
-Opt-in (``Kernels.for_inference(fused_units=True)``) until a GPU measures it against conv_snake and
-the in-place GEMM (``scripts/bench_units.py``). Not here: fp32 on the GPU (a tensor-core dot in fp32 is
+(``scripts/kernels/kernel_report.py --opt-in``: wgmma, registers, spills, shared memory) before any GPU
+time. Which units run it is ``Kernels.units``' table (``kernels/unit_paths.py``): opt-in, everywhere
+(``Kernels.for_inference(fused_units=True)``) or up to 96 channels (``fused_units="per-width"``), until
+a GPU measures whole forwards of each against conv_snake and the in-place GEMM
+(``scripts/bench/bench_forward.py --units``). Not here: fp32 on the GPU (a tensor-core dot in fp32 is
 TF32: fp32 stays on the layers), a backward (inference only), widths ``conv_snake`` does not take.
 """
 
@@ -140,9 +142,11 @@ def _launch_args(x, a, pending, history, fresh, junk, la1, lb1, w1, b1, la2, lb2
 
 def hopper_launches(layers) -> list:
     """The launches of both launchers on the decoder's residual units (``kernels/launches.py``'s convention),
-    bf16, at every setting of :data:`CANDIDATES` (opt-in: ``default_path=False``). One compile serves
-    every dilation, length, history and fresh flag (runtime arguments)."""
+    bf16, at every setting of :data:`CANDIDATES` (opt-in: ``default_path=False``); the in-place one at
+    :func:`unit_tiles`' setting names the tables of unit paths that run it at its width (``choices``).
+    One compile serves every dilation, length, history and fresh flag (runtime arguments)."""
     from omni_lightning.kernels.launches import launch, stages_label
+    from omni_lightning.kernels.unit_paths import CHOICES, NAMES
 
     convs = [x for x in layers if x.kind == "conv" and x.kernel == TAPS and x.channels_in == x.channels_out
              and widths_supported(x.channels_in, x.channels_out)]  # fmt: skip
@@ -161,8 +165,11 @@ def hopper_launches(layers) -> list:
                                             hist if prologue else None, True, 6 if prologue else 0, p, p, w1, p, p, p,
                                             w2, x, 3, tiles, False, prologue)  # fmt: skip
                 name = "residual_unit.prologue" if prologue else "residual_unit"
+                runs = not prologue and tiles == unit_tiles(channels)  # what the layers launch (no prologue)
+                choices = tuple(n for n, key in NAMES.items() if runs and any(
+                    CHOICES[key].path(channels, x.dilation) == "residual_unit" for x in same))  # fmt: skip
                 out.append(launch(name, _residual_unit_kernel, args, kwargs, stages_label(same, channels), "bf16",
-                                  default_path=False))  # fmt: skip
+                                  default_path=False, choices=choices))  # fmt: skip
     return out
 
 

@@ -3,6 +3,7 @@
     python scripts/bench/bench_forward.py                                     # a GPU: batch 1 and 32, bf16
     python scripts/bench/bench_forward.py --compile                           # + transformers with torch.compile
     python scripts/bench/bench_forward.py --budget-gib 8 --no-fidelity        # the engine at another default budget
+    python scripts/bench/bench_forward.py --units none all per-width --rounds 3   # the residual units' paths, in turns
     python scripts/bench/bench_forward.py --device cpu --preset tiny --batches 1 2 --repeats 2   # smoke test
 
 - **forward**: ``DecodeEngine.decode`` of ``--batches`` 10 s clips (codes on the device, waveforms on
@@ -12,9 +13,16 @@
   model's plain forward with the engine's kernels, one call for the batch (the engine's ceiling);
   ``engine_vs_eager`` the ratio. ``--budget-gib``: the engine's memory budget with no cap (default:
   ``budget.DEFAULT_BUDGET``), for choosing that default.
+- **--units**: the residual units' kernels, ``Kernels.for_inference(fused_units=...)`` (``none``: conv_snake
+  everywhere, the default; ``all``: the one-kernel unit everywhere; ``per-width``: the one kernel up to
+  96 channels, conv_snake above; ``kernels/unit_paths.py``), one engine each on the same model. Every
+  measure of a batch (each choice's engine and eager forward, transformers) is timed in turns,
+  ``--rounds`` rounds of ``--repeats``, in one process on one GPU; each choice's figures go under
+  ``units``, and the first choice's are also the row's ``ours`` and ``eager``.
 - **fidelity**: four 10 s clips, relative L2 and multi-resolution mel distance against the fp32
-  reference (transformers, TF32 off): the engine in bf16 and transformers in bf16. The guard: ours
-  no worse than theirs.
+  reference (transformers, TF32 off): the engine in bf16 (each ``--units`` choice) and transformers in
+  bf16. The guard: ours no worse than theirs, for every choice (``guard_holds``; each choice's under
+  ``units``).
 ``cudnn.benchmark`` stays off (the default). Prints a table; writes JSON (``--out``).
 """
 
@@ -27,18 +35,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: workload.py, shared by every group
-from workload import median_time, memory, peer, random_model, rel_l2, save
+from workload import interleaved_times, memory, peer, random_model, rel_l2, save
 
 from omni_lightning import Code2Wav, DecodeEngine
+from omni_lightning.kernels import Kernels
+from omni_lightning.kernels.unit_paths import NAMES as UNITS  # --units: Kernels.for_inference(fused_units=...)
 
 
-def engine_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None) -> DecodeEngine:
+def engines_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None,
+                units: list[str]) -> dict[str, DecodeEngine]:  # fmt: skip
+    """One engine per ``units`` choice, all on one copy of ``base`` in ``dtype`` on ``device``."""
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
-    return DecodeEngine(model, budget=None if budget_gib is None else int(budget_gib * 2**30))
+    budget = None if budget_gib is None else int(budget_gib * 2**30)
+    return {u: DecodeEngine(model, budget=budget, kernels=Kernels.for_inference(device, fused_units=UNITS[u]))
+            for u in units}  # fmt: skip
 
 
-def fidelity(base: Code2Wav, device: torch.device) -> dict:
+def fidelity(base: Code2Wav, device: torch.device, units: list[str]) -> dict:
     from omni_lightning.training.losses import MultiResolutionMelLoss
 
     gen = torch.Generator().manual_seed(5)
@@ -48,22 +62,27 @@ def fidelity(base: Code2Wav, device: torch.device) -> dict:
     with torch.inference_mode():
         want = peer(base, torch.float32, device)(codes).float()
         theirs = peer(base, torch.bfloat16, device)(codes).float()
-        ours = torch.stack(engine_for(base, device, torch.bfloat16).decode(codes, [125] * 4)).float()
+        engines = engines_for(base, device, torch.bfloat16, None, units)
+        ours = {u: torch.stack(engine.decode(codes, [125] * 4)).float() for u, engine in engines.items()}
+        for engine in engines.values():
+            engine.close()
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = tf32
     mel = MultiResolutionMelLoss(base.config.sample_rate).to(device)
-    res = {
-        "ours_rel_l2": rel_l2(ours, want),
-        "transformers_rel_l2": rel_l2(theirs, want),
-        "ours_mel": float(mel(ours[:, 0], want[:, 0])),
-        "transformers_mel": float(mel(theirs[:, 0], want[:, 0])),
-    }
-    res["guard_holds"] = res["ours_rel_l2"] <= res["transformers_rel_l2"] and res["ours_mel"] <= res["transformers_mel"]
-    return res
+    theirs_l2, theirs_mel = rel_l2(theirs, want), float(mel(theirs[:, 0], want[:, 0]))
+    per_choice = {}
+    for u, got in ours.items():
+        one = {"ours_rel_l2": rel_l2(got, want), "ours_mel": float(mel(got[:, 0], want[:, 0]))}
+        one["guard_holds"] = one["ours_rel_l2"] <= theirs_l2 and one["ours_mel"] <= theirs_mel
+        per_choice[u] = one
+    first = per_choice[units[0]]
+    return {"ours_rel_l2": first["ours_rel_l2"], "transformers_rel_l2": theirs_l2, "ours_mel": first["ours_mel"],
+            "transformers_mel": theirs_mel, "guard_holds": all(c["guard_holds"] for c in per_choice.values()),
+            "units": per_choice}  # fmt: skip
 
 
 def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    engine = engine_for(base, device, dtype, args.budget_gib)
+    engines = engines_for(base, device, dtype, args.budget_gib, args.units)
     ref = peer(base, dtype, device)
     compiled = torch.compile(ref, dynamic=False) if args.compile else None
     frames = round(args.seconds * base.config.frame_rate)
@@ -75,23 +94,32 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
         audio = batch * base.config.output_length(frames) / base.config.sample_rate
         row = {"batch": batch, "audio_s": audio}
         with torch.inference_mode():
-            candidates = {
-                "ours": lambda c=codes, n=[frames] * batch: engine.decode(c, n),
-                "eager": lambda c=codes: engine.model(c, None, engine.kernels),
-                "transformers": lambda c=codes: ref(c),
-            }
+            candidates = {}
+            for u, engine in engines.items():
+                candidates[f"ours {u}"] = lambda c=codes, n=[frames] * batch, e=engine: e.decode(c, n)
+                candidates[f"eager {u}"] = lambda c=codes, e=engine: e.model(c, None, e.kernels)
+            candidates["transformers"] = lambda c=codes: ref(c)
             if compiled is not None:
                 candidates["transformers_compile"] = lambda c=codes: compiled(c)
-            for name, fn in candidates.items():
-                seconds = median_time(fn, device, warmup=3, repeats=args.repeats)
-                row[name] = {"ms": 1e3 * seconds, "x_realtime": audio / seconds}
-        row["frames_per_forward"] = engine.frames_per_forward
-        row["engine_vs_eager"] = row["ours"]["x_realtime"] / row["eager"]["x_realtime"]
+            seconds = interleaved_times(candidates, device, warmup=3, repeats=args.repeats, rounds=args.rounds)
+        timing = {name: {"ms": 1e3 * s, "x_realtime": audio / s} for name, s in seconds.items()}
+        row["units"] = {}
+        for u, engine in engines.items():
+            ours, eager = timing[f"ours {u}"], timing[f"eager {u}"]
+            row["units"][u] = {"kernels": engine.kernels.name, "ours": ours, "eager": eager,
+                               "engine_vs_eager": ours["x_realtime"] / eager["x_realtime"]}  # fmt: skip
+        first = row["units"][args.units[0]]
+        row.update(ours=first["ours"], eager=first["eager"], transformers=timing["transformers"])
+        row["frames_per_forward"] = engines[args.units[0]].frames_per_forward
+        row["engine_vs_eager"] = first["engine_vs_eager"]
         row["ours_vs_transformers"] = row["ours"]["x_realtime"] / row["transformers"]["x_realtime"]
         if compiled is not None:
+            row["transformers_compile"] = timing["transformers_compile"]
             row["ours_vs_compile"] = row["ours"]["x_realtime"] / row["transformers_compile"]["x_realtime"]
         rows.append(row)
         print(row, flush=True)
+    for engine in engines.values():
+        engine.close()
     return rows
 
 
@@ -103,6 +131,14 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of --repeats, every measure in turn")
+    parser.add_argument(
+        "--units",
+        nargs="+",
+        default=["none"],
+        choices=list(UNITS),
+        help="the residual units' kernels (Kernels.for_inference(fused_units=...)); the first is 'ours'",
+    )
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--budget-gib", type=float, default=None, help="the engine's memory budget (default: its own)")
     parser.add_argument("--no-fidelity", action="store_true")
@@ -112,11 +148,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
+    args.units = list(dict.fromkeys(args.units))
     device = torch.device(args.device)
     base = random_model(args.preset)
     res = {"forward": forward_rows(base, args, device), **memory(device)}
     if not args.no_fidelity:
-        res["fidelity"] = fidelity(base, device)
+        res["fidelity"] = fidelity(base, device, args.units)
     save(args.out, res, args)
     print(f"\n{args.preset} {args.dtype}, {args.seconds:g} s clips")
     print("| batch | ours ms | ours x | engine/eager | transformers x | ours/transformers | transformers+compile x |")
@@ -135,6 +172,21 @@ def main() -> None:
             f"transformers bf16 {f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; "
             f"guard holds: {f['guard_holds']}"
         )
+    if len(args.units) > 1:
+        units_table(res)
+
+
+def units_table(res: dict) -> None:
+    """Each ``--units`` choice's engine and eager forward, timed in turns, and its fidelity guard."""
+    print("\n| batch | units | kernels | engine ms | engine x | eager ms | eager x | engine/eager | guard holds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    guards = res.get("fidelity", {}).get("units", {})
+    for r in res["forward"]:
+        for u, c in r["units"].items():
+            guard = guards.get(u, {}).get("guard_holds", "")
+            print(f"| {r['batch']} | {u} | {c['kernels']} | {c['ours']['ms']:.2f} | {c['ours']['x_realtime']:,.0f} | "
+                  f"{c['eager']['ms']:.2f} | {c['eager']['x_realtime']:,.0f} | {c['engine_vs_eager']:.2f} | "
+                  f"{guard} |")  # fmt: skip
 
 
 if __name__ == "__main__":

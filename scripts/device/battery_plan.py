@@ -42,12 +42,23 @@ SERVE = ("--device", "cuda", "--preset", "qwen3-omni", "--precision", "bf16-true
          "--client-processes", "4", "--seconds", "25")  # fmt: skip
 SERVE_SMOKE = (*TINY, "--clients", "2", "--paced", "2", "--seconds", "2", "--offline-requests", "4", "--check", "4")
 
+UNIT_CHOICES = ("none", "all", "per-width")  # bench_forward --units: Kernels.for_inference(fused_units=...)
 UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
 
 STEPS = (
     # first, where GPU time is short: the fused residual units against the layers, stage by stage and
     # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
     Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
+    # the residual units' three tables (conv_snake, the one kernel, per width) in one process, in turns: whole
+    # eager and engine forwards at batch 1 and 32 x 10 s and the fidelity guard of each (decides fused_units' default)
+    Step(
+        "forward-units",
+        "kernels",
+        "bench_forward",
+        ("--units", *UNIT_CHOICES, "--rounds", "3", "--repeats", "5"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--units", *UNIT_CHOICES),
+        120,
+    ),
     Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
     Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
     # the predict job, uncapped and at 0.03, and streaming, before and after
@@ -233,6 +244,12 @@ def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
     return _get(rows, which, key) if rows else None
 
 
+def _choice(units: str, which: int, measure: str, key: str) -> Callable[[dict], float | None]:
+    """A reader of ``bench_forward --units``' figure ``key`` of ``measure`` under ``units`` at its first
+    (0) or last (-1) batch size."""
+    return lambda r: _get(r, "forward", which, "units", units, measure, key)
+
+
 def _sum(result: dict, key: str, **where: Any) -> float | None:
     rows = [r for r in result.get("rows", ()) if all(r.get(k) == v for k, v in where.items())]
     values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
@@ -270,6 +287,16 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("last batch x real time", lambda r: _get(r, "forward", -1, "ours", "x_realtime"), ",.0f"),
         ("transformers, last batch x", lambda r: _get(r, "forward", -1, "transformers", "x_realtime"), ",.0f"),
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
+        *(  # --units: each choice's forwards, timed in turns, and its guard
+            figure
+            for u in UNIT_CHOICES
+            for figure in (
+                (f"[{u}] engine, last batch x", _choice(u, -1, "ours", "x_realtime"), ",.0f"),
+                (f"[{u}] eager, last batch x", _choice(u, -1, "eager", "x_realtime"), ",.0f"),
+                (f"[{u}] engine, batch 1 ms", _choice(u, 0, "ours", "ms"), ".2f"),
+                (f"[{u}] guard holds", lambda r, u=u: _get(r, "fidelity", "units", u, "guard_holds"), ".0f"),
+            )
+        ),
     ),
     "bench_units": (
         ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
