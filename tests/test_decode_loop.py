@@ -114,3 +114,57 @@ def test_pipelined_whole_requests_each_equal_decode_and_an_abort_in_flight_frees
             continue
         with torch.no_grad():
             _check(_audio(answers[i]), module, codes)
+
+
+def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(tmp_path):
+    """The engine process's server (``EngineServer``, here on a thread) over a pipelined loop, its clients a
+    front's ``RemoteLoop`` over a real ZeroMQ socket: whole requests and streams at once, one client gone
+    mid-way; every other client gets ``decode`` of its codes, the loop ends with nothing open."""
+    import asyncio
+    import threading
+
+    from omni_lightning.serving.engine_client import RemoteLoop
+    from omni_lightning.serving.engine_process import EngineServer
+    from omni_lightning.serving.jobs import queue_sink
+
+    rng = random.Random(7)
+    module = _tiny(7, "cpu")
+    decoder = StreamingDecoder(module.model, max_streams=4, cuda_graphs=False)
+    loop = DecodeLoop(decoder, max_queue=32, request_frames=8, warmup=(), pipeline=True)
+    server = EngineServer(loop, f"ipc://{tmp_path}/engine")
+    with torch.no_grad():
+        thread = threading.Thread(target=lambda: (torch.set_grad_enabled(False), server.serve()), daemon=True)
+        thread.start()
+        q, size = module.config.num_quantizers, module.config.codebook_size
+        wholes = [torch.randint(0, size, (q, rng.randint(1, 50))) for _ in range(9)]
+        streamed = [[torch.randint(0, size, (q, rng.randint(1, 9))) for _ in range(4)] for _ in range(2)]
+
+        async def drive() -> list[list]:
+            remote = RemoteLoop([server.address], module.config, max_streams=4)
+            remote.start()
+            queues = [asyncio.Queue() for _ in range(len(wholes) + len(streamed))]
+            streams = [remote.open_stream(f"s{k}", queue_sink(queues[len(wholes) + k])) for k in range(len(streamed))]
+            await asyncio.sleep(0.2)  # open before the whole requests fill the slots (else: 503, as documented)
+            jobs = [remote.submit(f"w{i}", codes, queue_sink(queues[i])) for i, codes in enumerate(wholes)]
+            for job, chunks in zip(streams, streamed):
+                for chunk in chunks:
+                    remote.push(job, chunk)
+                remote.finish(job)
+            first = await queues[0].get()  # the first client leaves after its first audio
+            remote.abort(jobs[0])
+            answers: list[list] = [[first]]
+            for queue in queues[1:]:
+                got = []
+                while not got or got[-1][0] == "audio":
+                    got.append(await asyncio.wait_for(queue.get(), 60))
+                answers.append(got)
+            remote.stop()
+            await asyncio.sleep(0.05)
+            return answers
+
+        answers = asyncio.run(drive())
+        server.stop()
+        thread.join(30)
+    assert not thread.is_alive() and loop.open_jobs == 0 and decoder.streams == []
+    for messages, codes in zip(answers[1:], [*wholes[1:], *(torch.cat(c, dim=1) for c in streamed)]):
+        _check(_audio(messages), module, codes)
