@@ -5,9 +5,10 @@ request up to ``request_frames`` a step. Each step pushes what the schedule take
 chunks first; whole requests capped to a slice of engine time while a stream is open) in two decodes: the
 streams' chunks alone first, then the whole requests' frames (a chunk never waits for bulk rows in its own
 forward); each decode advances its streams at once (``StreamingDecoder.step``), copies its audio to the host
-in one copy (``host_audio.py``) and hands each client its audio, a stream's split per chunk. So every client gets
+in one copy and hands each client its audio, a stream's split per chunk (``decodes.py``). So every client gets
 exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
-remains; the loop sleeps only when idle.
+remains; the loop sleeps only when idle. With ``pipeline`` (CUDA) and no stream open, a step launches its
+bulk decode before landing the last one, so the device never waits for the host between them.
 
 Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
 a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
