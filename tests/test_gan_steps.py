@@ -119,6 +119,7 @@ def test_checkpoints_every_n_steps_and_resume_reach_the_uninterrupted_run(gan_pa
         assert torch.allclose(a.float(), b.float(), atol=1e-6), name  # the EMA weights and the discriminators
 
 
+@pytest.mark.slow  # two CLI fits in subprocesses (~20 s); the Trainer tests above hold the same in the default run
 def test_cli_fit_with_the_gan_counts_batches_then_resumes(gan_pairs, tmp_path):
     runs = tmp_path / "runs"
     common = ("--config", "configs/finetune.yaml", "--data.train", str(gan_pairs), "--data.val", str(gan_pairs),
