@@ -8,7 +8,7 @@ forward); each decode advances its streams at once (``StreamingDecoder.step``), 
 in one copy and hands each client its audio, a stream's split per chunk (``decodes.py``). So every client gets
 exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
 remains; the loop sleeps only when idle. With ``pipeline`` (CUDA) and no stream open, a step launches its
-bulk decode before landing the last one, so the device never waits for the host between them.
+bulk decode before landing the last one, so the device need not wait for the host between them.
 
 Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
 a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
@@ -46,8 +46,8 @@ class DecodeLoop:
     ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
     steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
     the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): with no
-    stream open, a step launches its bulk decode before handing out the last one's audio (the device
-    never waits for the host between them)."""
+    stream open, a step launches its bulk decode before handing out the last one's audio (so the
+    device need not wait for the host between them; not yet timed on a GPU)."""
 
     def __init__(
         self,
