@@ -11,6 +11,7 @@ from helpers import RecordingCapture
 
 from omni_lightning import DecodeEngine
 from omni_lightning.engine.bucket_graphs import CaptureError
+from omni_lightning.engine.cuda_capture import TorchGraphCapture, count_workspace_clears, workspace_clears
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,75 @@ def test_a_capture_that_fails_mid_capture_leaves_the_stream_and_pool_as_they_wer
     assert torch.allclose(out, torch.relu(x @ x) + 1, rtol=1e-3, atol=1e-3)
     capture.reset()  # workspaces cleared after the device is idle; eager GEMMs go on
     assert torch.allclose((x @ x).sum(), (x.cpu() @ x.cpu()).sum().cuda(), rtol=1e-2)
+
+
+class PrimedCapture(RecordingCapture):
+    """The CPU stand-in, with the real capture's idea of stale graphs: primed when it captures."""
+
+    primed_at = None
+    stale = TorchGraphCapture.stale
+
+    def __init__(self):
+        super().__init__()
+        count_workspace_clears()  # as the real capture does when it is made
+
+    def __call__(self, fn):
+        self.primed_at = workspace_clears()
+        return super().__call__(fn)
+
+
+def test_clearing_the_cublas_workspaces_is_counted_however_often_the_wrapper_is_installed():
+    count_workspace_clears()
+    count_workspace_clears()  # idempotent: one wrapper, one count per call
+    before = workspace_clears()
+    for _ in range(3):
+        torch._C._cuda_clearCublasWorkspaces()
+    assert workspace_clears() == before + 3
+    capture = TorchGraphCapture()
+    assert not capture.stale()  # nothing captured yet
+    capture.primed_at = workspace_clears()
+    assert not capture.stale()
+    torch._C._cuda_clearCublasWorkspaces()
+    assert capture.stale()
+
+
+def test_graphs_recorded_before_a_workspace_clear_are_captured_again_and_stay_exact(model):
+    """Lightning's CUDA teardown clears every cuBLAS workspace at the end of each run; a kept engine's
+    graphs recorded them, so its next decode drops them and captures again (here the engine with the
+    stand-in capture, the clear called as Lightning calls it). Every request still equals its decode."""
+    lengths = [40, 17, 3]
+    codes = random_codes(3, 40, model.config, seed=5)
+    engine = DecodeEngine(model, frames_per_forward=64, max_rows=3, capture=PrimedCapture())
+    with torch.inference_mode():
+        first = engine.decode(codes, lengths)
+        captured = engine.stats()["captures"]
+        again = engine.decode(codes, lengths)
+        assert engine.stats()["captures"] == captured  # nothing cleared: the graphs replay
+        torch._C._cuda_clearCublasWorkspaces()
+        third = engine.decode(codes, lengths)
+    assert engine.stats()["captures"] == 2 * captured
+    for i, (a, b, c, n) in enumerate(zip(first, again, third, lengths)):
+        torch.testing.assert_close(a, model.decode(codes[i : i + 1, :, :n])[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(a, b) and torch.equal(a, c)
+
+
+@pytest.mark.gpu
+def test_a_kept_engine_survives_lightnings_end_of_run_cleanup():
+    """Two predicts with one module on CUDA (the real architecture, bf16): the engine is kept, Lightning's
+    teardown frees the cuBLAS workspaces its graphs recorded, and the second predict captures again
+    instead of replaying into freed memory (it died with "unspecified launch failure" on an H200)."""
+    from helpers import trainer_kwargs
+
+    from omni_lightning import Code2Wav, Code2WavModule, Trainer
+
+    big = Code2Wav("qwen3-omni").to("cuda", torch.bfloat16).eval()
+    module = Code2WavModule(model=big, frames_per_forward=1024)
+    codes = [random_codes(1, 125, big.config, seed=s)[0] for s in range(8)]
+    outs = []
+    for _ in range(2):
+        trainer = Trainer(**trainer_kwargs(accelerator="cuda"))
+        outs.append(trainer.predict(module, [codes]))
+        assert module.engine_stats["captures"] >= 1 and module.engine_stats["eager"] == 0, module.engine_stats
+    torch.cuda.synchronize()
+    for a, b in zip(outs[0], outs[1]):
+        assert torch.equal(a, b)

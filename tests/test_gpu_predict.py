@@ -60,9 +60,9 @@ def test_default_trainer_mixed_lengths_equal_solo_decodes(precision, share, no_t
     kept = dict(module.engine.graphs.graphs)
     torch.cuda.empty_cache()  # the solo decodes' blocks (the trainer caps the process again at its predict)
     again = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
-    # the engine was kept: its graphs survive and replay (the planner, preferring the shapes it has run,
-    # may still find a new one worth capturing)
-    assert all(module.engine.graphs.graphs.get(k) is g for k, g in kept.items())
+    # the engine was kept (weights, state); Lightning's CUDA teardown freed the cuBLAS workspaces its graphs
+    # recorded, so they were captured again, not replayed into freed memory (engine/cuda_capture.py)
+    assert module.engine.graphs.graphs and not any(module.engine.graphs.graphs.get(k) is g for k, g in kept.items())
     assert module.engine_stats["failures"] == 0 and module.engine_stats["replays"] > stats["replays"]
     assert torch.cuda.get_per_process_memory_fraction(0) == 1.0  # lifted again: the next test is not capped
     second = {r: o.pooler_output[i]["model_outputs"] for o in again for i, r in enumerate(o.req_ids)}

@@ -46,7 +46,9 @@ class CaptureError(RuntimeError):
 
 class GraphCapture(Protocol):
     """Runs ``fn`` (a forward reading static inputs) once eagerly, then records it; returns
-    ``(replay, static_output)``. Raises :class:`CaptureError` when the recording fails."""
+    ``(replay, static_output)``. Raises :class:`CaptureError` when the recording fails. It may also have
+    ``reset()`` (later captures go to a new pool) and ``stale()`` (True when the graphs captured so far
+    can no longer replay: the cache drops them)."""
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], Any], torch.Tensor]: ...
 
@@ -95,6 +97,7 @@ class GraphCache:
 
         Raises ``torch.OutOfMemoryError`` when the warm-up forward runs out of memory (the engine
         shrinks its buckets and plans again: nothing has changed)."""
+        self.drop_if_stale()
         key = (codes.shape[0], codes.shape[2])
         graph = self.graphs.get(key)
         if graph is not None or key in self.eager:
@@ -131,6 +134,14 @@ class GraphCache:
         graph.replay()
         self.stats.replays += 1
         return graph.out
+
+    def drop_if_stale(self) -> None:
+        """Drops every graph when the capture says the memory they recorded was freed since (``stale``:
+        ``engine/cuda_capture.py``, after Lightning's end-of-run cleanup); the buckets are captured again."""
+        stale = getattr(self.capture, "stale", None)
+        if (self.graphs or self.eager) and stale is not None and stale():
+            log.info("CUDA graphs dropped (the cuBLAS workspaces they recorded were freed): capturing again")
+            self.clear()
 
     def clear(self) -> None:
         """Drops every graph; later captures go to a new pool, so this one's memory can be freed."""

@@ -13,8 +13,13 @@ their pool while the process goes on decoding):
   is made first, outside the pool (:meth:`TorchGraphCapture.prime_workspaces`), so a dropped pool
   never takes it. It is not cleared when graphs are dropped: ``torch._C._cuda_clearCublasWorkspaces``
   is process-wide, and other live graphs (another engine's, fit's step graph) recorded their streams'
-  workspaces. Clearing them made the next predict's kernels fail on an H100 ("unspecified launch
-  failure" in the second of two predicts, tests/test_host_weights.py), so this is not done.
+  workspaces, so this is not done here.
+- **a workspace cleared by someone else**: Lightning's CUDA accelerator clears every cuBLAS workspace
+  and empties the cache at the end of each ``trainer`` run, so a graph kept for the next predict
+  would write into freed memory (on an H200, the second of two predicts with a kept engine died with
+  "unspecified launch failure"). The clears are counted (:func:`workspace_clears`: the torch function
+  is wrapped, once, when the first capture object is made); graphs primed before the last clear are
+  :meth:`~TorchGraphCapture.stale`, and the engine drops them and captures again.
 - **a failed capture's state**: ``torch.cuda.graph`` leaves the capture stream current and the pool's
   allocation routing open when ``capture_end`` raises (later allocations on that stream would go to
   a pool being freed); both are undone here. The failed graph is kept alive (destroying it mid-run
@@ -33,6 +38,28 @@ import torch
 
 from omni_lightning.engine.bucket_graphs import CaptureError
 
+_CLEARS = [0]  # calls of torch._C._cuda_clearCublasWorkspaces since it was wrapped
+
+
+def workspace_clears() -> int:
+    """How many times this process cleared torch's cuBLAS workspaces since :func:`count_workspace_clears`."""
+    return _CLEARS[0]
+
+
+def count_workspace_clears() -> None:
+    """Wraps ``torch._C._cuda_clearCublasWorkspaces`` (once) so that every call through the attribute is
+    counted: Lightning, torch's own utilities and users call it that way. A torch without it: nothing."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None or getattr(clear, "counted", False):
+        return
+
+    def counted_clear(*args: Any, **kwargs: Any) -> Any:
+        _CLEARS[0] += 1
+        return clear(*args, **kwargs)
+
+    counted_clear.counted = True  # type: ignore[attr-defined]
+    torch._C._cuda_clearCublasWorkspaces = counted_clear
+
 
 class TorchGraphCapture:
     """``torch.cuda.graph`` captures into one pool, warm-ups too (see the module docstring)."""
@@ -41,7 +68,8 @@ class TorchGraphCapture:
         self.pool: Any = None
         self.stream: torch.cuda.Stream | None = None
         self.failed: list[torch.cuda.CUDAGraph] = []  # kept alive: see the module docstring
-        self.primed = False  # the side stream's GEMM workspaces made outside the pool
+        self.primed_at: int | None = None  # workspace_clears() when the side stream's workspaces were made
+        count_workspace_clears()
 
     @staticmethod
     def shares_warmup_memory() -> bool:
@@ -61,16 +89,21 @@ class TorchGraphCapture:
         finally:
             torch.set_autocast_cache_enabled(cached)
 
+    def stale(self) -> bool:
+        """Whether the workspaces the graphs captured so far recorded were cleared since (see the module
+        docstring): their replays would write into freed memory."""
+        return self.primed_at is not None and self.primed_at != workspace_clears()
+
     def prime_workspaces(self) -> None:
         """One small GEMM of each kind (cuBLAS; cuBLASLt, a bias added) on the side stream, outside the
         graphs' pool: the workspaces torch keeps for this stream (whatever the dtype) are made in the
-        regular pool."""
-        if not self.primed:
+        regular pool. Again after they were cleared."""
+        if self.primed_at != workspace_clears():
             with torch.cuda.stream(self.stream), torch.no_grad():
                 a = torch.ones((16, 16), device="cuda")
                 torch.mm(a, a)
                 torch.addmm(a[0], a, a)
-            self.primed = True
+            self.primed_at = workspace_clears()
 
     def run_in_pool(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``fn()`` eagerly on the captures' stream, allocating from their pool where this torch can (a

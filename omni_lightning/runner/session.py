@@ -1,8 +1,10 @@
 """``InferenceSession``: the one owner of a module's device weights across predicts and streams.
 
 It holds the module's :class:`~omni_lightning.engine.DecodeEngine` (kept while it serves the model where
-it is: its CUDA graphs survive across predicts), the parameters' host tensors during predict, their stamp
-at the last predict's end and the module's streaming decoders. Only it points a parameter elsewhere.
+it is, with its weights and state; its CUDA graphs are captured again after Lightning's end-of-run
+cleanup frees the workspaces they recorded: ``engine/cuda_capture.py``), the parameters' host tensors
+during predict, their stamp at the last predict's end and the module's streaming decoders. Only it
+points a parameter elsewhere.
 
 - ``setup("predict")``: holds the host tensors (one pinned buffer on CUDA); a kept engine that fits
   this predict lends its copies to the parameters (refreshed from the host where a parameter
