@@ -22,7 +22,6 @@ import torch
 
 from omni_lightning.models.codes import check_lengths, validate_codes
 from omni_lightning.models.config import Code2WavConfig
-from omni_lightning.models.state import host_to_device
 
 
 @dataclass
@@ -94,9 +93,10 @@ def gather(
     if host:  # pinned for a CUDA device: the forward's one copy is not waited for
         packed = torch.empty(n + 2 * rows, dtype=torch.long, pin_memory=device.type == "cuda")
         packed[n:] = torch.tensor(meta, dtype=torch.long)
-    else:  # the rows and valid counts through pinned memory: a pageable copy would wait for the device
+    else:  # the rows and valid counts from pinned memory: a pageable copy would wait for the device
         packed = torch.empty(n + 2 * rows, dtype=torch.long, device=picked[0].codes.device)
-        packed[n:].copy_(host_to_device(meta, packed.device))
+        meta = torch.tensor(meta, dtype=torch.long)
+        packed[n:].copy_(meta.pin_memory() if packed.is_cuda else meta, non_blocking=packed.is_cuda)
     inputs = ForwardInputs(packed, rows, q, chunk)
     codes, _, _ = inputs.views()
     if len(picked) == rows and all(t == chunk for t in take):
