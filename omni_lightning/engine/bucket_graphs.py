@@ -137,7 +137,7 @@ class GraphCache:
     def run(self, graph: StepGraph, inputs: ForwardInputs) -> torch.Tensor:
         """Replays ``graph`` on ``inputs``, copied into its static inputs in one copy (from pinned host
         memory: not waited for)."""
-        graph.inputs.copy_(inputs.packed, non_blocking=inputs.packed.is_pinned())
+        graph.inputs.copy_(inputs.packed, non_blocking=True)  # from pageable memory: a copy that waits
         graph.replay()
         self.stats.replays += 1
         return graph.out

@@ -78,7 +78,7 @@ class ForwardInputs:
         """On ``device`` in one copy (from pinned memory: not waited for); itself where it is there."""
         if self.packed.device == device:
             return self
-        return replace(self, packed=self.packed.to(device, non_blocking=self.packed.is_pinned()))
+        return replace(self, packed=self.packed.to(device, non_blocking=True))  # pageable: a copy that waits
 
 
 def gather(
@@ -88,16 +88,18 @@ def gather(
     in the padding rows; ``slots`` per row (the padding rows' too). On the host when every work's codes are
     there (pinned for a CUDA ``device``: one copy takes it there), else on the works' device."""
     host = all(w.codes.device.type == "cpu" for w in picked)
-    q, meta = picked[0].codes.shape[0], [*slots, *take, *[0] * (rows - len(take))]
-    n = rows * q * chunk
+    q, n = picked[0].codes.shape[0], rows * picked[0].codes.shape[0] * chunk
+    meta = torch.tensor([*slots, *take, *[0] * (rows - len(take))], dtype=torch.long)
     if host:  # pinned for a CUDA device: the forward's one copy is not waited for
         packed = torch.empty(n + 2 * rows, dtype=torch.long, pin_memory=device.type == "cuda")
-        packed[n:] = torch.tensor(meta, dtype=torch.long)
     else:  # the rows and valid counts from pinned memory: a pageable copy would wait for the device
         packed = torch.empty(n + 2 * rows, dtype=torch.long, device=picked[0].codes.device)
-        meta = torch.tensor(meta, dtype=torch.long)
-        packed[n:].copy_(meta.pin_memory() if packed.is_cuda else meta, non_blocking=packed.is_cuda)
+        meta = meta.pin_memory() if packed.is_cuda else meta
     inputs = ForwardInputs(packed, rows, q, chunk)
+    if host and len(picked) == rows and all(t == chunk for t in take):  # every row whole: one host copy
+        torch.cat([*(w.codes[:, w.done : w.done + chunk].reshape(-1) for w in picked), meta], out=packed)
+        return inputs
+    packed[n:].copy_(meta, non_blocking=True)
     codes, _, _ = inputs.views()
     if len(picked) == rows and all(t == chunk for t in take):
         torch.stack([w.codes[:, w.done : w.done + chunk] for w in picked], out=codes)
