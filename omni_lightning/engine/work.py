@@ -124,7 +124,8 @@ def scatter(
     when the forward decodes every work whole, all their samples go in one multi-tensor copy, each into
     storage of its own, so a stream's output never keeps the step's other rows alive."""
     if together and all(w.done == 0 and t == w.left for w, t in zip(picked, take)):
-        src = out if out.dtype == dtype else out.to(dtype)  # one cast for all rows
+        # one cast for all rows (a multi-tensor copy is fast on one dtype); a lone row is cast by its copy
+        src = out if out.dtype == dtype or len(picked) == 1 else out.to(dtype)
         starts = [tail if w.fresh else 0 for w in picked]
         for w, t, start in zip(picked, take, starts):
             w.out = torch.empty((1, t * up - start), dtype=dtype, device=out.device)
