@@ -156,7 +156,7 @@ class Step:
             if self.valid is None:
                 target.copy_(buf.narrow(dim, samples, size))
                 return
-            index = self._window(samples // self.frames, size, buf.device)  # [B, size]
+            index = self._window(samples // self.frames, size)  # [B, size]
             shape = [1] * buf.dim()
             shape[0], shape[dim] = index.shape
             index = index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :])
@@ -165,14 +165,13 @@ class Step:
             else:
                 target.copy_(buf.gather(dim, index))
 
-    def _window(self, per_frame: int, size: int, device: torch.device) -> torch.Tensor:
+    def _window(self, per_frame: int, size: int) -> torch.Tensor:
         """Steps ``[valid * per_frame, + size)`` of each row: where its new history starts (shared by
         the layers of one forward that have the same rate and history length), one kernel each."""
         key = (per_frame, size)
         if key not in self._windows:
-            steps = self.state.steps
-            steps = steps[:size] if size <= steps.shape[0] else torch.arange(size, device=device)
-            self._windows[key] = torch.add(steps, self.valid[:, None], alpha=per_frame)
+            # size is a dimension of a state tensor's shape: the state's steps cover it
+            self._windows[key] = torch.add(self.state.steps[:size], self.valid[:, None], alpha=per_frame)
         return self._windows[key]
 
     def with_history(self, name: str, context: int, x: torch.Tensor) -> torch.Tensor:
