@@ -91,7 +91,7 @@ STEPS = (
         "bench_stream",
         ("--streams", "8", "--steps", "4", "--ttfa-trials", "50", "--fidelity-requests", "1"),
         STREAM_SMOKE,
-        40,
+        50,
         ab=True,
         limit=("first audio ms", 1.0),
     ),
