@@ -278,11 +278,9 @@ def main() -> None:
             f"| {x[key + '_sync']:,.0f} | {ms[key + '_pipelined']:.2f} |"
         )
     t, nan = res["ttfa_ms"], float("nan")
-    print(
-        f"first audio of a new stream, split (median ms): open() {t['stream_open']:.3f}, the step "
-        f"{t['stream_step']:.2f} (host {t['stream_step_host']:.2f}); graph replay alone: the first chunk's "
-        f"{t.get('stream_graph_only', nan):.2f}, the re-decode's {t.get('redecode_graph_only', nan):.2f}"
-    )
+    print(f"first audio split (median ms): open() {t['stream_open']:.3f}, the step {t['stream_step']:.2f} (host "
+          f"{t['stream_step_host']:.2f}); graphs alone: the first chunk's {t.get('stream_graph_only', nan):.2f}, "
+          f"the re-decode's {t.get('redecode_graph_only', nan):.2f}")  # fmt: skip
     if "stream_graph_only" in res["steady_x_realtime"]:
         print(
             f"| streaming, graph replay only | | {res['steady_x_realtime']['stream_graph_only']:,.0f} | | "
