@@ -364,24 +364,43 @@ def test_bad_engine_settings_are_refused_naming_the_value(model, bad):
         DecodeEngine(model, **bad)
 
 
-def test_a_steps_chunks_reach_the_device_in_one_copy():
-    """Streaming: the chunks of a step's streams, of any integer dtype and length, go in one flat copy
-    (on CUDA through pinned memory, not waited for) and come back as views of it, each as it was."""
-    from omni_lightning.engine.work import to_device
+def test_a_forwards_inputs_are_one_buffer_that_a_graph_takes_in_one_copy():
+    """A streaming step's chunks stay on the host: a forward's codes (rows of any length, zeros after them
+    and in the padding rows), slots and valid frames are built there as one int64 buffer (pinned for a
+    CUDA engine), which a graph's static inputs take in one copy; its replay reads them all."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    copies = []
+    from omni_lightning.engine.bucket_graphs import GraphCache
+    from omni_lightning.engine.work import Work, gather
 
-    def stand_in(flat):  # what pin_memory().to("cuda", non_blocking=True) does, on the CPU
-        copies.append(flat.shape)
-        return flat.clone()
+    works = [Work(slot, torch.randint(0, 100, (4, n)), True, 0) for slot, n in ((5, 3), (2, 1))]
+    works[0].done = 1  # frames from where the work stands
+    inputs = gather(works, [2, 1], 4, 2, [5, 2, 9, 9], torch.device("cpu"))
+    codes, slots, valid = inputs.views()
+    assert inputs.packed.dim() == 1 and inputs.packed.dtype == torch.long
+    assert torch.equal(codes[0], works[0].codes[:, 1:3]) and torch.equal(codes[1, :, :1], works[1].codes)
+    assert not codes[1, :, 1:].any() and not codes[2:].any()
+    assert slots.tolist() == [5, 2, 9, 9] and valid.tolist() == [2, 1, 0, 0]
 
-    sizes = ((3, torch.int64), (1, torch.uint16), (0, torch.int32), (10, torch.int16))
-    chunks = [torch.randint(0, 100, (4, n), dtype=dtype) for n, dtype in sizes]
-    moved = to_device(chunks, torch.device("cuda"), move=stand_in)
-    assert copies == [torch.Size([4 * 14])]
-    for got, want in zip(moved, chunks):
-        assert got.dtype == torch.long and got.shape == want.shape and torch.equal(got, want.long())
-    assert to_device(chunks, torch.device("cpu"))[0] is chunks[0]  # already there: untouched, no copy
+    def forward(codes, rows, valid):  # what the replay reads: every static input
+        return torch.cat((codes.reshape(-1), rows, valid)).float()
+
+    cache = GraphCache(forward, RecordingCapture(), torch.device("cpu"))
+    graph = cache.get(inputs, scratch=9)
+    assert graph.rows.tolist() == [9] * 4 and not graph.valid.any()  # captured on the scratch slot
+    replay, ops = graph.replay, []
+    graph.replay = lambda: None
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        cache.run(graph, inputs)
+    assert ops == ["copy_.default"]
+    replay()
+    assert torch.equal(graph.out, inputs.packed.float())
 
 
 def test_streaming_steps_are_never_padded_in_time(model):

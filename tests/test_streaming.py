@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 from conftest import random_codes, random_model
+from helpers import RecordingCapture
 
 from omni_lightning import (
     Code2Wav,
@@ -125,6 +126,45 @@ def test_streams_together_equal_streams_alone(odd_model):
         with torch.no_grad():
             alone = odd_model.decode(codes[sid][None])[0]
         assert max_diff(torch.cat(pieces, dim=-1), alone) <= 1e-5, sid
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_new_streams_first_chunks_of_any_size_give_exactly_decode(odd_model, graphs):
+    """A new stream's first chunk, of random size, on a slot other streams used and freed, beside a
+    stream mid-way or alone, many seeds: each stream's audio is ``decode`` of its codes alone. With a
+    graph stand-in (the CUDA path's static inputs, on the CPU) the first chunks replay graphs captured
+    in the warm-up."""
+    config = odd_model.config
+    decoder = StreamingDecoder(odd_model, max_streams=2, capture=RecordingCapture() if graphs else None)
+    if graphs:
+        decoder.warmup(chunk_sizes=[c for c in CHUNKS if c <= 12], batch_sizes=(1, 2))
+    rng = random.Random(7)
+    other = decoder.open("other")
+    other_codes = random_codes(1, 200, config, seed=99)[0]
+    other_done, other_out = 0, []
+    for seed in range(16):
+        codes = random_codes(1, rng.randint(2, 14), config, seed=seed)[0]
+        first = rng.randint(1, min(12, codes.shape[1]))
+        sid = decoder.open()
+        together = seed % 2 == 0 and other_done + first <= other_codes.shape[1]
+        chunks = {sid: codes[:, :first]}
+        if together:  # the other stream steps beside it, at another position and chunk size
+            n = rng.randint(1, 6)
+            chunks[other] = other_codes[:, other_done : other_done + n]
+            other_done += n
+        out = decoder.step(chunks)
+        if together:
+            other_out.append(out[other])
+        pieces = [out[sid], decoder.step({sid: codes[:, first:]})[sid], decoder.close(sid)]
+        with torch.no_grad():
+            alone = odd_model.decode(codes[None])[0]
+        assert pieces[0].shape == (1, config.output_length(first)), (seed, first)
+        assert max_diff(torch.cat(pieces, dim=-1), alone) <= 1e-5, (seed, first)
+    with torch.no_grad():
+        alone = odd_model.decode(other_codes[None, :, :other_done])[0]
+    assert max_diff(torch.cat(other_out, dim=-1), alone) <= 1e-5  # the stream beside them, exact too
+    if graphs:
+        assert decoder.engine.graphs.stats.replays > 0 and decoder.engine.graphs.stats.eager == 0
 
 
 def test_a_stream_does_not_see_its_batch_neighbours(odd_model):

@@ -36,6 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from omni_lightning.engine.work import ForwardInputs
+
 log = logging.getLogger(__name__)
 
 
@@ -55,8 +57,9 @@ class GraphCapture(Protocol):
 
 @dataclass
 class StepGraph:
-    """One captured bucket: its static inputs, output and replay."""
+    """One captured bucket: its static inputs (one buffer, ``ForwardInputs``' layout), output and replay."""
 
+    inputs: torch.Tensor  # int64: codes, slot rows, valid frames (views below)
     codes: torch.Tensor  # [rows, Q, chunk] int64
     rows: torch.Tensor  # [rows] int64 slot indices
     valid: torch.Tensor  # [rows] int64 real frames
@@ -79,6 +82,7 @@ class GraphCache:
 
     forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     capture: GraphCapture
+    device: torch.device  # where the static inputs live
     graphs: dict[tuple[int, int], StepGraph] = field(default_factory=dict)
     eager: set[tuple[int, int]] = field(default_factory=set)  # buckets whose capture failed
     stats: GraphStats = field(default_factory=GraphStats)
@@ -92,23 +96,25 @@ class GraphCache:
             self.clear()
             self.autocast = now
 
-    def get(self, codes: torch.Tensor, scratch: int) -> StepGraph | None:
-        """The graph of ``codes``' bucket, captured now if it is new; None if it runs eagerly.
+    def get(self, inputs: ForwardInputs, scratch: int) -> StepGraph | None:
+        """The graph of ``inputs``' bucket, captured now if it is new; None if it runs eagerly.
 
         Raises ``torch.OutOfMemoryError`` when the warm-up forward runs out of memory (the engine
         shrinks its buckets and plans again: nothing has changed)."""
         self.drop_if_stale()
-        key = (codes.shape[0], codes.shape[2])
+        key = (inputs.rows, inputs.chunk)
         graph = self.graphs.get(key)
         if graph is not None or key in self.eager:
             return graph
         start = time.perf_counter()
         with torch.inference_mode(False):  # plain tensors: replays may come outside inference mode
-            rows = torch.full((key[0],), scratch, dtype=torch.long, device=codes.device)
-            valid = torch.zeros(key[0], dtype=torch.long, device=codes.device)
-            static = codes.clone()  # valid codes: warm-up and capture never look up a code out of range
+            packed = torch.empty_like(inputs.packed, device=self.device)
+            codes, rows, valid = inputs.views(packed)
+            codes.copy_(inputs.views()[0])  # valid codes: warm-up and capture never look up a code out of range
+            rows.fill_(scratch)
+            valid.zero_()
         try:  # the warm-up runs on the scratch slot with no valid frame: no request's state moves
-            replay, out = self.capture(lambda: self.forward(static, rows, valid))
+            replay, out = self.capture(lambda: self.forward(codes, rows, valid))
         except CaptureError as err:
             self.eager.add(key)
             self.stats.failures += 1
@@ -116,21 +122,25 @@ class GraphCache:
                 "no CUDA graph for %d rows x %d frames (%s); it runs eagerly", *key, str(err).splitlines()[0][:200]
             )
             return None
-        graph = self.graphs[key] = StepGraph(static, rows, valid, out, replay)
+        graph = self.graphs[key] = StepGraph(packed, codes, rows, valid, out, replay)
         self.stats.captures += 1
         self.stats.capture_s += time.perf_counter() - start
         return graph
 
-    def capture_largest_first(self, codes: torch.Tensor, scratch: int, largest: int) -> None:
-        """Before the first capture: the bucket of ``codes``' rows and ``largest`` frames, so the captures
+    def capture_largest_first(self, inputs: ForwardInputs, scratch: int, largest: int) -> None:
+        """Before the first capture: the bucket of ``inputs``' rows and ``largest`` frames, so the captures
         after it fit in the memory it leaves in the shared pool (smallest first, each would add its own)."""
-        if largest > codes.shape[2]:
-            self.get(codes.repeat(1, 1, math.ceil(largest / codes.shape[2]))[..., :largest], scratch)
+        if largest > inputs.chunk:
+            codes = inputs.views()[0]
+            codes = codes.repeat(1, 1, math.ceil(largest / inputs.chunk))[..., :largest]
+            size = ForwardInputs.size(inputs.rows, inputs.codebooks, largest)
+            packed = torch.cat((codes.reshape(-1), inputs.packed.new_zeros(size - codes.numel())))
+            self.get(ForwardInputs(packed, inputs.rows, inputs.codebooks, largest), scratch)
 
-    def run(self, graph: StepGraph, codes: torch.Tensor, rows: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        graph.codes.copy_(codes)
-        graph.rows.copy_(rows)
-        graph.valid.copy_(valid)
+    def run(self, graph: StepGraph, inputs: ForwardInputs) -> torch.Tensor:
+        """Replays ``graph`` on ``inputs``, copied into its static inputs in one copy (from pinned host
+        memory: not waited for)."""
+        graph.inputs.copy_(inputs.packed, non_blocking=True)  # from pageable memory: a copy that waits
         graph.replay()
         self.stats.replays += 1
         return graph.out

@@ -39,10 +39,10 @@ from omni_lightning.engine.cuda_capture import TorchGraphCapture
 from omni_lightning.engine.plan import Planner
 from omni_lightning.engine.serial import serialized
 from omni_lightning.engine.stats import EngineStats
-from omni_lightning.engine.work import Work, checked_lengths, gather, scatter, to_device
+from omni_lightning.engine.work import ForwardInputs, Work, checked_lengths, gather, scatter
 from omni_lightning.kernels import Kernels
 from omni_lightning.models.code2wav import Code2Wav
-from omni_lightning.models.state import DecodeState, host_to_device
+from omni_lightning.models.state import DecodeState
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class DecodeEngine(EngineStats):
         self._free = deque(range(max_rows))
         use_graphs = cuda_graphs and (capture is not None or self.device.type == "cuda")
         capture = capture or TorchGraphCapture()
-        self.graphs = GraphCache(self._forward, capture) if use_graphs else None
+        self.graphs = GraphCache(self._forward, capture, self.device) if use_graphs else None
         self.weights = BoundWeights(model, conv_weights_channels_last=True) if use_graphs else None
         self.graph_frames = graph_frames if use_graphs else 0
         self.whole_graphs = use_graphs and (gpu_memory_utilization is None if whole_graphs is None else whole_graphs)
@@ -200,10 +200,12 @@ class DecodeEngine(EngineStats):
     @serialized
     def advance(self, chunks: dict[Hashable, tuple[int, torch.Tensor, bool]]) -> dict[Hashable, torch.Tensor]:
         """Streaming: ``{key: (slot, codes [Q, n], fresh)}`` advanced by all their frames; returns each
-        key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``)."""
-        on_device = to_device([codes for _, codes, _ in chunks.values()], self.device)
+        key's new samples ``[1, m]`` (``m = n * total_upsample``, ``tail`` fewer when ``fresh``). Chunks all
+        on the CPU stay there: each forward's inputs reach the device in one copy (``work.gather``)."""
+        host = all(codes.device.type == "cpu" for _, codes, _ in chunks.values())
         work = {
-            key: self._work(slot, codes, fresh) for (key, (slot, _, fresh)), codes in zip(chunks.items(), on_device)
+            key: self._work(slot, codes if host else codes.to(self.device), fresh)
+            for key, (slot, codes, fresh) in chunks.items()
         }
         self._advance(list(work.values()), until_one_done=False, together=True)
         return {key: w.out for key, w in work.items()}
@@ -263,36 +265,33 @@ class DecodeEngine(EngineStats):
         self.work["forwards"] += 1
         self.work["frames"] += sum(plan.take)
         self.work["computed"] += rows * chunk
-        codes = gather(picked, plan.take, rows, chunk, self.device)
-        padding = rows - len(picked)  # padding rows: the scratch slot, no real frames
-        slot_ids = [w.slot for w in picked] + [self.scratch] * padding
-        meta = host_to_device(slot_ids + list(plan.take) + [0] * padding, self.device)
-        slots, valid = meta[:rows], meta[rows:]
+        slot_ids = [w.slot for w in picked] + [self.scratch] * (rows - len(picked))  # padding: the scratch slot
+        inputs = gather(picked, plan.take, rows, chunk, slot_ids, self.device)
         start = time.perf_counter() if new else 0.0
-        out = self._run(codes, slots, valid)
+        out = self._run(inputs)
         if new:  # host time: a new shape's cost is the host's (cuDNN plans, a capture), not the device's
             self.work["new_shapes"] += 1
             self.work["new_shape_s"] += time.perf_counter() - start
         scatter(out, picked, plan.take, self._up, self._tail, self.out_dtype, together)
 
-    def _run(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _run(self, inputs: ForwardInputs) -> torch.Tensor:
         with torch.no_grad():
-            frames = codes.shape[0] * codes.shape[2]
+            frames = inputs.rows * inputs.chunk
             short = frames <= self.graph_frames
             graphed = short or (self.whole_graphs and self.graph_frames > 0 and frames == self.planner.frames)
             if graphed:
                 self.graphs.follow_autocast(self.device)
             if short and not self.graphs.graphs and not self.graphs.eager:  # largest first: see GraphCache
-                rows, limit = codes.shape[0], min(self.planner.frames, self.graph_frames)
+                rows, limit = inputs.rows, min(self.planner.frames, self.graph_frames)
                 self.graphs.capture_largest_first(
-                    codes, self.scratch, max(c for c in self.planner.chunks if c * rows <= limit)
+                    inputs, self.scratch, max(c for c in self.planner.chunks if c * rows <= limit)
                 )
-            graph = self.graphs.get(codes, self.scratch) if graphed else None
+            graph = self.graphs.get(inputs, self.scratch) if graphed else None
             if graph is None:
                 if self.graphs is not None:
                     self.graphs.stats.eager += 1
-                return self._forward(codes, slots, valid)
-            return self.graphs.run(graph, codes, slots, valid)
+                return self._forward(*inputs.to(self.device).views())
+            return self.graphs.run(graph, inputs)
 
     def _forward(self, codes: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         if self.weights is not None:  # the tensors the graphs read, wherever the parameters are

@@ -1,18 +1,22 @@
 """A request's frames in flight through the decode engine: what a forward takes from them, what it
-gives back, and how a streaming step's chunks reach the device.
+gives back, and how a forward's inputs reach the device.
 
-``Work`` holds one slot's frames (on the device) and the samples decoded so far. :func:`gather`
-builds a forward's ``[rows, Q, chunk]`` codes from the works it advances; :func:`scatter` puts that
-forward's output where each work keeps its samples (a copy per work, or one multi-tensor copy for all
-when the forward decodes every one of them whole: a streaming step).
-:func:`to_device` moves many small chunks in one copy. Nothing here waits for the device, but
-:func:`checked_lengths` (a batch's checks before it becomes work) asked to check codes on a device.
+``Work`` holds one slot's frames (on the device for batch decode; a streaming step's chunks stay where
+they came, the host) and the samples decoded so far. :func:`gather` builds a forward's inputs from the
+works it advances: its codes ``[rows, Q, chunk]``, each row's slot and valid frames, packed in one int64
+buffer (:class:`ForwardInputs`). Built on the host, where a streaming step's chunks are, the buffer is
+pinned and reaches the device in one copy that the host does not wait for, straight into a CUDA graph's
+static inputs (a step's chunks, its rows and valid counts: one copy, not one each plus a gather
+kernel). :func:`scatter` puts a forward's output where each work keeps its samples (a copy per work,
+or one multi-tensor copy for all when the forward decodes every one of them whole: a streaming step).
+Nothing here waits for the device, but :func:`checked_lengths` (a batch's checks before it becomes
+work) asked to check codes on a device.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,32 +52,62 @@ def checked_lengths(
     return validate_codes(codes, config, lengths, values=bool(values)).tolist()
 
 
-def to_device(
-    chunks: Sequence[torch.Tensor], device: torch.device, move: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> list[torch.Tensor]:
-    """Each ``[Q, n]`` chunk as int64 on ``device``; on CUDA, the CPU ones in one copy through pinned
-    memory that the host does not wait for (a pageable copy per chunk would wait for the device each
-    time). ``move`` replaces that copy of the one flat int64 buffer (tests run it on a CPU)."""
-    out: list[torch.Tensor | None] = [c if c.device == device else None for c in chunks]
-    moving = [i for i, c in enumerate(out) if c is None]
-    batched = move is not None or device.type == "cuda"
-    if moving and batched and all(chunks[i].device.type == "cpu" for i in moving):
-        move = move or (lambda flat: flat.pin_memory().to(device, non_blocking=True))
-        flat = move(torch.cat([chunks[i].reshape(-1).long() for i in moving]))
-        for i, piece in zip(moving, flat.split([chunks[i].numel() for i in moving])):
-            out[i] = piece.view(chunks[i].shape)
-    return [c if c is not None else chunks[i].to(device) for i, c in enumerate(out)]
+@dataclass
+class ForwardInputs:
+    """A forward's inputs in one int64 buffer ``packed``: codes ``[rows, Q, chunk]``, then each row's slot,
+    then its valid frames (padding rows: the scratch slot, 0 frames). :meth:`views` unpacks any buffer of
+    this layout (a CUDA graph's static inputs are one)."""
+
+    packed: torch.Tensor
+    rows: int
+    codebooks: int
+    chunk: int
+
+    @staticmethod
+    def size(rows: int, codebooks: int, chunk: int) -> int:
+        return rows * codebooks * chunk + 2 * rows
+
+    def views(self, packed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(codes, slots, valid)`` of ``packed`` (default: this buffer), views of it."""
+        packed = self.packed if packed is None else packed
+        n = self.rows * self.codebooks * self.chunk
+        codes = packed[:n].view(self.rows, self.codebooks, self.chunk)
+        return codes, packed[n : n + self.rows], packed[n + self.rows : n + 2 * self.rows]
+
+    def to(self, device: torch.device) -> ForwardInputs:
+        """On ``device`` in one copy (from pinned memory: not waited for); itself where it is there."""
+        if self.packed.device == device:
+            return self
+        return replace(self, packed=self.packed.to(device, non_blocking=True))  # pageable: a copy that waits
 
 
-def gather(picked: Sequence[Work], take: Sequence[int], rows: int, chunk: int, device: torch.device) -> torch.Tensor:
-    """The forward's codes ``[rows, Q, chunk]``: ``take[r]`` frames of ``picked[r]`` from where it
-    stands, zeros after them and in the padding rows (one kernel when every row is full)."""
+def gather(
+    picked: Sequence[Work], take: Sequence[int], rows: int, chunk: int, slots: Sequence[int], device: torch.device
+) -> ForwardInputs:
+    """The forward's inputs: ``take[r]`` frames of ``picked[r]`` from where it stands, zeros after them and
+    in the padding rows; ``slots`` per row (the padding rows' too). On the host when every work's codes are
+    there (pinned for a CUDA ``device``: one copy takes it there), else on the works' device."""
+    host = all(w.codes.device.type == "cpu" for w in picked)
+    q, n = picked[0].codes.shape[0], rows * picked[0].codes.shape[0] * chunk
+    meta = torch.tensor([*slots, *take, *[0] * (rows - len(take))], dtype=torch.long)
+    if host:  # pinned for a CUDA device: the forward's one copy is not waited for
+        packed = torch.empty(n + 2 * rows, dtype=torch.long, pin_memory=device.type == "cuda")
+    else:  # the rows and valid counts from pinned memory: a pageable copy would wait for the device
+        packed = torch.empty(n + 2 * rows, dtype=torch.long, device=picked[0].codes.device)
+        meta = meta.pin_memory() if packed.is_cuda else meta
+    inputs = ForwardInputs(packed, rows, q, chunk)
+    if host and len(picked) == rows and all(t == chunk for t in take):  # every row whole: one host copy
+        torch.cat([*(w.codes[:, w.done : w.done + chunk].reshape(-1) for w in picked), meta], out=packed)
+        return inputs
+    packed[n:].copy_(meta, non_blocking=True)
+    codes, _, _ = inputs.views()
     if len(picked) == rows and all(t == chunk for t in take):
-        return torch.stack([w.codes[:, w.done : w.done + chunk] for w in picked])
-    codes = torch.zeros((rows, picked[0].codes.shape[0], chunk), dtype=torch.long, device=device)
-    for r, (w, t) in enumerate(zip(picked, take)):
-        codes[r, :, :t] = w.codes[:, w.done : w.done + t]
-    return codes
+        torch.stack([w.codes[:, w.done : w.done + chunk] for w in picked], out=codes)
+    else:
+        codes.zero_()
+        for r, (w, t) in enumerate(zip(picked, take)):
+            codes[r, :, :t] = w.codes[:, w.done : w.done + t]
+    return inputs
 
 
 def scatter(
@@ -90,7 +124,8 @@ def scatter(
     when the forward decodes every work whole, all their samples go in one multi-tensor copy, each into
     storage of its own, so a stream's output never keeps the step's other rows alive."""
     if together and all(w.done == 0 and t == w.left for w, t in zip(picked, take)):
-        src = out if out.dtype == dtype else out.to(dtype)  # one cast for all rows
+        # one cast for all rows (a multi-tensor copy is fast on one dtype); a lone row is cast by its copy
+        src = out if out.dtype == dtype or len(picked) == 1 else out.to(dtype)
         starts = [tail if w.fresh else 0 for w in picked]
         for w, t, start in zip(picked, take, starts):
             w.out = torch.empty((1, t * up - start), dtype=dtype, device=out.device)

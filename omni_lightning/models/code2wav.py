@@ -141,7 +141,7 @@ class Code2Wav(nn.Module):
         tail = self.config.tail
         if state is None:
             return wav[..., tail:]
-        wav = torch.cat((wav[..., :tail] * ~step.fresh.view(-1, 1, 1), wav[..., tail:]), dim=-1)
+        wav[..., :tail].masked_fill_(step.fresh.view(-1, 1, 1), 0.0)  # a fresh row's time before its start, in place
         step.commit()  # last: a forward that fails on the way changes no state
         return wav
 

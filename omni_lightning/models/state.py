@@ -70,6 +70,8 @@ class DecodeState:
             self.flat = torch.zeros((slots, total), dtype=dtype, device=device)
             self.tensors = {name: columns(self.flat, name, self.columns) for name in shapes}
             self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+            # 0, 1, 2, ...: a history window's steps (Step._window), so a forward makes no arange per window
+            self.steps = torch.arange(max((max(s) for s in shapes.values()), default=1), device=device)
         self.slots = slots
         self.rows: torch.Tensor | None = None
         self.valid: torch.Tensor | None = None
@@ -154,7 +156,7 @@ class Step:
             if self.valid is None:
                 target.copy_(buf.narrow(dim, samples, size))
                 return
-            index = self._window(samples // self.frames, size, buf.device)  # [B, size]
+            index = self._window(samples // self.frames, size)  # [B, size]
             shape = [1] * buf.dim()
             shape[0], shape[dim] = index.shape
             index = index.view(shape).expand(*buf.shape[:dim], size, *buf.shape[dim + 1 :])
@@ -163,12 +165,13 @@ class Step:
             else:
                 target.copy_(buf.gather(dim, index))
 
-    def _window(self, per_frame: int, size: int, device: torch.device) -> torch.Tensor:
+    def _window(self, per_frame: int, size: int) -> torch.Tensor:
         """Steps ``[valid * per_frame, + size)`` of each row: where its new history starts (shared by
-        the layers of one forward that have the same rate and history length: fewer kernels)."""
+        the layers of one forward that have the same rate and history length), one kernel each."""
         key = (per_frame, size)
         if key not in self._windows:
-            self._windows[key] = (self.valid * per_frame)[:, None] + torch.arange(size, device=device)
+            # size is a dimension of a state tensor's shape: the state's steps cover it
+            self._windows[key] = torch.add(self.state.steps[:size], self.valid[:, None], alpha=per_frame)
         return self._windows[key]
 
     def with_history(self, name: str, context: int, x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@ context), eager and as a CUDA graph per shape, same weights, same GPU, same run:
 
 - **time to first audio**: a new stream's 1-frame first chunk, from the call that opens the stream
   to its samples on the device (synchronized), median of ``--ttfa-trials``; its shape's CUDA graph
-  captured before (``warmup``), no other stream running (``stream_step``: the step alone, the stream
-  opened before the clock starts). With ``--profile``, a table of one such first chunk (host and
-  device time by op);
+  captured before (``warmup``), no other stream running. Split (``first_audio_split``): ``open()``
+  alone; the step alone (``stream_step``: the stream opened before the clock starts), and its host
+  share (the step's call returning, every launch queued, not synchronized); the device's share (the
+  first chunk's graph replayed alone, and the re-decode's, ``*_graph_only``). With ``--profile``, a
+  table of one such first chunk (host and device time by op);
 - **steady state**: ``--streams`` streams past the attention window, each advancing by ``--chunk``
   frames per step; x real time = audio seconds per wall second over ``--steps`` steps, host work
   included, both pipelined (no synchronization between steps) and synchronized after every step;
@@ -29,6 +31,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -36,60 +39,41 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: workload.py, shared by every group
-from workload import rel_l2, timed
+from redecode import Redecode
+from workload import rel_l2, sync, timed
 
 from omni_lightning import Code2Wav, StreamingDecoder, randomize_weights
-from omni_lightning.kernels import Kernels
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class Redecode:
-    """The peers' streaming: each chunk decoded again with up to ``context`` frames before it.
-
-    Stitched without gaps (as ``Code2Wav.chunked_decode``: a chunk also re-emits the previous chunk's
-    look-ahead tail), so its output has the streaming decoder's length. With ``graphs``, each
-    ``(batch, frames)`` shape is captured once as a CUDA graph and replayed (vLLM-Omni's wrapper).
-    """
-
-    def __init__(self, model: Code2Wav, context: int, graphs: bool) -> None:
-        self.model, self.context, self.graphs = model, context, graphs
-        self.kernels = Kernels.for_inference(next(model.parameters()).device)  # the engine's kernels
-        self._graphs: dict[tuple, tuple] = {}
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        if not (self.graphs and codes.is_cuda):
-            return self.model(codes, kernels=self.kernels)
-        key = tuple(codes.shape)
-        if key not in self._graphs:
-            static = codes.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.model(static, kernels=self.kernels)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.model(static, kernels=self.kernels)
-            self._graphs[key] = (graph, static, out)
-        graph, static, out = self._graphs[key]
-        static.copy_(codes)
-        graph.replay()
-        return out
-
-    def chunk(self, codes: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Samples for frames ``[start, end)`` of ``codes [B, Q, T]`` (from the last emitted sample)."""
-        up, tail = self.model.config.total_upsample, self.model.config.tail
-        context = min(self.context, start)
-        wav = self.forward(codes[..., start - context : end])
-        return wav[..., context * up - (tail if start else 0) :].clone()
 
 
 def first_audio(decoder: StreamingDecoder, codes: torch.Tensor) -> dict:
     """A new stream's first chunk: opened, stepped (left open: the caller closes it, off the clock)."""
     sid = decoder.open()
     return decoder.step({sid: codes})
+
+
+def first_audio_split(decoder: StreamingDecoder, codes: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """Seconds of a new stream's first chunk's pieces: ``open()``, the step (to its samples on the device),
+    the step's host share (its call returning, launches queued, nothing waited for)."""
+    opened: list = []
+    split = {"stream_open": timed(lambda: opened.append(decoder.open()), device)}
+    split["stream_step"] = timed(lambda: decoder.step({opened[0]: codes}), device)
+    decoder.close(opened.pop())
+    sid = decoder.open()
+    sync(device)
+    start = time.perf_counter()
+    decoder.step({sid: codes})
+    split["stream_step_host"] = time.perf_counter() - start
+    sync(device)
+    decoder.close(sid)
+    return split
+
+
+def graph_only(replay: Callable[[], object], device: torch.device, n: int = 20) -> float:
+    """Seconds of one replay of a captured graph alone (the device's share of its forward)."""
+    replay()
+    return timed(lambda: [replay() for _ in range(n)], device) / n
 
 
 def profile(stream_step: Callable[[int, int], dict], start: int, args: argparse.Namespace) -> None:
@@ -133,7 +117,8 @@ def run(args: argparse.Namespace) -> dict:
     # --- time to first audio: a new stream, a 1-frame first chunk -------------------------------
     first = [codes_of(q, 1) for _ in range(args.ttfa_trials)]
     streamers = {"stream": decoder, **({"stream_eager": eager} if eager else {})}
-    ttfa: dict[str, list[float]] = {k: [] for k in [*streamers, "stream_step", *baselines]}
+    split = ("stream_open", "stream_step", "stream_step_host")
+    ttfa: dict[str, list[float]] = {k: [] for k in [*streamers, *split, *baselines]}
     with torch.no_grad():
         for base in baselines.values():  # warm-up (autotune, capture)
             base.chunk(first[0][None].to(device), 0, 1)
@@ -143,17 +128,23 @@ def run(args: argparse.Namespace) -> dict:
             for name, dec in streamers.items():
                 ttfa[name].append(timed(lambda c=codes, d=dec: first_audio(d, c), device))
                 dec.close(dec.streams[-1])
-            sid = decoder.open()
-            ttfa["stream_step"].append(timed(lambda c=codes, s=sid: decoder.step({s: c}), device))
-            decoder.close(sid)
+            for key, seconds in first_audio_split(decoder, codes, device).items():
+                ttfa[key].append(seconds)
             for name, base in baselines.items():
                 ttfa[name].append(timed(lambda c=codes, b=base: b.chunk(c[None].to(device), 0, 1), device))
         if args.profile and device.type == "cuda":
             profile(lambda a, b: first_audio(decoder, first[0]), 0, args)  # two new streams' first chunks
             for sid in decoder.streams:
                 decoder.close(sid)
-    res["ttfa_ms"] = {k: 1e3 * statistics.median(v) for k, v in ttfa.items()}
-    res["ttfa_p90_ms"] = {k: 1e3 * sorted(v)[int(0.9 * (len(v) - 1))] for k, v in ttfa.items()}
+        first_graph = decoder.engine.graphs.graphs.get((1, 1)) if graphs else None
+        if first_graph is not None:  # the device's share of a first chunk, and of the re-decode's
+            first_graph.rows.fill_(decoder.engine.scratch)
+            first_graph.valid.zero_()
+            ttfa["stream_graph_only"] = [graph_only(first_graph.replay, device)]
+            redecode = baselines["redecode_graph"]._graphs.get((1, q, 1))
+            ttfa["redecode_graph_only"] = [graph_only(redecode[0].replay, device)] if redecode else []
+    res["ttfa_ms"] = {k: 1e3 * statistics.median(v) for k, v in ttfa.items() if v}
+    res["ttfa_p90_ms"] = {k: 1e3 * sorted(v)[int(0.9 * (len(v) - 1))] for k, v in ttfa.items() if v}
     print(f"  ttfa {res['ttfa_ms']}", file=sys.stderr, flush=True)
 
     # --- steady state: many streams past the window, --chunk frames each per step ---------------
@@ -286,6 +277,10 @@ def main() -> None:
             f"| {label} | {res['ttfa_ms'][key]:.2f} ({res['ttfa_p90_ms'][key]:.2f}) | {x[key + '_pipelined']:,.0f} "
             f"| {x[key + '_sync']:,.0f} | {ms[key + '_pipelined']:.2f} |"
         )
+    t, nan = res["ttfa_ms"], float("nan")
+    print(f"first audio split (median ms): open() {t['stream_open']:.3f}, the step {t['stream_step']:.2f} (host "
+          f"{t['stream_step_host']:.2f}); graphs alone: the first chunk's {t.get('stream_graph_only', nan):.2f}, "
+          f"the re-decode's {t.get('redecode_graph_only', nan):.2f}")  # fmt: skip
     if "stream_graph_only" in res["steady_x_realtime"]:
         print(
             f"| streaming, graph replay only | | {res['steady_x_realtime']['stream_graph_only']:,.0f} | | "

@@ -84,6 +84,17 @@ STEPS = (
         limit=("outside batches s", 0.03),
     ),  # fmt: skip
     Step("stream", "ab", "bench_stream", (), STREAM_SMOKE, 60, ab=True, rounds=2),
+    # a new stream's first audio alone, split (open(), the step, its host share, the graphs alone), before and after
+    Step(
+        "stream-first-audio",
+        "engine",
+        "bench_stream",
+        ("--streams", "8", "--steps", "4", "--ttfa-trials", "50", "--fidelity-requests", "1"),
+        STREAM_SMOKE,
+        50,
+        ab=True,
+        limit=("first audio ms", 1.0),
+    ),
     # `omni-lightning serve` under load (engine and front processes): 64 bulk clients against the offline
     # engine, then 64 paced talkers beside 16 bulk clients; before and after
     Step("serve-whole", "serve", "load_test_serve", (*SERVE, "--clients", "64"), SERVE_SMOKE, 90, ab=True),
@@ -281,6 +292,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("first audio ms", lambda r: _get(r, "ttfa_ms", "stream"), ".2f"),
         ("steady x real time", lambda r: _get(r, "steady_x_realtime", "stream_pipelined"), ",.0f"),
         ("re-decode first audio ms", lambda r: _get(r, "ttfa_ms", "redecode_graph"), ".2f"),
+        # first audio split: open(), the first chunk's step (to its samples; its host share), graphs replayed alone
+        ("first audio: open() ms", lambda r: _get(r, "ttfa_ms", "stream_open"), ".3f"),
+        ("first audio: the step ms", lambda r: _get(r, "ttfa_ms", "stream_step"), ".2f"),
+        ("first audio: the step's host ms", lambda r: _get(r, "ttfa_ms", "stream_step_host"), ".2f"),
+        ("first chunk's graph alone ms", lambda r: _get(r, "ttfa_ms", "stream_graph_only"), ".2f"),
+        ("re-decode's graph alone ms", lambda r: _get(r, "ttfa_ms", "redecode_graph_only"), ".2f"),
     ),
     "bench_forward": (
         ("batch 1 ms", lambda r: _get(r, "forward", 0, "ours", "ms"), ".2f"),
