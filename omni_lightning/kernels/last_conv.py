@@ -128,11 +128,11 @@ def _launch_args(x, log_alpha, log_beta, pending, weight, w_strides, bias, histo
     channels, taps = x.shape[2], weight.shape[-1]  # w_strides: the weight's channels' and taps' (the engine's: 1, C)
     mock = isinstance(x, MockTensor)
     per_row = isinstance(fresh, (torch.Tensor, MockTensor))
+    junk = junk if junk and (per_row or fresh is not False) else 0  # no fresh row: nothing to zero
     if per_row and not mock:
         fresh = (fresh if fresh.dtype in (torch.bool, torch.uint8) else fresh != 0).view(torch.uint8)
     elif not per_row:  # never read: a byte pointer all the same
         fresh = MockTensor(torch.uint8) if mock else x.view(torch.uint8)
-    junk = junk if junk and (per_row or fresh is not False) else 0
     per_row_end = isinstance(window_end, (torch.Tensor, MockTensor))
     ends = window_end if per_row_end else (MockTensor(torch.int64) if mock else x.new_zeros(1, dtype=torch.long))
     hist = history if history is not None else x
