@@ -133,8 +133,8 @@ def _launch_args(x, log_alpha, log_beta, pending, weight, w_strides, bias, histo
         fresh = (fresh if fresh.dtype in (torch.bool, torch.uint8) else fresh != 0).view(torch.uint8)
     elif not per_row:  # never read: a byte pointer all the same
         fresh = MockTensor(torch.uint8) if mock else x.view(torch.uint8)
-    per_row_end = isinstance(window_end, (torch.Tensor, MockTensor))
-    ends = window_end if per_row_end else (MockTensor(torch.int64) if mock else x.new_zeros(1, dtype=torch.long))
+    per_row_end = isinstance(window_end, (torch.Tensor, MockTensor))  # else the int (or no window): ends never read
+    ends = window_end if per_row_end else MockTensor(torch.int64) if mock else x.new_empty(1, dtype=torch.long)
     hist = history if history is not None else x
     args = (x, pending if pending is not None else x, log_alpha, log_beta, weight, bias, hist, fresh, ends, out,
             window if window is not None else out, x.shape[1], junk, 0 if per_row_end or window_end is None

@@ -19,7 +19,8 @@
   96 channels, conv_snake above; ``kernels/unit_paths.py``), one engine each on the same model. Every
   measure of a batch (each choice's engine and eager forward, transformers) is timed in turns,
   ``--rounds`` rounds of ``--repeats``, in one process on one GPU; each choice's figures go under
-  ``units``, and the first choice's are also the row's ``ours`` and ``eager``.
+  ``units``, and the first choice's are also the row's ``ours`` and ``eager``. Each timing holds the median
+  of every repeat (``ms``) and of each round (``rounds_ms``: the spread a choice must win beyond).
 - **--last-conv**: the output layer's kernel (``Kernels.for_inference(last_conv=...)``, ``kernels/last_conv.py``)
   ``off`` (the default), ``on`` or both: with ``on`` among several, each units choice runs once per value, the
   ``on`` one named ``<units>+last-conv`` under ``units`` (timed in turns with the rest, its own fidelity guard).
@@ -33,13 +34,14 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: workload.py, shared by every group
-from workload import interleaved_times, memory, peer, random_model, rel_l2, save
+from workload import interleaved_samples, memory, peer, random_model, rel_l2, save
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
@@ -112,8 +114,12 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
             candidates["transformers"] = lambda c=codes: ref(c)
             if compiled is not None:
                 candidates["transformers_compile"] = lambda c=codes: compiled(c)
-            seconds = interleaved_times(candidates, device, warmup=3, repeats=args.repeats, rounds=args.rounds)
-        timing = {name: {"ms": 1e3 * s, "x_realtime": audio / s} for name, s in seconds.items()}
+            samples = interleaved_samples(candidates, device, warmup=3, repeats=args.repeats, rounds=args.rounds)
+        timing = {}
+        for name, runs in samples.items():  # the median of every repeat, and of each round (the spread)
+            s = statistics.median(t for one in runs for t in one)
+            timing[name] = {"ms": 1e3 * s, "x_realtime": audio / s,
+                            "rounds_ms": [1e3 * statistics.median(one) for one in runs]}  # fmt: skip
         row["units"] = {}
         for u, engine in engines.items():
             ours, eager = timing[f"ours {u}"], timing[f"eager {u}"]
