@@ -19,7 +19,8 @@ the previous program's last, re-read: a halo), ``a`` in registers, then the taps
 power-of-two parts of the channels like ``conv_snake``'s, 96 = 64 + 32), and each output the sum of
 a diagonal of ``P``, ``y[u] = sum_j P[u - taps + 1 + j, j]`` (``tl.gather`` along the rows). SnakeBeta is
 computed once per element (a sine per element: once per tap would be seven). Not here: autograd
-(inference only: the layers train), a weight with more than 8 taps or more than one output channel.
+(inference only: the layers train), a dilated convolution, more than 8 taps or one output channel, and
+streams much wider than the model's (a tile holds all of a row's channels in registers).
 Tile settings are data (:func:`last_conv_tiles`, :data:`CANDIDATES`), each compiled for sm_90a by the
 kernel report (``scripts/kernels/kernel_report.py --opt-in``) before any GPU time.
 """
