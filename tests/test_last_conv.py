@@ -209,7 +209,7 @@ def test_a_weight_or_tiles_the_kernel_cannot_take_are_errors_naming_them():
 def test_the_report_compiles_what_the_launcher_launches_and_it_compiles_clean(monkeypatch):
     """The engine's stateful call at qwen3-omni's width (recorded, on CPU tensors), bound as Triton's JIT binds
     it, equals the launch ``hopper_launches`` lists at the launcher's setting, in bf16 and fp32; that launch
-    compiles for sm_90a without spilling, within shared memory (wgmma in bf16)."""
+    compiles for sm_90a without spilling, within shared memory (tensor cores in bf16)."""
     import torch
 
     from omni_lightning.kernels import last_conv, launches
@@ -240,7 +240,8 @@ def test_the_report_compiles_what_the_launcher_launches_and_it_compiles_clean(mo
         assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), name
         compiled = hopper.compile_launch(one)
         assert not hopper.clean(one, compiled), (name, compiled)
-        assert compiled.mma == ("wgmma" if name == "bf16" else "none"), (name, compiled)
+        # tensor cores in bf16 (triton before 3.7 runs an N = 8 dot as mma.sync), an exact FMA dot in fp32
+        assert (compiled.mma != "none") == (name == "bf16"), (name, compiled)
 
 
 @pytest.mark.gpu
