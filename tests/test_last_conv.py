@@ -240,7 +240,7 @@ def test_the_report_compiles_what_the_launcher_launches_and_it_compiles_clean(mo
         assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), name
         compiled = hopper.compile_launch(one)
         assert not hopper.clean(one, compiled), (name, compiled)
-        # tensor cores in bf16 (triton before 3.7 runs an N = 8 dot as mma.sync), an exact FMA dot in fp32
+        # tensor cores in bf16 (an older Triton may run an N = 8 dot as mma.sync), an exact FMA dot in fp32
         assert (compiled.mma != "none") == (name == "bf16"), (name, compiled)
 
 
