@@ -207,8 +207,9 @@ def test_a_weight_or_tiles_the_kernel_cannot_take_are_errors_naming_them():
 
 @pytest.mark.skipif(hopper.missing() is not None, reason=hopper.missing() or "")
 def test_the_report_compiles_what_the_launcher_launches_and_it_compiles_clean(monkeypatch):
-    """The engine's stateful call at qwen3-omni's width (recorded, on CPU tensors), bound as Triton's JIT binds
-    it, equals the launch ``hopper_launches`` lists at the launcher's setting, in bf16 and fp32; that launch
+    """The engine's stateful call and a plain forward's at qwen3-omni's width (recorded, on CPU tensors), bound as
+    Triton's JIT binds them, equal the launch ``hopper_launches`` lists at the launcher's setting, in bf16 and
+    fp32; that launch
     compiles for sm_90a without spilling, within shared memory (tensor cores in bf16)."""
     import torch
 
@@ -234,10 +235,11 @@ def test_the_report_compiles_what_the_launcher_launches_and_it_compiles_clean(mo
         history, fresh, ends = torch.zeros(2, 6, 96, dtype=dtype), torch.tensor([True, False]), torch.tensor([240, 9])
         last_conv.last_conv_triton(x, p, p, torch.zeros(96), weight, p[:1], history=history, fresh=fresh, junk=555,
                                    window_end=ends)  # fmt: skip
-        args, kwargs = calls.pop()
+        last_conv.last_conv_triton(x, p, p, torch.zeros(96), weight, p[:1], fresh=True, junk=555)  # a plain forward's
         one = listed[name]
-        bound = launches.bind(Recorder.fn, args, kwargs)
-        assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), name
+        for args, kwargs in (calls.pop(), calls.pop()):  # the flags are runtime arguments: one compile for both
+            bound = launches.bind(Recorder.fn, args, kwargs)
+            assert bound == (one.signature, one.constexprs, one.attrs, one.num_warps, one.num_stages), name
         compiled = hopper.compile_launch(one)
         assert not hopper.clean(one, compiled), (name, compiled)
         # tensor cores in bf16 (an older Triton may run an N = 8 dot as mma.sync), an exact FMA dot in fp32
