@@ -108,19 +108,26 @@ def median_time(fn: Callable[[], Any], device: torch.device, warmup: int = 2, re
     return statistics.median(timed(fn, device) for _ in range(repeats))
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int = 2, repeats: int = 5,
-                      rounds: int = 1) -> dict[str, float]:  # fmt: skip
-    """Median seconds of each of ``fns``, timed in turns: each warmed ``warmup`` times, then ``rounds``
+def interleaved_samples(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int = 2, repeats: int = 5,
+                        rounds: int = 1) -> dict[str, list[list[float]]]:  # fmt: skip
+    """Seconds of each of ``fns`` per round, timed in turns: each warmed ``warmup`` times, then ``rounds``
     rounds that time each ``repeats`` times in order, so a drift of the machine (clocks, heat, a
     neighbour) falls on all of them alike."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
+    samples: dict[str, list[list[float]]] = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            samples[name] += [timed(fn, device) for _ in range(repeats)]
-    return {name: statistics.median(times) for name, times in samples.items()}
+            samples[name].append([timed(fn, device) for _ in range(repeats)])
+    return samples
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], device: torch.device, warmup: int = 2, repeats: int = 5,
+                      rounds: int = 1) -> dict[str, float]:  # fmt: skip
+    """Median seconds of each of ``fns`` over every round of :func:`interleaved_samples`."""
+    samples = interleaved_samples(fns, device, warmup, repeats, rounds)
+    return {name: statistics.median(t for one in runs for t in one) for name, runs in samples.items()}
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -16,6 +16,7 @@ import torch
 from omni_lightning.kernels import snake_beta
 from omni_lightning.kernels.conv_snake import conv_snake_triton, conv_snake_triton_autograd, widths_supported
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
+from omni_lightning.kernels.last_conv import MAX_TAPS, last_conv_triton
 from omni_lightning.kernels.residual_unit import residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
 from omni_lightning.kernels.unit_paths import MOST_FUSED, UnitPaths, choice
@@ -36,7 +37,9 @@ class Kernels:
     it is differentiable, ``conv_snake_triton_autograd``), ``residual_unit`` (``kernels/residual_unit.py``:
     that convolution, its SnakeBeta, the 1x1 convolution and the residual add as one kernel, in place,
     inference only, same widths and dtypes; None: neither) and ``units``, the table that picks one of
-    those or the layers per unit shape (``kernels/unit_paths.py``; default: the most fused given)."""
+    those or the layers per unit shape (``kernels/unit_paths.py``; default: the most fused given);
+    ``last_conv`` (``kernels/last_conv.py``: the decoder's last SnakeBeta, its ``C -> 1`` convolution and the
+    clamp as one pass, inference only; None: the layers)."""
 
     snake_beta: Callable[..., torch.Tensor] = snake_beta_reference
     inplace: bool = False
@@ -47,6 +50,22 @@ class Kernels:
     conv_snake_grad: bool = False
     residual_unit: Callable[..., torch.Tensor] | None = None
     units: UnitPaths = MOST_FUSED
+    last_conv: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
+
+    def takes_last_conv(self, x: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
+        """Whether the output layer on the stream ``x`` with its convolution ``conv`` runs ``last_conv``: one
+        given, no gradient recorded, ``x`` in 16 or 32 bits with its channels contiguous, a ``C -> 1``
+        convolution of at most 8 taps."""
+        return (
+            self.last_conv is not None
+            and not torch.is_grad_enabled()
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and x.stride(-1) == 1
+            and conv.out_channels == 1
+            and conv.groups == 1
+            and conv.dilation[0] == 1
+            and 2 <= conv.kernel_size[0] <= MAX_TAPS
+        )
 
     def unit_path(self, x: torch.Tensor, a: torch.Tensor, conv: torch.nn.Conv1d) -> str:
         """The path a residual unit on the stream ``x`` (its first SnakeBeta's output ``a``, its dilated
@@ -77,17 +96,24 @@ class Kernels:
         return "layers"
 
     @classmethod
-    def for_inference(cls, device: torch.device | str, fused: bool = True, fused_units: bool | str = False) -> Kernels:
+    def for_inference(
+        cls, device: torch.device | str, fused: bool = True, fused_units: bool | str = False, last_conv: bool = False
+    ) -> Kernels:
         """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, in-place residuals and the
         residual units' fused kernels (16-bit, 32-256 channels) as ``fused_units`` picks them per unit
         (``kernels/unit_paths.CHOICES``): ``False`` conv_snake everywhere, ``True`` the one-kernel unit
-        everywhere, ``"per-width"`` the one kernel up to 96 channels and conv_snake above; elsewhere the
-        torch reference with in-place residuals. Any other ``fused_units`` is a ValueError naming it."""
+        everywhere, ``"per-width"`` the one kernel up to 96 channels and conv_snake above; with ``last_conv``
+        the output layer as one kernel (``kernels/last_conv.py``; off until a GPU measures it faster:
+        docs/performance.md); elsewhere the torch reference with in-place residuals. Any other
+        ``fused_units`` or ``last_conv`` is a ValueError naming it."""
         units = choice(fused_units)
+        if not isinstance(last_conv, bool):
+            raise ValueError(f"last_conv must be True or False, got {last_conv!r}")
         if fused and torch.device(device).type == "cuda" and triton_available():
             name = {False: "triton", True: "triton-units"}.get(fused_units, f"triton-units-{fused_units}")
-            return cls(snake_beta_triton, inplace=True, name=name, conv_snake=conv_snake_triton,
-                       residual_unit=residual_unit_triton, units=units)  # fmt: skip
+            return cls(snake_beta_triton, inplace=True, name=name + "+last-conv" * last_conv,
+                       conv_snake=conv_snake_triton, residual_unit=residual_unit_triton, units=units,
+                       last_conv=last_conv_triton if last_conv else None)  # fmt: skip
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod

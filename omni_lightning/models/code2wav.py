@@ -37,6 +37,7 @@ from omni_lightning.models.layers import (
     ConvNeXtBlock,
     DecoderBlock,
     SnakeBeta,
+    output_waveform,
 )
 from omni_lightning.models.state import DecodeState, Step
 from omni_lightning.models.transformer import PreTransformer
@@ -136,12 +137,9 @@ class Code2Wav(nn.Module):
         pending = first.conv.bias.float()
         for block in blocks:
             x, pending = block(x, pending, step)
-        wav = last_conv(last_act(x, step, pending, before=last_conv, junk=self.config.tail), x.shape[1])
-        wav = wav.clamp(-1.0, 1.0).transpose(1, 2)  # [B, 1, T * up]
-        tail = self.config.tail
+        wav = output_waveform(last_act, last_conv, x, pending, step, self.config.tail)  # [B, 1, T * up]
         if state is None:
-            return wav[..., tail:]
-        wav[..., :tail].masked_fill_(step.fresh.view(-1, 1, 1), 0.0)  # a fresh row's time before its start, in place
+            return wav[..., self.config.tail :]
         step.commit()  # last: a forward that fails on the way changes no state
         return wav
 

@@ -131,6 +131,27 @@ class SnakeBeta(nn.Module):
         return buf
 
 
+def output_waveform(
+    act: SnakeBeta, conv: CausalConv1d, x: torch.Tensor, pending: torch.Tensor, step: Step, junk: int
+) -> torch.Tensor:
+    """The decoder's last SnakeBeta and ``C -> 1`` convolution on the stream ``x`` (true value ``x + pending``),
+    clamped to [-1, 1]: ``[B, 1, T]``; with a state, the first ``junk`` samples of fresh rows (time before
+    the request) are zero. One kernel where the forward's kernels take it (``kernels/last_conv.py``)."""
+    if step.kernels.takes_last_conv(x, conv.conv):
+        history = step.history(conv.state_name)
+        ends = step.window_ends(x.shape[1]) if step.state is not None else None
+        wav, window = step.kernels.last_conv(x, act.alpha, act.beta, pending, conv.conv.weight, conv.conv.bias,
+                                             history=history, fresh=step.fresh, junk=junk, window_end=ends)  # fmt: skip
+        if window is not None:
+            step.save_window(conv.state_name, window)
+        return wav.unsqueeze(1)
+    wav = conv(act(x, step, pending, before=conv, junk=junk), x.shape[1])
+    wav = wav.clamp(-1.0, 1.0).transpose(1, 2)
+    if step.state is not None:
+        wav[..., :junk].masked_fill_(step.fresh.view(-1, 1, 1), 0.0)  # a fresh row's time before its start, in place
+    return wav
+
+
 class ConvNeXtBlock(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()

@@ -165,6 +165,18 @@ class Step:
             else:
                 target.copy_(buf.gather(dim, index))
 
+    def save_window(self, name: str, window: torch.Tensor) -> None:
+        """Queues ``window`` (each row's new history of ``name``, as :meth:`save` would pick it) as it is: for
+        a kernel that picks the windows itself (:meth:`window_ends`)."""
+        if self.state is not None:
+            with torch.no_grad():
+                columns(self._rows, name, self.state.columns).copy_(window)
+
+    def window_ends(self, samples: int) -> torch.Tensor | int:
+        """Where each row's new history ends among ``samples`` new steps (:meth:`save`'s window): after its
+        last real step, an int64 ``[B]``; ``samples`` where every step is real."""
+        return samples if self.valid is None else self.valid * (samples // self.frames)
+
     def _window(self, per_frame: int, size: int) -> torch.Tensor:
         """Steps ``[valid * per_frame, + size)`` of each row: where its new history starts (shared by
         the layers of one forward that have the same rate and history length), one kernel each."""

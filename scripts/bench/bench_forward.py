@@ -4,6 +4,7 @@
     python scripts/bench/bench_forward.py --compile                           # + transformers with torch.compile
     python scripts/bench/bench_forward.py --budget-gib 8 --no-fidelity        # the engine at another default budget
     python scripts/bench/bench_forward.py --units none all per-width --rounds 3   # the residual units' paths, in turns
+    python scripts/bench/bench_forward.py --last-conv off on --rounds 3        # the output layer's kernel off and on
     python scripts/bench/bench_forward.py --device cpu --preset tiny --batches 1 2 --repeats 2   # smoke test
 
 - **forward**: ``DecodeEngine.decode`` of ``--batches`` 10 s clips (codes on the device, waveforms on
@@ -18,7 +19,11 @@
   96 channels, conv_snake above; ``kernels/unit_paths.py``), one engine each on the same model. Every
   measure of a batch (each choice's engine and eager forward, transformers) is timed in turns,
   ``--rounds`` rounds of ``--repeats``, in one process on one GPU; each choice's figures go under
-  ``units``, and the first choice's are also the row's ``ours`` and ``eager``.
+  ``units``, and the first choice's are also the row's ``ours`` and ``eager``. Each timing holds the median
+  of every repeat (``ms``) and of each round (``rounds_ms``: the spread a choice must win beyond).
+- **--last-conv**: the output layer's kernel (``Kernels.for_inference(last_conv=...)``, ``kernels/last_conv.py``)
+  ``off`` (the default), ``on`` or both: with ``on`` among several, each units choice runs once per value, the
+  ``on`` one named ``<units>+last-conv`` under ``units`` (timed in turns with the rest, its own fidelity guard).
 - **fidelity**: four 10 s clips, relative L2 and multi-resolution mel distance against the fp32
   reference (transformers, TF32 off): the engine in bf16 (each ``--units`` choice) and transformers in
   bf16. The guard: ours no worse than theirs, for every choice (``guard_holds``; each choice's under
@@ -29,30 +34,38 @@
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: workload.py, shared by every group
-from workload import interleaved_times, memory, peer, random_model, rel_l2, save
+from workload import interleaved_samples, memory, peer, random_model, rel_l2, save
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
 from omni_lightning.kernels.unit_paths import NAMES as UNITS  # --units: Kernels.for_inference(fused_units=...)
 
 
+def choices(units: list[str], last_conv: list[str]) -> dict[str, tuple[str, bool]]:
+    """Each measured choice's name: ``units`` (and ``<units>+last-conv`` where ``last_conv`` has ``on``) ->
+    (the units choice, the output layer's kernel on)."""
+    return {u + "+last-conv" * (lc == "on"): (u, lc == "on") for u in units for lc in last_conv}
+
+
 def engines_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None,
-                units: list[str]) -> dict[str, DecodeEngine]:  # fmt: skip
-    """One engine per ``units`` choice, all on one copy of ``base`` in ``dtype`` on ``device``."""
+                names: dict[str, tuple[str, bool]]) -> dict[str, DecodeEngine]:  # fmt: skip
+    """One engine per choice of :func:`choices`, all on one copy of ``base`` in ``dtype`` on ``device``."""
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
     budget = None if budget_gib is None else int(budget_gib * 2**30)
-    return {u: DecodeEngine(model, budget=budget, kernels=Kernels.for_inference(device, fused_units=UNITS[u]))
-            for u in units}  # fmt: skip
+    return {name: DecodeEngine(model, budget=budget, kernels=Kernels.for_inference(device, fused_units=UNITS[u],
+                                                                                   last_conv=on))
+            for name, (u, on) in names.items()}  # fmt: skip
 
 
-def fidelity(base: Code2Wav, device: torch.device, units: list[str]) -> dict:
+def fidelity(base: Code2Wav, device: torch.device, units: dict[str, tuple[str, bool]]) -> dict:
     from omni_lightning.training.losses import MultiResolutionMelLoss
 
     gen = torch.Generator().manual_seed(5)
@@ -74,7 +87,7 @@ def fidelity(base: Code2Wav, device: torch.device, units: list[str]) -> dict:
         one = {"ours_rel_l2": rel_l2(got, want), "ours_mel": float(mel(got[:, 0], want[:, 0]))}
         one["guard_holds"] = one["ours_rel_l2"] <= theirs_l2 and one["ours_mel"] <= theirs_mel
         per_choice[u] = one
-    first = per_choice[units[0]]
+    first = per_choice[next(iter(units))]
     return {"ours_rel_l2": first["ours_rel_l2"], "transformers_rel_l2": theirs_l2, "ours_mel": first["ours_mel"],
             "transformers_mel": theirs_mel, "guard_holds": all(c["guard_holds"] for c in per_choice.values()),
             "units": per_choice}  # fmt: skip
@@ -82,7 +95,7 @@ def fidelity(base: Code2Wav, device: torch.device, units: list[str]) -> dict:
 
 def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device) -> list[dict]:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    engines = engines_for(base, device, dtype, args.budget_gib, args.units)
+    engines = engines_for(base, device, dtype, args.budget_gib, args.choices)
     ref = peer(base, dtype, device)
     compiled = torch.compile(ref, dynamic=False) if args.compile else None
     frames = round(args.seconds * base.config.frame_rate)
@@ -101,16 +114,20 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
             candidates["transformers"] = lambda c=codes: ref(c)
             if compiled is not None:
                 candidates["transformers_compile"] = lambda c=codes: compiled(c)
-            seconds = interleaved_times(candidates, device, warmup=3, repeats=args.repeats, rounds=args.rounds)
-        timing = {name: {"ms": 1e3 * s, "x_realtime": audio / s} for name, s in seconds.items()}
+            samples = interleaved_samples(candidates, device, warmup=3, repeats=args.repeats, rounds=args.rounds)
+        timing = {}
+        for name, runs in samples.items():  # the median of every repeat, and of each round (the spread)
+            s = statistics.median(t for one in runs for t in one)
+            timing[name] = {"ms": 1e3 * s, "x_realtime": audio / s,
+                            "rounds_ms": [1e3 * statistics.median(one) for one in runs]}  # fmt: skip
         row["units"] = {}
         for u, engine in engines.items():
             ours, eager = timing[f"ours {u}"], timing[f"eager {u}"]
             row["units"][u] = {"kernels": engine.kernels.name, "ours": ours, "eager": eager,
                                "engine_vs_eager": ours["x_realtime"] / eager["x_realtime"]}  # fmt: skip
-        first = row["units"][args.units[0]]
+        first = row["units"][next(iter(args.choices))]
         row.update(ours=first["ours"], eager=first["eager"], transformers=timing["transformers"])
-        row["frames_per_forward"] = engines[args.units[0]].frames_per_forward
+        row["frames_per_forward"] = engines[next(iter(args.choices))].frames_per_forward
         row["engine_vs_eager"] = first["engine_vs_eager"]
         row["ours_vs_transformers"] = row["ours"]["x_realtime"] / row["transformers"]["x_realtime"]
         if compiled is not None:
@@ -139,6 +156,13 @@ def parser() -> argparse.ArgumentParser:
         choices=list(UNITS),
         help="the residual units' kernels (Kernels.for_inference(fused_units=...)); the first is 'ours'",
     )
+    parser.add_argument(
+        "--last-conv",
+        nargs="+",
+        default=["off"],
+        choices=("off", "on"),
+        help="the output layer's kernel, Kernels.for_inference(last_conv=...): off, on or both",
+    )
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--budget-gib", type=float, default=None, help="the engine's memory budget (default: its own)")
     parser.add_argument("--no-fidelity", action="store_true")
@@ -149,11 +173,12 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     args = parser().parse_args()
     args.units = list(dict.fromkeys(args.units))
+    args.choices = choices(args.units, list(dict.fromkeys(args.last_conv)))
     device = torch.device(args.device)
     base = random_model(args.preset)
     res = {"forward": forward_rows(base, args, device), **memory(device)}
     if not args.no_fidelity:
-        res["fidelity"] = fidelity(base, device, args.units)
+        res["fidelity"] = fidelity(base, device, args.choices)
     save(args.out, res, args)
     print(f"\n{args.preset} {args.dtype}, {args.seconds:g} s clips")
     print("| batch | ours ms | ours x | engine/eager | transformers x | ours/transformers | transformers+compile x |")
@@ -172,7 +197,7 @@ def main() -> None:
             f"transformers bf16 {f['transformers_rel_l2']:.3e} mel {f['transformers_mel']:.4f}; "
             f"guard holds: {f['guard_holds']}"
         )
-    if len(args.units) > 1:
+    if len(args.choices) > 1:
         units_table(res)
 
 

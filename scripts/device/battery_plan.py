@@ -59,6 +59,18 @@ STEPS = (
         (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--units", *UNIT_CHOICES),
         120,
     ),
+    # the output layer (SnakeBeta, the 96 > 1 convolution, the clamp): the layers against its one kernel at each
+    # setting, alone at batch 32 x 10 s; then whole forwards with it off and on, in turns, each with its fidelity
+    # guard (decides Kernels.for_inference(last_conv=...)'s default)
+    Step("last-conv", "kernels", "bench_last_conv", (), UNITS_SMOKE, 30),
+    Step(
+        "forward-last-conv",
+        "kernels",
+        "bench_forward",
+        ("--last-conv", "off", "on", "--rounds", "3", "--repeats", "5"),
+        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--last-conv", "off", "on"),
+        90,
+    ),
     Step("convs", "kernels", "probe_convs", (), (*UNITS_SMOKE[:4], "--seconds", "0.5", "--batch", "1"), 60),
     Step("memory", "kernels", "profile_memory", (), ("--device", "cpu", "--jobs", "tiny"), 120),
     # the predict job, uncapped and at 0.03, and streaming, before and after
@@ -306,7 +318,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
         *(  # --units: each choice's forwards, timed in turns, and its guard
             figure
-            for u in UNIT_CHOICES
+            for u in (*UNIT_CHOICES, "none+last-conv")
             for figure in (
                 (f"[{u}] engine, last batch x", _choice(u, -1, "ours", "x_realtime"), ",.0f"),
                 (f"[{u}] eager, last batch x", _choice(u, -1, "eager", "x_realtime"), ",.0f"),
@@ -322,6 +334,12 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
         ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
         ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
+    ),
+    "bench_last_conv": (  # the output layer alone: the layers, the kernel's best setting, its ratio
+        ("layers ms", lambda r: _get(r, "layers_ms"), ".3f"),
+        ("kernel, best setting, ms", lambda r: _get(r, "best_ms"), ".3f"),
+        ("kernel speedup over the layers", lambda r: _get(r, "speedup"), ".2f"),
+        ("bandwidth floor ms", lambda r: _get(r, "floor_ms"), ".3f"),
     ),
     "probe_convs": (
         ("convolutions, as run, ms", lambda r: _sum(r, "ms", variant="as run"), ".2f"),
