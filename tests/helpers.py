@@ -277,3 +277,22 @@ class CtrlCAfterFirstStep(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == 1:
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def bf16_errors(kernel_sets):
+    """qwen3-omni (random weights) on CUDA: each of ``kernel_sets`` (name: ``Kernels``) in bf16, its relative
+    L2 error against the fp32 forward of the plain layers (a GPU fidelity check of a fused path)."""
+    from conftest import random_model
+
+    from omni_lightning.kernels import Kernels
+
+    model = random_model("qwen3-omni", seed=0).cuda()
+    codes = random_codes(2, 40, model.config, seed=1).cuda()
+    with torch.inference_mode():
+        want = model(codes, kernels=Kernels()).double()
+        low = model.to(torch.bfloat16)
+        errors = {}
+        for name, kernels in kernel_sets.items():
+            got = low(codes, kernels=kernels).double()
+            errors[name] = float((got - want).norm() / want.norm())
+    return errors

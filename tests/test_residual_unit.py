@@ -256,21 +256,11 @@ def test_a_forward_with_one_kernel_units_is_as_faithful_as_the_layers(fused_unit
     kernel everywhere, or per width) against the fp32 forward, no further off than the layers in bf16."""
     import dataclasses
 
-    import torch
-    from conftest import random_model
-    from helpers import random_codes
+    from helpers import bf16_errors
 
     from omni_lightning.kernels import Kernels
 
-    model = random_model("qwen3-omni", seed=0).cuda()
-    codes = random_codes(2, 40, model.config, seed=1).cuda()
-    with torch.inference_mode():
-        want = model(codes, kernels=Kernels()).double()
-        low = model.to(torch.bfloat16)
-        units = Kernels.for_inference("cuda", fused_units=fused_units)
-        errors = {}
-        for name, kernels in (("units", units), ("layers", dataclasses.replace(units, conv_snake=None,
-                                                                               residual_unit=None))):  # fmt: skip
-            got = low(codes, kernels=kernels).double()
-            errors[name] = float((got - want).norm() / want.norm())
+    units = Kernels.for_inference("cuda", fused_units=fused_units)
+    layers = dataclasses.replace(units, conv_snake=None, residual_unit=None)
+    errors = bf16_errors({"units": units, "layers": layers})
     assert errors["units"] <= 1.1 * errors["layers"] + 1e-3, errors
