@@ -226,6 +226,9 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     result = json.loads(out.read_text())
     assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
     assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0
+    # the talkers' chunks decode apart from the bulk clients' frames: both kinds of decode counted and timed
+    assert result["stream_decodes"] > 0 and result["bulk_decodes"] > 0, result
+    assert result["stream_decode_ms_mean"] > 0 and result["bulk_decode_ms_mean"] > 0, result
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
 

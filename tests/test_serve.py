@@ -161,7 +161,8 @@ def test_health_metrics_and_request_ids(server, caplog):
     assert re.fullmatch(r"serve: abc-7 ended 200: 2 frames in \d+\.\d\d s", lines[1]), lines
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
-                 "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket"):  # fmt: skip
+                 "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
+                 "omni_stream_step_seconds_bucket"):  # fmt: skip
         assert name in text
     assert 'omni_requests_total{route="code2wav",status="200"}' in text
 

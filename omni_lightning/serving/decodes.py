@@ -7,7 +7,8 @@ queues behind it on the device, so a loop that launches the next decode before l
 device busy while the host hands out audio (``DecodeLoop``'s ``pipeline``). Each landing times the decode
 from its launch, or from the last landing when it was queued behind that one (the socket's reads left out):
 the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``), every decode's time is the
-``step_seconds`` metric. A decode that fails is told to its clients through ``fail``.
+``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``). A decode that fails is told
+to its clients through ``fail``.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Decodes:
             self.cost.update(sum(sum(f) for f in d.pushed.values()), seconds)
         if self.metrics is not None:
             self.metrics.step_seconds.observe(seconds)
+            if not d.bulk:
+                self.metrics.stream_step_seconds.observe(seconds)
         for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
             if not job.aborted and not job.done:
                 self._deliver(job, self._split(samples, frames, first))

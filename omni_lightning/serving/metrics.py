@@ -18,7 +18,7 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 
 class ServeMetrics:
     """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
-    and step latency histograms."""
+    and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -32,7 +32,10 @@ class ServeMetrics:
             "omni_first_audio_seconds", "From a client's codes to its first audio", buckets=LATENCY_BUCKETS, registry=r
         )
         self.step_seconds = Histogram(
-            "omni_step_seconds", "One decode step of every stream with frames", buckets=LATENCY_BUCKETS, registry=r
+            "omni_step_seconds", "One decode (streams' chunks, or bulk)", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.stream_step_seconds = Histogram(
+            "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )
 
     def text(self) -> bytes:

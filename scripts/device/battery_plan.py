@@ -297,6 +297,8 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("talkers' first audio p99 ms", lambda r: _get(r, "first_audio_ms_paced_p99"), ".0f"),
         ("chunk latency p50 ms", lambda r: _get(r, "chunk_latency_ms_p50"), ".1f"),
         ("chunk latency p99 ms", lambda r: _get(r, "chunk_latency_ms_p99"), ".1f"),
+        ("streams' decode ms (mean)", lambda r: _get(r, "stream_decode_ms_mean"), ".2f"),
+        ("bulk decode ms (mean)", lambda r: _get(r, "bulk_decode_ms_mean"), ".2f"),
         ("lost", lambda r: _get(r, "lost"), ".0f"),
         ("wrong", lambda r: _get(r, "wrong"), ".0f"),
     ),

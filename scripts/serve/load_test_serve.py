@@ -176,7 +176,30 @@ def metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)", text, re.M))
 
 
-def figures(done: list[dict], wall: float, rates: list[float], steps_s: float, args: argparse.Namespace) -> dict:
+DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stream_step_seconds_sum",
+                  "omni_stream_step_seconds_count")  # fmt: skip
+
+
+def decode_metrics(url: str) -> dict[str, float]:
+    import httpx
+
+    text = httpx.get(f"{url}/metrics").text
+    return {name: metric(text, name) for name in DECODE_METRICS}
+
+
+def decode_figures(steps: dict[str, float], wall: float) -> dict:
+    """The decode loop's share of the wall time, and its mean decode of the streams' chunks and of bulk."""
+    streams_n, streams_s = steps["omni_stream_step_seconds_count"], steps["omni_stream_step_seconds_sum"]
+    bulk_n, bulk_s = steps["omni_step_seconds_count"] - streams_n, steps["omni_step_seconds_sum"] - streams_s
+    return {
+        "decode_loop_share": round(steps["omni_step_seconds_sum"] / wall, 3),
+        "stream_decodes": int(streams_n), "bulk_decodes": int(bulk_n),
+        "stream_decode_ms_mean": round(1000 * streams_s / streams_n, 2) if streams_n else None,
+        "bulk_decode_ms_mean": round(1000 * bulk_s / bulk_n, 2) if bulk_n else None,
+    }  # fmt: skip
+
+
+def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args: argparse.Namespace) -> dict:
     """The report's figures from the clients' results."""
     lost = [d for d in done if d["samples"] is None or d["samples"] != d["codes"].shape[1] * 1920 - 555]
     audio_s = sum(d["samples"] for d in done if d not in lost) / 24000
@@ -199,7 +222,7 @@ def figures(done: list[dict], wall: float, rates: list[float], steps_s: float, a
         "paced_rtf_max": round(rtf[-1], 3) if rtf else None,
         "paced_keeping_up": round(sum(max(d["latencies"]) < d["chunk_s"] for d in paced) / len(paced), 3)
         if paced else None,
-        "decode_loop_share": round(steps_s / wall, 3),
+        **decode_figures(steps, wall),
         "lost": len(lost), "errors": sorted({d.get("error", "short") for d in lost})[:5],
     }  # fmt: skip
 
@@ -228,15 +251,15 @@ def main(argv: list[str] | None = None) -> dict:
 
         while httpx.get(f"{url}/health").status_code != 200:
             time.sleep(0.1)
-        before = metric(httpx.get(f"{url}/metrics").text, "omni_step_seconds_sum")
+        before = decode_metrics(url)
         done, wall = load(url, args)
-        steps_s = metric(httpx.get(f"{url}/metrics").text, "omni_step_seconds_sum") - before
+        steps = {k: v - before[k] for k, v in decode_metrics(url).items()}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     if engine is not None:
         rates.append(offline_rate(engine, args))
-    result = figures(done, wall, rates, steps_s, args)
+    result = figures(done, wall, rates, steps, args)
     result.update(check(engine, done, args) if engine is not None else {"checked": 0, "wrong": 0})
     result["meta"] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
                       "commit": _commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
