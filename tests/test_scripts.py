@@ -229,6 +229,7 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     # the talkers' chunks decode apart from the bulk clients' frames: both kinds of decode counted and timed
     assert result["stream_decodes"] > 0 and result["bulk_decodes"] > 0, result
     assert result["stream_decode_ms_mean"] > 0 and result["bulk_decode_ms_mean"] > 0, result
+    assert result["new_shapes"] >= 0 and result["new_shape_s"] >= 0, result  # counted (on a CPU: cuDNN-free, few)
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
 

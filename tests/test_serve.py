@@ -110,6 +110,10 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
         np.testing.assert_allclose(got, want, atol=EXACT_ATOL, rtol=0)
     steps = server.state.metrics.step_seconds.collect()[0].samples
     assert next(s.value for s in steps if s.name.endswith("_count")) < sum(c.shape[1] for c in codes) / 4  # batched
+    streamed = server.state.metrics.stream_step_seconds.collect()[0].samples
+    assert next(s.value for s in streamed if s.name.endswith("_count")) > 0  # the streams' chunks decoded apart
+    shapes = server.state.metrics.new_shapes.collect()[0].samples  # random lengths: shapes first run while serving
+    assert next(s.value for s in shapes if s.name.endswith("_total")) > 0
 
 
 @pytest.mark.slow  # (the test above has copies of one request among its 32 clients)
@@ -162,7 +166,7 @@ def test_health_metrics_and_request_ids(server, caplog):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
-                 "omni_stream_step_seconds_bucket"):  # fmt: skip
+                 "omni_stream_step_seconds_bucket", "omni_new_shapes_total"):  # fmt: skip
         assert name in text
     assert 'omni_requests_total{route="code2wav",status="200"}' in text
 

@@ -7,8 +7,9 @@ queues behind it on the device, so a loop that launches the next decode before l
 device busy while the host hands out audio (``DecodeLoop``'s ``pipeline``). Each landing times the decode
 from its launch, or from the last landing when it was queued behind that one (the socket's reads left out):
 the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``), every decode's time is the
-``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``). A decode that fails is told
-to its clients through ``fail``.
+``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``); a step that first ran a shape
+(a CUDA graph captured, or new kernel plans, after the warm-up) counts in ``new_shapes``. A decode that
+fails is told to its clients through ``fail``.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Decodes:
     def launch(self, pushed: dict[Job, list[int]], bulk: bool) -> Decode | None:
         """Steps the decoder over what was pushed and starts its audio's copy (None: it failed, told)."""
         start = time.perf_counter()
+        work = getattr(getattr(self.decoder, "engine", None), "work", None)  # (a test double may have none)
+        shapes = (work["new_shapes"], work["new_shape_s"]) if work is not None else None
         try:
             out = self.decoder.step()
             outs = [out[job.sid] for job in pushed]
@@ -60,6 +63,9 @@ class Decodes:
             return None
         for job in pushed:
             job.in_flight += 1
+        if shapes is not None and self.metrics is not None and work["new_shapes"] > shapes[0]:
+            self.metrics.new_shapes.inc(work["new_shapes"] - shapes[0])  # a capture or new kernel plans, in the
+            self.metrics.new_shape_seconds.inc(work["new_shape_s"] - shapes[1])  # clients' way (not warmed)
         firsts = [job.sent_frames == sum(frames) for job, frames in pushed.items()]
         return Decode(pushed, firsts, [o.shape[-1] for o in outs], copy, start, bulk)
 

@@ -34,6 +34,8 @@ class ServeMetrics:
         self.step_seconds = Histogram(
             "omni_step_seconds", "One decode (streams' chunks, or bulk)", buckets=LATENCY_BUCKETS, registry=r
         )
+        self.new_shapes = Counter("omni_new_shapes", "Decode shapes first run while serving", registry=r)
+        self.new_shape_seconds = Counter("omni_new_shape_seconds", "Host seconds those first runs took", registry=r)
         self.stream_step_seconds = Histogram(
             "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -299,6 +299,7 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("chunk latency p99 ms", lambda r: _get(r, "chunk_latency_ms_p99"), ".1f"),
         ("streams' decode ms (mean)", lambda r: _get(r, "stream_decode_ms_mean"), ".2f"),
         ("bulk decode ms (mean)", lambda r: _get(r, "bulk_decode_ms_mean"), ".2f"),
+        ("shapes first run under load", lambda r: _get(r, "new_shapes"), ".0f"),
         ("lost", lambda r: _get(r, "lost"), ".0f"),
         ("wrong", lambda r: _get(r, "wrong"), ".0f"),
     ),

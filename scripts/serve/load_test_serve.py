@@ -177,7 +177,8 @@ def metric(text: str, name: str) -> float:
 
 
 DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stream_step_seconds_sum",
-                  "omni_stream_step_seconds_count")  # fmt: skip
+                  "omni_stream_step_seconds_count", "omni_new_shapes_total",
+                  "omni_new_shape_seconds_total")  # fmt: skip
 
 
 def decode_metrics(url: str) -> dict[str, float]:
@@ -196,6 +197,9 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         "stream_decodes": int(streams_n), "bulk_decodes": int(bulk_n),
         "stream_decode_ms_mean": round(1000 * streams_s / streams_n, 2) if streams_n else None,
         "bulk_decode_ms_mean": round(1000 * bulk_s / bulk_n, 2) if bulk_n else None,
+        # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
+        "new_shapes": int(steps["omni_new_shapes_total"]),
+        "new_shape_s": round(steps["omni_new_shape_seconds_total"], 3),
     }  # fmt: skip
 
 
