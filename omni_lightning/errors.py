@@ -9,6 +9,7 @@ working. Standard library only: the command line raises it before torch loads.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 
 
 class UsageError(ValueError):
@@ -23,3 +24,11 @@ def check_count(name: str, value: object, minimum: int = 1, none_ok: bool = Fals
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         also = " (or None)" if none_ok else ""
         raise UsageError(f"{name} must be an integer >= {minimum}{also}, got {value!r}")
+
+
+def check_sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:
+    """``sizes`` as a tuple of integers >= 1; else a ValueError naming ``name`` and the value."""
+    sizes = tuple(sizes) if isinstance(sizes, Iterable) else sizes
+    if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+        raise ValueError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")
+    return sizes

@@ -88,7 +88,12 @@ def test_every_script_imports_and_is_run_here_or_says_why_not():
     scripts = {*SCRIPTS, "workload"}
     run = {*JOBS, "simulate_plan", "device_battery", "battery_plan", "workload"}
     run |= {"kernel_report"}  # by tests/test_kernel_report.py
-    run |= {"load_test_serve", "serve_clients", "free_decoder"}  # by test_the_serve_load_test_runs_on_the_cpu
+    run |= {
+        "load_test_serve",
+        "serve_clients",
+        "free_decoder",
+        "sim_device",
+    }  # by test_the_serve_load_test_runs_on_the_cpu
     run |= {"redecode"}  # by bench_stream
     run |= {s.script for s in STEPS}
     assert scripts - run - {"pytest"} == set(NOT_RUN), "a script neither run here nor listed in NOT_RUN"
@@ -232,6 +237,12 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["new_shapes"] >= 0 and result["new_shape_s"] >= 0, result  # counted (on a CPU: cuDNN-free, few)
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
+    # a GPU's decode time on the CPU: the server's engine planned as on a GPU, its forwards booked, nothing lost
+    run_script("load_test_serve", ["--sim-device", "--clients", "4", "--paced", "2", "--seconds", "3",
+                                   "--offline-requests", "8", "--out", str(out)], tmp_path)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["lost"] == 0 and result["ratio_to_offline"] > 0 and result["forwards"] > 0, result
+    assert 0 <= result["padding_share"] < 1 and result["frames_per_forward"] > 1, result
 
 
 def test_every_script_is_in_the_readmes_table():

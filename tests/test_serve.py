@@ -114,6 +114,9 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     assert next(s.value for s in streamed if s.name.endswith("_count")) > 0  # the streams' chunks decoded apart
     shapes = server.state.metrics.new_shapes.collect()[0].samples  # random lengths: shapes first run while serving
     assert next(s.value for s in shapes if s.name.endswith("_total")) > 0
+    m = server.state.metrics  # every frame of every client decoded once; forwards computed those and padding
+    frames, computed, forwards = (c.collect()[0].samples[0].value for c in (m.frames, m.computed_frames, m.forwards))
+    assert frames == sum(c.shape[1] for c in codes) and computed >= frames and 0 < forwards <= frames
 
 
 @pytest.mark.slow  # (the test above has copies of one request among its 32 clients)
@@ -166,7 +169,8 @@ def test_health_metrics_and_request_ids(server, caplog):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
-                 "omni_stream_step_seconds_bucket", "omni_new_shapes_total"):  # fmt: skip
+                 "omni_stream_step_seconds_bucket", "omni_new_shapes_total", "omni_forwards_total",
+                 "omni_frames_total", "omni_computed_frames_total"):  # fmt: skip
         assert name in text
     assert 'omni_requests_total{route="code2wav",status="200"}' in text
 

@@ -194,15 +194,20 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     cuda_graphs = bool(module.fast_path and module.hparams.get("graph_frames", 512))
     share = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
     decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
-    # on a GPU, the shapes steps take (streams' chunks, whole requests' pieces, at each row bucket) are
-    # captured before the first client, not in its way; on a CPU there is nothing to capture
-    warm = (1, 8, 10, 16, config.request_frames) if device.type == "cuda" else (1, 8)
-    rows = tuple(2**i for i in range(8)) if device.type == "cuda" else (1,)
+    chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
     loop = DecodeLoop(decoder, config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
-                      warmup=tuple(sorted(set(warm))), bulk_slice_s=config.bulk_slice_ms / 1000,
-                      warmup_rows=rows)  # fmt: skip
+                      warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
     return loop, {"config": module.config, "what": what, "limits": limits}
+
+
+def warmup_shapes(graphs: bool, request_frames: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The chunk sizes and stream counts the server runs before its first client: with CUDA graphs, the shapes
+    steps take (streams' chunks, whole requests' pieces, at each row bucket), captured then and not in a
+    client's way; on a CPU there is nothing to capture (one small step checks the model runs)."""
+    if not graphs:
+        return (1, 8), (1,)
+    return tuple(sorted({1, 8, 10, 16, request_frames})), tuple(2**i for i in range(8))
 
 
 def serve_here(argv: list[str], values: dict, full_help: bool = False) -> int:

@@ -256,7 +256,7 @@ class DecodeEngine(EngineStats):
         log.warning("decode: out of memory at %d frames per forward; now %d%s", frames, self.planner.frames, eager)
 
     def _forward_planned(self, pending: list[Work], pad_in_time: bool, together: bool = False) -> None:
-        plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time)
+        plan = self.planner.next([w.left for w in pending], self.shapes, pad_in_time, whole=together)
         rows, chunk = plan.shape
         new = plan.shape not in self.ever
         self.shapes.add(plan.shape)

@@ -10,7 +10,11 @@ left and scores the forward by real frames over cost, all in frames: ``rows * ch
 ``step_cost`` (a forward's fixed cost), plus ``new_shape_cost`` for a shape not run yet (a capture or
 new cuDNN plans), plus another ``step_cost`` when the forward leaves rows unfinished (one-step
 look-ahead). Shapes run before are candidates too, rows padded up; batch decode (``pad_in_time``)
-also pads chunks up to a shape it has, streaming does not (a padded step delays its audio).
+also pads chunks up to a shape it has. A streaming step decodes every row before it returns (``whole``):
+its forwards are planned for the whole step (``whole_step``: the cheapest runs of rows, each row whole in
+one forward, padded in rows and frames to shapes captured where that costs less than a forward or a shape
+more), where that costs less than planning greedily to the end; at a server's warm shapes and CUDA's
+prices, a step then runs in one or two forwards rather than in a handful of small ones.
 ``scripts/profiling/simulate_plan.py`` prices plans. ``new_shape_cost`` is low (:data:`NEW_SHAPE_COST`): a
 greedy planner that prices a new shape near a whole forward never finds the few small shapes that
 end a batch's requests without padding (at a 0.03 share of an H100, 512 frames a forward, the 2-30 s
@@ -117,30 +121,93 @@ class Planner:
                 out.append((rows, n))
         return out
 
-    def next(self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = (), pad_in_time: bool = False) -> Plan:
+    def next(
+        self, remaining: Sequence[int], seen: Iterable[tuple[int, int]] = (), pad_in_time: bool = False,
+        whole: bool = False,
+    ) -> Plan:  # fmt: skip
         """The next forward for requests with ``remaining[i] >= 1`` frames left (at least one).
         ``pad_in_time``: a forward that finishes every row may also take a shape run before whose chunk
-        is longer than they need (batch decode: replay a shape it has rather than capture a new one;
-        streaming leaves it off, since padding a step delays its audio)."""
+        is longer than they need (batch decode: replay a shape it has rather than capture a new one).
+        ``whole``: every row is decoded before the caller goes on (a streaming step): the first forward of
+        :meth:`whole_step`'s plan where it costs less than planning greedily to the end."""
         order = sorted(range(len(remaining)), key=lambda i: (-remaining[i], i))
         if not order or remaining[order[0]] < 1:
             raise ValueError("nothing to plan: every request has 0 frames left")
         seen = {s for s in seen if s[0] * s[1] <= self.frames}
-        # real frames of the n longest rows at a chunk, without a pass over them (64 streams: ~300 candidates)
         left = [remaining[i] for i in order]  # longest first
+        rows, chunk, n = self._greedy(left, seen, pad_in_time)
+        step = self.whole_step(left, seen) if whole else (0.0, [])
+        if step[1] and step[0] < self._greedy_cost(left, seen, pad_in_time, (rows, chunk, n), step[0]):
+            rows, chunk, n = step[1][0]
+        return Plan(rows, chunk, tuple(order[:n]), tuple(min(chunk, r) for r in left[:n]))
+
+    def _greedy(self, left: list[int], seen: set[tuple[int, int]], pad_in_time: bool) -> tuple[int, int, int]:
+        """The greedy forward for rows of ``left`` frames (longest first): ``(rows bucket, chunk, rows taken)``."""
+        # real frames of the n longest rows at a chunk, without a pass over them (64 streams: ~300 candidates)
         rising, before = left[::-1], list(itertools.accumulate(left, initial=0))
         best: tuple[float, int, int, int] | None = None
         longest = left[0]
-        for chunk, rows, n in self._all_candidates(len(order), longest, seen, pad_in_time):
+        for chunk, rows, n in self._all_candidates(len(left), longest, seen, pad_in_time):
             full = min(n, len(left) - bisect.bisect_left(rising, chunk))  # rows with a whole chunk left
             cost = rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
-            if n == len(order) and chunk < longest:  # every row still left: one more forward at least
+            if n == len(left) and chunk < longest:  # every row still left: one more forward at least
                 cost += self.step_cost
             score = (full * chunk + before[n] - before[full]) / cost
             if best is None or score > best[0] + 1e-12:
                 best = (score, rows, chunk, n)
-        _, rows, chunk, n = best
-        return Plan(rows, chunk, tuple(order[:n]), tuple(min(chunk, r) for r in left[:n]))
+        return best[1:]
+
+    def _price(self, rows: int, chunk: int, seen: set[tuple[int, int]]) -> int:
+        return rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
+
+    def _greedy_cost(
+        self, left: list[int], seen: set[tuple[int, int]], pad_in_time: bool, first: tuple[int, int, int], limit: float
+    ) -> float:
+        """The price of greedy forwards (``first``, then :meth:`_greedy`'s) until every row is done, or
+        the first sum past ``limit`` (no need to go on)."""
+        left, seen, cost, plan = list(left), set(seen), 0.0, first
+        while True:
+            rows, chunk, n = plan
+            cost += self._price(rows, chunk, seen)
+            seen.add((rows, chunk))
+            left = sorted((x for x in (*(r - min(chunk, r) for r in left[:n]), *left[n:]) if x), reverse=True)
+            if not left or cost > limit:
+                return cost
+            plan = self._greedy(left, seen, pad_in_time)
+
+    def whole_step(self, left: Sequence[int], seen: set[tuple[int, int]]) -> tuple[float, list[tuple[int, int, int]]]:
+        """The cheapest forwards that decode rows of ``left`` frames (longest first) each whole in one of them,
+        a run of rows in that order per forward: their price and ``(rows bucket, chunk, rows taken)`` each;
+        ``[]`` where the longest row fits no forward of at most ``graph_frames`` (``frames`` without graphs).
+        A forward is priced ``rows * chunk + step_cost``, plus ``new_shape_cost`` for a shape not in ``seen``;
+        so a step's last few rows ride in a run of a bucket already captured (rows and frames padded) rather
+        than in forwards of shapes of their own, where that costs less. Exact for such plans (a forward's
+        price depends only on its longest row and how many it takes); planning greedily, which may split a
+        row over forwards, is sometimes cheaper (:meth:`next` takes the cheaper)."""
+        limit = min(self.graph_frames or self.frames, self.frames)
+        buckets = [r for r in self.rows if r <= self.row_bucket(self.max_rows)]
+        kept = {r: sorted(c for rr, c in seen if rr == r) for r in buckets}
+        options: dict[int, list[tuple[int, int, int]]] = {}  # frames needed -> (price, rows, chunk)
+        for need in set(left):
+            own = self.chunks[bisect.bisect_left(self.chunks, need)] if need <= self.chunks[-1] else None
+            found = []
+            for rows in buckets:
+                have = kept[rows][k] if (k := bisect.bisect_left(kept[rows], need)) < len(kept[rows]) else None
+                for chunk in {c for c in (own, have) if c is not None and rows * c <= limit and c <= MAX_CHUNK}:
+                    found.append((self._price(rows, chunk, seen), rows, chunk))
+            if not found:
+                return 0.0, []
+            options[need] = found
+        n = len(left)
+        best: list[tuple[float, int, int, int]] = [(0.0, 0, 0, 0)] * (n + 1)  # rows i.. : (price, rows, chunk, taken)
+        for i in range(n - 1, -1, -1):
+            best[i] = min((price + best[min(n, i + rows)][0], rows, chunk, min(rows, n - i))
+                          for price, rows, chunk in options[left[i]])  # fmt: skip
+        plans, i = [], 0
+        while i < n:
+            plans.append(best[i][1:])
+            i += best[i][3]
+        return best[0][0], plans
 
     def _all_candidates(
         self, n_rows: int, longest: int, seen: set[tuple[int, int]], pad_in_time: bool = False

@@ -15,18 +15,19 @@ decoder; ``reads`` tells), or seeing weights written in place while a stream is 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from omni_lightning.engine.bucket_graphs import GraphCapture
 from omni_lightning.engine.engine import DecodeEngine
 from omni_lightning.engine.serial import serialized
-from omni_lightning.errors import check_count
+from omni_lightning.errors import check_count, check_sizes
 from omni_lightning.models.code2wav import Code2Wav
 from omni_lightning.models.codes import all_codes, check_request_codes
 
@@ -204,20 +205,22 @@ class StreamingDecoder:
 
     @serialized
     def warmup(self, chunk_sizes: Iterable[int] = (1,), batch_sizes: Iterable[int] = (1,)) -> float:
-        """Runs (and on CUDA captures) these shapes now on fresh scratch streams; returns seconds."""
-        chunk_sizes, batch_sizes = _sizes("chunk_sizes", chunk_sizes), _sizes("batch_sizes", batch_sizes)
-        start = time.perf_counter()
-        for b in batch_sizes:
-            for c in chunk_sizes:
+        """Runs (and on CUDA captures) now, on scratch streams, the forwards of a step of ``b`` streams of ``c``
+        frames, for each pair, as a warm engine plans them (not around the shapes run so far); returns seconds."""
+        chunk_sizes, batch_sizes = check_sizes("chunk_sizes", chunk_sizes), check_sizes("batch_sizes", batch_sizes)
+        start, engine, planner, sids = time.perf_counter(), self.engine, self.engine.planner, []
+        engine.planner = replace(planner, new_shape_cost=0)
+        try:
+            for b, c in itertools.product(batch_sizes, chunk_sizes):
+                list(map(self._release, sids))
                 sids = [self.open() for _ in range(min(b, self.max_streams - len(self._streams)))]
-                try:
-                    codes = torch.zeros((self.config.num_quantizers, c), dtype=torch.long)
-                    for sid in sids:  # its own streams only: other streams' pushed frames stay queued
-                        self._streams[sid].pending.append(codes)
-                    self._decode(sids)
-                finally:
-                    for sid in sids:
-                        self._release(sid)
+                codes = torch.zeros((self.config.num_quantizers, c), dtype=torch.long)
+                for sid in sids:  # its own streams only: other streams' pushed frames stay queued
+                    self._streams[sid].pending.append(codes)
+                self._decode(sids)
+        finally:  # (an out-of-memory shrink replaced the planner: its budget is kept)
+            list(map(self._release, sids))
+            engine.planner = replace(engine.planner, new_shape_cost=planner.new_shape_cost)
         return time.perf_counter() - start
 
     def _decode(self, sids: list[Hashable]) -> dict[Hashable, torch.Tensor]:
@@ -291,10 +294,3 @@ def _check_hashable(stream_id: Hashable) -> None:
         hash(stream_id)
     except TypeError:
         raise ValueError(f"stream ids must be hashable, got {type(stream_id).__name__}") from None
-
-
-def _sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:  # integers >= 1, else a ValueError naming them
-    sizes = tuple(sizes) if isinstance(sizes, Iterable) else sizes
-    if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ValueError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")
-    return sizes

@@ -8,7 +8,9 @@ device busy while the host hands out audio (``DecodeLoop``'s ``pipeline``). Each
 from its launch, or from the last landing when it was queued behind that one (the socket's reads left out):
 the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``), every decode's time is the
 ``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``); a step that first ran a shape
-(a CUDA graph captured, or new kernel plans, after the warm-up) counts in ``new_shapes``. A decode that
+(a CUDA graph captured, or new kernel plans, after the warm-up) counts in ``new_shapes``, and every step's
+forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
+``computed_frames``. A decode that
 fails is told to its clients through ``fail``.
 """
 
@@ -53,7 +55,7 @@ class Decodes:
         """Steps the decoder over what was pushed and starts its audio's copy (None: it failed, told)."""
         start = time.perf_counter()
         work = getattr(getattr(self.decoder, "engine", None), "work", None)  # (a test double may have none)
-        shapes = (work["new_shapes"], work["new_shape_s"]) if work is not None else None
+        before = dict(work) if work is not None else None
         try:
             out = self.decoder.step()
             outs = [out[job.sid] for job in pushed]
@@ -63,11 +65,19 @@ class Decodes:
             return None
         for job in pushed:
             job.in_flight += 1
-        if shapes is not None and self.metrics is not None and work["new_shapes"] > shapes[0]:
-            self.metrics.new_shapes.inc(work["new_shapes"] - shapes[0])  # a capture or new kernel plans, in the
-            self.metrics.new_shape_seconds.inc(work["new_shape_s"] - shapes[1])  # clients' way (not warmed)
+        if before is not None and self.metrics is not None:
+            self._count(before, work)
         firsts = [job.sent_frames == sum(frames) for job, frames in pushed.items()]
         return Decode(pushed, firsts, [o.shape[-1] for o in outs], copy, start, bulk)
+
+    def _count(self, before: dict, work: dict) -> None:
+        """The engine's counters' growth over one decode, into ``/metrics``."""
+        m = self.metrics
+        for counter, key in ((m.forwards, "forwards"), (m.frames, "frames"), (m.computed_frames, "computed")):
+            counter.inc(work[key] - before[key])
+        if work["new_shapes"] > before["new_shapes"]:  # a capture or new kernel plans, in the clients' way
+            m.new_shapes.inc(work["new_shapes"] - before["new_shapes"])
+            m.new_shape_seconds.inc(work["new_shape_s"] - before["new_shape_s"])
 
     def land(self, d: Decode, between: Callable[[], None] | None) -> None:
         """Reads the socket (``between``), waits for ``d``'s audio and hands each client still there its part."""

@@ -18,7 +18,8 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 
 class ServeMetrics:
     """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
-    and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest)."""
+    and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest), and
+    the engine's forwards with their frames decoded and computed (the rest is padding)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -36,6 +37,11 @@ class ServeMetrics:
         )
         self.new_shapes = Counter("omni_new_shapes", "Decode shapes first run while serving", registry=r)
         self.new_shape_seconds = Counter("omni_new_shape_seconds", "Host seconds those first runs took", registry=r)
+        self.forwards = Counter("omni_forwards", "The engine's forwards (a decode runs one or more)", registry=r)
+        self.frames = Counter("omni_frames", "Codec frames decoded", registry=r)
+        self.computed_frames = Counter(
+            "omni_computed_frames", "Frames the forwards computed (rows x chunk: decoded and padding)", registry=r
+        )
         self.stream_step_seconds = Histogram(
             "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )

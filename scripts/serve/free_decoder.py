@@ -86,23 +86,27 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main() -> None:
+    serve_double(parser().parse_args(), free_loop, free_engine)
+
+
+def serve_double(args: argparse.Namespace, make_loop, engine_entry) -> None:
+    """The server (fronts, engine process, sockets) over ``make_loop(args)``'s decode loop; ``engine_entry``:
+    the engine process's function (module level: spawned), which runs ``make_loop(args)`` there."""
     from omni_lightning.serving.app import app_over
     from omni_lightning.serving.front_process import FrontSettings, run_front
     from omni_lightning.serving.server import server_for
     from omni_lightning.serving.supervisor import Supervisor
 
-    args = parser().parse_args()
-
     def say(info: dict, host: str, port: int) -> None:
         print(f"serve: {info['what']}; listening on http://{host}:{port}", flush=True)
 
     if args.front_processes == 0:
-        loop, info = free_loop(args)
+        loop, info = make_loop(args)
         app = app_over(loop, loop.metrics)
         server_for(app, args.host, args.port, on_listen=lambda h, p: say(info, h, p)).run()
         return
     settings = FrontSettings(args.host, args.max_streams)
-    Supervisor(1, args.front_processes, args.host, args.port, free_engine, (args,), run_front, (settings,), say).run()
+    Supervisor(1, args.front_processes, args.host, args.port, engine_entry, (args,), run_front, (settings,), say).run()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 from serve_clients import client_process, run_clients
+from sim_device import add_device_arguments, device_from, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,21 +63,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--request-frames", type=int, default=32)
     p.add_argument("--bulk-slice-ms", type=float, default=None, help="serve's --bulk_slice_ms (default: its own)")
     p.add_argument("--free-decode", action="store_true", help="a decode that costs nothing (the edge's ceiling)")
+    p.add_argument(
+        "--sim-device",
+        action="store_true",
+        help="a GPU's decode time on this CPU (sim_device.py: the options below), server and offline",
+    )
+    p.add_argument("--offline-frames", type=int, default=2048, help="--sim-device: the offline engine's budget")
     p.add_argument("--offline-batch", type=int, default=16)
     p.add_argument("--offline-requests", type=int, default=32)
     p.add_argument("--check", type=int, default=1000, help="requests checked against the offline decode, at most")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="the JSON result")
-    return p
+    return add_device_arguments(p)
+
+
+DEVICE_OPTIONS = ("frame-us", "forward-us", "eager-ms", "capture-ms", "graph-frames", "budget-frames")
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    if args.free_decode:
-        cmd = [sys.executable, str(ROOT / "scripts" / "serve" / "free_decoder.py"), "--preset", args.preset,
+    script = None
+    # the package on the PYTHONPATH given first (an A/B runs another tree's), then this checkout's
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    if args.free_decode or args.sim_device:
+        script = "sim_device.py" if args.sim_device else "free_decoder.py"
+        cmd = [sys.executable, str(ROOT / "scripts" / "serve" / script), "--preset", args.preset,
                "--max-streams", str(args.max_streams), "--request-frames", str(args.request_frames),
                "--max-queue", str(4 * total_clients(args)), "--front-processes",
                str(1 if args.front_processes is None else args.front_processes)]  # fmt: skip
+        cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in DEVICE_OPTIONS] if args.sim_device else []
     else:
         cmd = [sys.executable, "-m", "omni_lightning.cli", "serve", "--model.config", args.preset,
                "--model.random_weights", "true", "--port", "0", "--trainer.precision", args.precision,
@@ -85,7 +99,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--front_processes", str(args.front_processes)] if args.front_processes is not None else []
         cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
     if args.bulk_slice_ms is not None:
-        cmd += ["--bulk-slice-ms" if args.free_decode else "--bulk_slice_ms", str(args.bulk_slice_ms)]
+        cmd += ["--bulk_slice_ms" if script is None else "--bulk-slice-ms", str(args.bulk_slice_ms)]
     log = open(Path(args.out or "load_serve.json").with_suffix(".server.log"), "w")  # noqa: SIM115 - the server's
     proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=log)
     line = proc.stdout.readline()
@@ -135,6 +149,8 @@ def offline_engine(args: argparse.Namespace):
     dtype = torch.bfloat16 if args.precision == "bf16-true" else torch.float32
     model = model.to(args.device, dtype)
     engine = DecodeEngine(model, max_rows=args.offline_batch, gpu_memory_utilization=args.share)
+    if args.sim_device:  # on its own simulated device, planned as on a GPU (its CUDA graphs: up to 256 frames)
+        simulate(engine, device_from(args, graph_frames=256), args.offline_frames)
     offline(engine, [np.zeros((16, 8), np.int64)], args.offline_batch)  # warm, as the server's warm-up
     return engine
 
@@ -155,6 +171,8 @@ def offline(engine, requests: list[np.ndarray], batch: int) -> tuple[float, list
             outs += [o[0].float().cpu().numpy() for o in engine.decode(padded.to(device), lengths)]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if getattr(engine, "sim", None) is not None:
+        engine.sim.wait()
     return time.perf_counter() - start, outs
 
 
@@ -178,7 +196,8 @@ def metric(text: str, name: str) -> float:
 
 DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stream_step_seconds_sum",
                   "omni_stream_step_seconds_count", "omni_new_shapes_total",
-                  "omni_new_shape_seconds_total")  # fmt: skip
+                  "omni_new_shape_seconds_total", "omni_forwards_total", "omni_frames_total",
+                  "omni_computed_frames_total")  # fmt: skip
 
 
 def decode_metrics(url: str) -> dict[str, float]:
@@ -200,6 +219,11 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
         "new_shapes": int(steps["omni_new_shapes_total"]),
         "new_shape_s": round(steps["omni_new_shape_seconds_total"], 3),
+        # the engine's forwards: their mean size and the share of their frames that was padding
+        "forwards": int(forwards := steps["omni_forwards_total"]),
+        "frames_per_forward": round(steps["omni_computed_frames_total"] / forwards, 1) if forwards else None,
+        "padding_share": round(1 - steps["omni_frames_total"] / steps["omni_computed_frames_total"], 3)
+        if steps["omni_computed_frames_total"] else None,
     }  # fmt: skip
 
 
@@ -264,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     if engine is not None:
         rates.append(offline_rate(engine, args))
     result = figures(done, wall, rates, steps, args)
-    result.update(check(engine, done, args) if engine is not None else {"checked": 0, "wrong": 0})
+    checked = engine is not None and not args.sim_device  # a simulated device decodes silence
+    result.update(check(engine, done, args) if checked else {"checked": 0, "wrong": 0})
     result["meta"] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
                       "commit": _commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],
                       "gpu": _gpu(), "args": vars(args)}  # fmt: skip
