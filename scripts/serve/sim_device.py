@@ -12,7 +12,7 @@ capture). So the load test's served rate against the offline engine (booked on i
 the talkers' latencies are those of a GPU as fast as the figures given, with this host's own overheads.
 
 Defaults are an H100's, qwen3-omni bf16 (docs/performance.md): the eager forward at batch 32, 4,596x real time
-(17.4 us a frame); a graph replay's fixed cost ~0.3 ms; an eager forward's launches ~10 ms; a capture ~0.3 s;
+(17.4 us a frame); a forward's fixed cost ~1.3 ms (a one-frame step replayed as a graph: 1.53 ms); an eager forward's launches ~10 ms; a capture ~0.3 s;
 the server's decoder's budget with no cap (6 GiB): CUDA graphs and forwards of up to 1,024 frames; the offline
 engine's: graphs of up to 256 frames, forwards of 2,048 (``load_test_serve.py --offline-frames``).
 Not modelled: the device running slower on small shapes than large ones (per-frame cost is flat), memory.
@@ -127,7 +127,7 @@ def sim_engine(index: int, address: str, conn, args: argparse.Namespace) -> None
 
 def add_device_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--frame-us", type=float, default=17.4, help="device time a computed frame")
-    p.add_argument("--forward-us", type=float, default=300.0, help="device time a forward, fixed")
+    p.add_argument("--forward-us", type=float, default=1300.0, help="device time a forward, fixed")
     p.add_argument("--eager-ms", type=float, default=10.0, help="host time an eager forward's launches")
     p.add_argument("--capture-ms", type=float, default=300.0, help="host time a capture")
     p.add_argument("--graph-frames", type=int, default=1024, help="the server's largest graphed forward (rows x chunk)")
