@@ -233,6 +233,7 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, 
     stopped ``DrainingServer``."""
     from omni_lightning.serving.app import ROUTES, app_over
     from omni_lightning.serving.server import request_log, server_for
+    from omni_lightning.serving.supervisor import freeze_startup
 
     request_log()
     loop, info = decode_loop_for(module, trainer, config, ckpt_path)
@@ -245,6 +246,7 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, 
     server = server_for(app, config.host, config.port, config.drain_timeout, on_listen, log_level="warning")
     if sock is not None:
         sock.listen(2048)
+    freeze_startup("one process")
     server.run(sockets=[sock] if sock is not None else None)
     sys.stdout.flush()
     return server

@@ -24,6 +24,7 @@ import zmq
 from omni_lightning.serving import wire
 from omni_lightning.serving.decode_loop import DecodeLoop
 from omni_lightning.serving.jobs import Job, Overloaded
+from omni_lightning.serving.supervisor import freeze_startup
 
 log = logging.getLogger("omni_lightning.serving")
 
@@ -112,5 +113,6 @@ def run_engine(build: Callable[[], tuple[DecodeLoop, dict]], address: str, conn:
         if not loop.warm():
             conn.send(("failed", loop.warmup_error))
             return
+        freeze_startup("engine")
         conn.send(("ready", info))
         server.serve()

@@ -12,7 +12,7 @@ from omni_lightning.serving.app import app_over
 from omni_lightning.serving.engine_client import RemoteLoop
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.server import request_log, server_for, stop_summary
-from omni_lightning.serving.supervisor import reuse_port_socket
+from omni_lightning.serving.supervisor import freeze_startup, reuse_port_socket
 
 
 @dataclass(frozen=True)
@@ -36,5 +36,6 @@ def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any
     sock = reuse_port_socket(settings.host, port)
     server = server_for(app, settings.host, port, settings.drain_timeout, lambda h, p: conn.send(("listening", p)))
     sock.listen(2048)
+    freeze_startup(f"front {index}")
     server.run(sockets=[sock])
     conn.send(("stopped", stop_summary(server)))

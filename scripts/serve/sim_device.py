@@ -12,10 +12,11 @@ capture). So the load test's served rate against the offline engine (booked on i
 the talkers' latencies are those of a GPU as fast as the figures given, with this host's own overheads.
 
 Defaults are an H100's, qwen3-omni bf16 (docs/performance.md): the eager forward at batch 32, 4,596x real time
-(17.4 us a frame); a forward's fixed cost ~1.3 ms (a one-frame step replayed as a graph: 1.53 ms); an eager forward's launches ~10 ms; a capture ~0.3 s;
-the server's decoder's budget with no cap (6 GiB): CUDA graphs and forwards of up to 1,024 frames; the offline
-engine's: graphs of up to 256 frames, forwards of 2,048 (``load_test_serve.py --offline-frames``).
-Not modelled: the device running slower on small shapes than large ones (per-frame cost is flat), memory.
+(17.4 us a frame); a forward's fixed cost ~1.3 ms (a one-frame step replayed as a graph: 1.53 ms); an eager
+forward's launches ~10 ms; a capture ~0.3 s; the server's decoder's budget with no cap (6 GiB): CUDA graphs and
+forwards of up to 1,024 frames; the offline engine's: graphs of up to 256 frames, forwards of 2,048
+(``load_test_serve.py --offline-frames``). Not modelled: the device running slower on small shapes than on
+large ones (the per-frame cost is flat), memory.
 
     python scripts/serve/sim_device.py --port 0     # prints serve's start-up line
 """
