@@ -149,7 +149,7 @@ class Planner:
         longest = left[0]
         for chunk, rows, n in self._all_candidates(len(left), longest, seen, pad_in_time):
             full = min(n, len(left) - bisect.bisect_left(rising, chunk))  # rows with a whole chunk left
-            cost = rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
+            cost = self._price(rows, chunk, seen)
             if n == len(left) and chunk < longest:  # every row still left: one more forward at least
                 cost += self.step_cost
             score = (full * chunk + before[n] - before[full]) / cost
@@ -158,6 +158,7 @@ class Planner:
         return best[1:]
 
     def _price(self, rows: int, chunk: int, seen: set[tuple[int, int]]) -> int:
+        """A forward's price in frames: its own, a forward's fixed cost, and a new shape's where it is one."""
         return rows * chunk + self.step_cost + (self.new_shape_cost if (rows, chunk) not in seen else 0)
 
     def _greedy_cost(
@@ -178,7 +179,7 @@ class Planner:
     def whole_step(self, left: Sequence[int], seen: set[tuple[int, int]]) -> tuple[float, list[tuple[int, int, int]]]:
         """The cheapest forwards that decode rows of ``left`` frames (longest first) each whole in one of them,
         a run of rows in that order per forward: their price and ``(rows bucket, chunk, rows taken)`` each;
-        ``[]`` where the longest row fits no forward of at most ``graph_frames`` (``frames`` without graphs).
+        ``(0.0, [])`` where the longest row fits no forward of at most ``graph_frames`` (``frames`` without graphs).
         A forward is priced ``rows * chunk + step_cost``, plus ``new_shape_cost`` for a shape not in ``seen``;
         so a step's last few rows ride in a run of a bucket already captured (rows and frames padded) rather
         than in forwards of shapes of their own, where that costs less. Exact for such plans (a forward's
