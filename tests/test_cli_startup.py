@@ -293,7 +293,12 @@ def test_an_interrupted_fit_saves_where_it_was_says_how_to_resume_and_resumes_th
            "2", "--trainer.precision", "32-true", "--data.num_workers", "0", "--data.batch_size", "2",
            "--data.crop_frames", "12", "--trainer.enable_progress_bar", "false"]  # fmt: skip
     caplog.set_level(logging.INFO)  # Lightning's info lines (under pytest they go to the root logger's handlers)
-    assert main([*fit, "--trainer.callbacks+=helpers.CtrlCAfterFirstStep"]) == 130
+    # Ctrl-C as in a terminal: a shell's background job inherits SIGINT ignored, and Python keeps it ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert main([*fit, "--trainer.callbacks+=helpers.CtrlCAfterFirstStep"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
     saved = "runs/finetune/version_0/checkpoints/interrupted.ckpt"
     first = capsys.readouterr()
     err = first.err.splitlines()
