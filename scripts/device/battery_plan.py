@@ -300,6 +300,8 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("streams' decode ms (mean)", lambda r: _get(r, "stream_decode_ms_mean"), ".2f"),
         ("bulk decode ms (mean)", lambda r: _get(r, "bulk_decode_ms_mean"), ".2f"),
         ("shapes first run under load", lambda r: _get(r, "new_shapes"), ".0f"),
+        ("frames a forward", lambda r: _get(r, "frames_per_forward"), ".0f"),
+        ("padding (served)", lambda r: _get(r, "padding_share"), ".1%"),
         ("lost", lambda r: _get(r, "lost"), ".0f"),
         ("wrong", lambda r: _get(r, "wrong"), ".0f"),
     ),
