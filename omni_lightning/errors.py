@@ -27,8 +27,8 @@ def check_count(name: str, value: object, minimum: int = 1, none_ok: bool = Fals
 
 
 def check_sizes(name: str, sizes: Iterable[int]) -> tuple[int, ...]:
-    """``sizes`` as a tuple of integers >= 1; else a ValueError naming ``name`` and the value."""
+    """``sizes`` as a tuple of integers >= 1; else a UsageError naming ``name`` and the value."""
     sizes = tuple(sizes) if isinstance(sizes, Iterable) else sizes
     if not isinstance(sizes, tuple) or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
-        raise ValueError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")
+        raise UsageError(f"{name} must be an iterable of integers >= 1, got {sizes!r}")
     return sizes

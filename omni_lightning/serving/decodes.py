@@ -10,8 +10,7 @@ the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``),
 ``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``); a step that first ran a shape
 (a CUDA graph captured, or new kernel plans, after the warm-up) counts in ``new_shapes``, and every step's
 forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
-``computed_frames``. A decode that
-fails is told to its clients through ``fail``.
+``computed_frames``. A decode that fails is told to its clients through ``fail``.
 """
 
 from __future__ import annotations
