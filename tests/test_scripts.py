@@ -238,11 +238,15 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
     # a GPU's decode time on the CPU: the server's engine planned as on a GPU, its forwards booked, nothing lost
+    # (two client processes: the wall time starts once both are up, not at their spawn)
     run_script("load_test_serve", ["--sim-device", "--clients", "4", "--paced", "2", "--seconds", "3",
-                                   "--offline-requests", "8", "--out", str(out)], tmp_path)  # fmt: skip
+                                   "--client-processes", "2", "--offline-requests", "8", "--out", str(out)],
+               tmp_path)  # fmt: skip
     result = json.loads(out.read_text())
     assert result["lost"] == 0 and result["ratio_to_offline"] > 0 and result["forwards"] > 0, result
     assert 0 <= result["padding_share"] < 1 and result["frames_per_forward"] > 1, result
+    assert 0 < result["sim_device_useful_share"] <= result["sim_device_busy_share"] <= 1.1, result
+    assert result["wall_s"] >= 3 and result["by_kind"]["whole"] > 0 and result["by_kind"]["paced"] > 0, result
 
 
 def test_every_script_is_in_the_readmes_table():

@@ -17,15 +17,15 @@ load's lengths before and after (the better) and the checked requests (the refer
 Reported: audio s/s served and its ratio to the offline engine's; requests/s; first audio p50/p99 (time to
 first audio packet: a request's body sent, a stream's first chunk sent, to its first audio); paced streams'
 chunk latency p50/p99 and real-time factor (mean chunk latency / chunk duration, over streams); the share
-of wall time the decode loop computed (``/metrics``: step seconds / wall / engines); lost (an error or a
-short answer) and wrong (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
+of wall time the decode loop computed (``/metrics``: step seconds / wall / engines; the wall time runs from
+the clients' start, every client process up, to the last answer); with ``--sim-device``, the share of it the
+simulated device was busy and computed the requests' own frames; lost (an error or a short answer) and wrong (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
 Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing
 import os
@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
-from serve_clients import client_process, run_clients
+from serve_clients import client_process, timed_clients
 from sim_device import add_device_arguments, device_from, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,26 +115,26 @@ def total_clients(args: argparse.Namespace) -> int:
 
 
 def load(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
-    """Every client's results and the wall time, the clients spread over ``--client-processes``."""
+    """Every client's results and the wall time: from the clients' start (every client process up) to the last
+    answer, the clients spread over ``--client-processes``."""
     plan = [("whole", i) for i in range(args.clients)]
     plan += [("stream", args.clients + i) for i in range(args.streams)]
     plan += [("paced", args.clients + args.streams + i) for i in range(args.paced)]
     keep = max(1, -(-args.check // max(1, len(plan))))
     common = (args.seconds, tuple(args.frames), args.chunk_frames, args.seed, keep)
-    start = time.perf_counter()
     if args.client_processes <= 1:
-        done = asyncio.run(run_clients(url, plan, *common))
-    else:
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        shares = [plan[i :: args.client_processes] for i in range(args.client_processes)]
-        procs = [context.Process(target=client_process, args=(url, share, *common, results)) for share in shares]
-        for proc in procs:
-            proc.start()
-        done = [d for _ in procs for d in results.get()]
-        for proc in procs:
-            proc.join()
-    return done, time.perf_counter() - start
+        done, start, end = timed_clients(url, plan, *common)
+        return done, end - start
+    context = multiprocessing.get_context("spawn")
+    results, barrier = context.Queue(), context.Barrier(args.client_processes)
+    shares = [plan[i :: args.client_processes] for i in range(args.client_processes)]
+    procs = [context.Process(target=client_process, args=(url, share, *common, results, barrier)) for share in shares]
+    for proc in procs:
+        proc.start()
+    parts = [results.get() for _ in procs]
+    for proc in procs:
+        proc.join()
+    return [d for done, _, _ in parts for d in done], max(p[2] for p in parts) - min(p[1] for p in parts)
 
 
 def offline_engine(args: argparse.Namespace):
@@ -227,6 +227,16 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
     }  # fmt: skip
 
 
+def sim_busy(steps: dict[str, float], wall: float, args: argparse.Namespace) -> dict:
+    """--sim-device: the share of the wall time the simulated device was busy (its forwards' booked time), and
+    the share it computed the requests' own frames; the rest of the served / offline ratio is the host's."""
+    busy = (steps["omni_forwards_total"] * args.forward_us + steps["omni_computed_frames_total"] * args.frame_us) / 1e6
+    return {
+        "sim_device_busy_share": round(busy / wall, 3),
+        "sim_device_useful_share": round(steps["omni_frames_total"] * args.frame_us / 1e6 / wall, 3),
+    }
+
+
 def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args: argparse.Namespace) -> dict:
     """The report's figures from the clients' results."""
     lost = [d for d in done if d["samples"] is None or d["samples"] != d["codes"].shape[1] * 1920 - 555]
@@ -251,6 +261,7 @@ def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args
         "paced_keeping_up": round(sum(max(d["latencies"]) < d["chunk_s"] for d in paced) / len(paced), 3)
         if paced else None,
         **decode_figures(steps, wall),
+        **(sim_busy(steps, wall, args) if args.sim_device else {}),
         "lost": len(lost), "errors": sorted({d.get("error", "short") for d in lost})[:5],
     }  # fmt: skip
 

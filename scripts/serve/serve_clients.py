@@ -113,7 +113,18 @@ async def run_clients(url: str, plan: list[tuple[str, int]], seconds: float, fra
     return done
 
 
+def timed_clients(url: str, plan: list[tuple[str, int]], seconds: float, frames: tuple[int, int], chunk: int,
+                  seed: int, keep: int) -> tuple[list[dict], float, float]:  # fmt: skip
+    """:func:`run_clients`, with the ``time.perf_counter()`` of its start and of its last answer (a system-wide
+    clock on Linux, so comparable between processes)."""
+    start = time.perf_counter()
+    done = asyncio.run(run_clients(url, plan, seconds, frames, chunk, seed, keep))
+    return done, start, time.perf_counter()
+
+
 def client_process(url: str, plan: list[tuple[str, int]], seconds: float, frames: tuple[int, int], chunk: int,
-                   seed: int, keep: int, results) -> None:  # fmt: skip
-    """A client process's body (``--client-processes``): its share of the clients; results onto a queue."""
-    results.put(asyncio.run(run_clients(url, plan, seconds, frames, chunk, seed, keep)))
+                   seed: int, keep: int, results, barrier) -> None:  # fmt: skip
+    """A client process's body (``--client-processes``): its share of the clients, started once every client
+    process is up (``barrier``: a process's start-up is not load time); results and times onto a queue."""
+    barrier.wait()
+    results.put(timed_clients(url, plan, seconds, frames, chunk, seed, keep))
