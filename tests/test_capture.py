@@ -130,16 +130,19 @@ def test_a_kept_engine_survives_lightnings_end_of_run_cleanup():
     instead of replaying into freed memory (it died with "unspecified launch failure" on an H200)."""
     from helpers import trainer_kwargs
 
-    from omni_lightning import Code2Wav, Code2WavModule, Trainer
+    from omni_lightning import Code2Wav, Code2WavModule, CodesDataModule, Trainer
 
-    big = Code2Wav("qwen3-omni").to("cuda", torch.bfloat16).eval()
+    big = Code2Wav("qwen3-omni").eval()
     module = Code2WavModule(model=big, frames_per_forward=1024)
-    codes = [random_codes(1, 125, big.config, seed=s)[0] for s in range(8)]
+    reqs = {f"r{i}": random_codes(1, 25 + 13 * i, big.config, seed=i)[0] for i in range(8)}  # 2-9 s, mixed
     outs = []
     for _ in range(2):
-        trainer = Trainer(**trainer_kwargs(accelerator="cuda"))
-        outs.append(trainer.predict(module, [codes]))
+        trainer = Trainer(**trainer_kwargs(accelerator="cuda", precision="bf16-true"))
+        preds = trainer.predict(module, datamodule=CodesDataModule(predict=reqs, batch_size=8))
+        outs.append({r: o.pooler_output[i]["model_outputs"] for o in preds for i, r in enumerate(o.req_ids)})
         assert module.engine_stats["captures"] >= 1 and module.engine_stats["eager"] == 0, module.engine_stats
-    torch.cuda.synchronize()
-    for a, b in zip(outs[0], outs[1]):
-        assert torch.equal(a, b)
+    assert sorted(outs[0]) == sorted(outs[1]) == sorted(reqs)
+    for r in reqs:  # the second plan may pick other shapes (bf16: other kernels, other roundings); a request
+        # misplaced or decoded from freed memory would be off by ~100 %, as in tests/test_gpu_predict.py
+        a, b = outs[0][r].float(), outs[1][r].float()
+        assert a.shape == b.shape and float((a - b).norm() / b.norm()) <= 1e-1, r

@@ -272,7 +272,10 @@ def test_last_conv_on_the_gpu_is_as_faithful_as_the_layers(dtype, no_tf32):
             ours = last_conv_triton(*low, history=history.to(dtype), tiles=last_conv_tiles(96, block_t, warps), **kw)
             for i, what in enumerate(("waveform", "window")):
                 errors = [float((y[i].double() - high[i]).norm() / high[i].norm()) for y in (ours, theirs)]
-                assert errors[0] <= 1.1 * errors[1] + 1e-5, (what, length, block_t, warps, errors)
+                # + an eighth of one rounding of the output: at 5 samples a row the norms are of 10 values, and
+                # one fp16 rounding more or less moved ours to 1.18x cuDNN's (5.9e-4 against 5.0e-4, H100)
+                slack = max(1e-5, torch.finfo(dtype).eps / 8)
+                assert errors[0] <= 1.1 * errors[1] + slack, (what, length, block_t, warps, errors)
 
 
 @pytest.mark.gpu

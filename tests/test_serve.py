@@ -65,6 +65,15 @@ async def whole_request(url: str, codes: torch.Tensor, how: str) -> np.ndarray:
         return wav_samples(data)
 
 
+def chunk_count(frames: int, rng: random.Random) -> int:
+    """How many chunks :func:`stream` sends for ``frames`` frames (its draws, in its order)."""
+    count = start = 0
+    while start < frames:
+        start, count = start + rng.randint(1, 12), count + 1
+        rng.random(), rng.random()
+    return count
+
+
 async def stream(ws_url: str, codes: torch.Tensor, rng: random.Random) -> np.ndarray:
     pieces = []
     async with websockets.connect(f"{ws_url}/v1/code2wav/stream") as ws:
@@ -112,6 +121,10 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     assert next(s.value for s in steps if s.name.endswith("_count")) < sum(c.shape[1] for c in codes) / 4  # batched
     streamed = server.state.metrics.stream_step_seconds.collect()[0].samples
     assert next(s.value for s in streamed if s.name.endswith("_count")) > 0  # the streams' chunks decoded apart
+    # every chunk of every stream timed once, from its arrival in the loop to its audio handed out
+    chunks = server.state.metrics.stream_chunk_seconds.collect()[0].samples
+    sent = sum(chunk_count(c.shape[1], random.Random(i)) for i, c in enumerate(codes[16:]))
+    assert next(s.value for s in chunks if s.name.endswith("_count")) == sent
     shapes = server.state.metrics.new_shapes.collect()[0].samples  # random lengths: shapes first run while serving
     assert next(s.value for s in shapes if s.name.endswith("_total")) > 0
     m = server.state.metrics  # every frame of every client decoded once; forwards computed those and padding
@@ -169,7 +182,8 @@ def test_health_metrics_and_request_ids(server, caplog):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
-                 "omni_stream_step_seconds_bucket", "omni_new_shapes_total", "omni_forwards_total",
+                 "omni_stream_step_seconds_bucket", "omni_stream_chunk_seconds_bucket", "omni_new_shapes_total",
+                 "omni_forwards_total",
                  "omni_frames_total", "omni_computed_frames_total"):  # fmt: skip
         assert name in text
     assert 'omni_requests_total{route="code2wav",status="200"}' in text

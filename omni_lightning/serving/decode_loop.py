@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -123,6 +124,7 @@ class DecodeLoop:
             raise Overloaded(f"the server cannot decode: {why}", retry_after=30)
 
     def push(self, job: Job, codes: torch.Tensor) -> None:
+        job.arrived.append(time.perf_counter())
         job.chunks.append(codes)
         self._wake.set()
 
@@ -267,6 +269,7 @@ class DecodeLoop:
             chunks = []
             while job.chunks:
                 chunks.append(job.chunks.popleft())
+            job.pushed_at = [job.arrived.popleft() for _ in chunks]
         frames = [c.shape[1] for c in chunks]
         if sum(frames):
             self.decoder.push(job.sid, chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1))

@@ -10,7 +10,9 @@ the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``),
 ``step_seconds`` metric (the streams' decodes also ``stream_step_seconds``); a step that first ran a shape
 (a CUDA graph captured, or new kernel plans, after the warm-up) counts in ``new_shapes``, and every step's
 forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
-``computed_frames``. A decode that fails is told to its clients through ``fail``.
+``computed_frames``; a stream's chunk, from its arrival in the loop to its audio handed out, counts in
+``stream_chunk_seconds`` (the server's own share of a chunk's latency: the rest is the sockets' and the
+client's). A decode that fails is told to its clients through ``fail``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class Decodes:
         for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
             if not job.aborted and not job.done:
                 self._deliver(job, self._split(samples, frames, first))
+                if self.metrics is not None and not d.bulk:
+                    now = time.perf_counter()
+                    for came in job.pushed_at:
+                        self.metrics.stream_chunk_seconds.observe(now - came)
 
     def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
         """A decode's samples of one stream, cut per chunk pushed (``output_length`` of each)."""

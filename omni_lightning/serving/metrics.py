@@ -18,8 +18,9 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 
 class ServeMetrics:
     """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
-    and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest), and
-    the engine's forwards with their frames decoded and computed (the rest is padding)."""
+    and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest), a
+    stream chunk's time in the decode loop, and the engine's forwards with their frames decoded and computed
+    (the rest is padding)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -42,6 +43,10 @@ class ServeMetrics:
         self.computed_frames = Counter(
             "omni_computed_frames", "Frames the forwards computed (rows x chunk: decoded and padding)", registry=r
         )
+        self.stream_chunk_seconds = Histogram(
+            "omni_stream_chunk_seconds", "A stream chunk from its arrival in the decode loop to its audio handed out",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.stream_step_seconds = Histogram(
             "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )

@@ -19,7 +19,9 @@ first audio packet: a request's body sent, a stream's first chunk sent, to its f
 chunk latency p50/p99 and real-time factor (mean chunk latency / chunk duration, over streams); the share
 of wall time the decode loop computed (``/metrics``: step seconds / wall / engines; the wall time runs from
 the clients' start, every client process up, to the last answer); with ``--sim-device``, the share of it the
-simulated device was busy and computed the requests' own frames; lost (an error or a short answer) and wrong (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
+simulated device was busy and computed the requests' own frames; a stream chunk's mean time inside the
+decode loop (``omni_stream_chunk_seconds``); lost (an error or a short answer) and wrong (fp32: a sample
+> 1e-5 from the offline decode; bf16: relative L2 > 0.1).
 Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
 """
 
@@ -197,7 +199,8 @@ def metric(text: str, name: str) -> float:
 DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stream_step_seconds_sum",
                   "omni_stream_step_seconds_count", "omni_new_shapes_total",
                   "omni_new_shape_seconds_total", "omni_forwards_total", "omni_frames_total",
-                  "omni_computed_frames_total")  # fmt: skip
+                  "omni_computed_frames_total", "omni_stream_chunk_seconds_sum",
+                  "omni_stream_chunk_seconds_count")  # fmt: skip
 
 
 def decode_metrics(url: str) -> dict[str, float]:
@@ -216,6 +219,10 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         "stream_decodes": int(streams_n), "bulk_decodes": int(bulk_n),
         "stream_decode_ms_mean": round(1000 * streams_s / streams_n, 2) if streams_n else None,
         "bulk_decode_ms_mean": round(1000 * bulk_s / bulk_n, 2) if bulk_n else None,
+        # a stream chunk inside the server's decode loop (arrival to audio handed out): the rest of its
+        # latency is the sockets', the fronts' and the client's
+        "stream_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_chunk_seconds_sum"] / chunks_n, 2)
+        if (chunks_n := steps["omni_stream_chunk_seconds_count"]) else None,
         # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
         "new_shapes": int(steps["omni_new_shapes_total"]),
         "new_shape_s": round(steps["omni_new_shape_seconds_total"], 3),
