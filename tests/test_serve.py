@@ -159,6 +159,20 @@ def test_identical_requests_at_once_are_each_within_the_documented_tolerance_of_
     assert worst <= EXACT_ATOL, worst
 
 
+def test_a_websocket_is_not_compressed_even_when_the_client_offers_it(server):
+    """Audio does not compress (float PCM: ~7 %) and zlib on the front's event loop stalls its other
+    connections: the server declines per-message deflate, which the websockets client offers by default."""
+
+    async def main():
+        async with websockets.connect(f"{server.ws_url}/v1/code2wav/stream", compression="deflate") as ws:
+            await ws.send(npy_bytes(torch.randint(0, 2048, (16, 3)), "<u2"))
+            audio = np.frombuffer(await ws.recv(), "<f4")
+            return ws.response.headers.get("Sec-WebSocket-Extensions"), audio
+
+    extensions, audio = asyncio.run(main())
+    assert extensions is None and audio.size > 0
+
+
 def test_flac_and_16_bit_pcm(server):
     import soundfile
 

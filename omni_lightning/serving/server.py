@@ -197,8 +197,9 @@ def server_for(
     log_level: str = "warning",
 ) -> DrainingServer:
     """A :class:`DrainingServer` for ``app`` (``.run()`` it, or ``await .serve()``); uvicorn's own access
-    log is off (the app logs each request with its id). ``max_message_bytes``: a WebSocket message past
-    it closes its stream (default: the app's ``max_body_bytes``)."""
+    log is off (the app logs each request with its id), and so is WebSocket compression (below).
+    ``max_message_bytes``: a WebSocket message past it closes its stream (default: the app's
+    ``max_body_bytes``)."""
     ws_max = max_message_bytes or app.state.serving.max_body_bytes
     config = uvicorn.Config(
         app,
@@ -208,6 +209,10 @@ def server_for(
         access_log=False,
         ws=websocket_protocol(ws_max),
         ws_max_size=ws_max,
+        # no per-message deflate: float PCM shrinks by ~7 % for ~2 ms of zlib a 0.8 s chunk on the front's
+        # event loop (every connection of that front waiting), plus the client's inflate; a talker's chunk
+        # latency went from 8 to 17 ms with it (p50, docs/performance.md#serving)
+        ws_per_message_deflate=False,
         timeout_graceful_shutdown=GRACE_S,  # the drain (on_tick) waits first
     )
     return DrainingServer(config, drain_timeout, on_listen)

@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict:
     if engine is not None:
         rates.append(offline_rate(engine, args))
     result = figures(done, wall, rates, steps, args)
-    checked = engine is not None and not args.sim_device  # a simulated device decodes silence
+    checked = engine is not None and not args.sim_device  # a simulated device decodes noise
     result.update(check(engine, done, args) if checked else {"checked": 0, "wrong": 0})
     result["meta"] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
                       "commit": _commit(), "cpus": os.cpu_count(), "python": sys.version.split()[0],

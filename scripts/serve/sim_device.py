@@ -3,7 +3,7 @@
 A test double for ``load_test_serve.py --sim-device``, never a server mode. Everything is the server's (fronts,
 engine process, sockets, the decode loop and its schedule, ``StreamingDecoder``, the engine's planner, its
 inputs' packing and its outputs' split, the GPU's warm-up list and planner settings) but the forward itself:
-:class:`SimDevice` answers it with silence of the right shape at once and books its time on a simulated device
+:class:`SimDevice` answers it with noise of the right shape at once and books its time on a simulated device
 queue, ``forward_us + frame_us * rows * chunk`` after the last booked forward ends (a GPU runs what the host
 launched in order, while the host goes on); a decode's audio copy waits for its last forward's end, as an
 event would. A forward longer than the CUDA graphs' ``--graph-frames`` also costs the host ``--eager-ms`` (its
@@ -43,10 +43,12 @@ class SimDevice:
         self.graph_frames, self.free_at, self.seen = graph_frames, 0.0, set()
         self.charging: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
-        self._zeros = torch.zeros(1 << 22)
+        # audio-like samples (noise), not silence: what the edge does with the audio (a WebSocket's
+        # compression, say) costs what it would with a real decoder's output
+        self._audio = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.1
 
     def forward(self, rows: int, chunk: int, up: int) -> torch.Tensor:
-        """Books a forward of ``rows x chunk`` frames; its output ``[rows, 1, chunk * up]`` (silence)."""
+        """Books a forward of ``rows x chunk`` frames; its output ``[rows, 1, chunk * up]`` (noise)."""
         if (rows, chunk) not in self.seen:
             self.seen.add((rows, chunk))
             if self.charging() and rows * chunk <= self.graph_frames:
@@ -57,9 +59,9 @@ class SimDevice:
         with self._lock:
             start = max(time.perf_counter(), self.free_at)
             self.free_at = start + self.forward_s + self.frame_s * rows * chunk
-        if rows * chunk * up > self._zeros.numel():
+        if rows * chunk * up > self._audio.numel():
             return torch.zeros(rows, 1, chunk * up)
-        return self._zeros[: rows * chunk * up].view(rows, 1, chunk * up)
+        return self._audio[: rows * chunk * up].view(rows, 1, chunk * up)
 
     def wait(self, until: float | None = None) -> None:
         """Blocks until the device is done with what was booked (or until ``until``)."""
