@@ -101,6 +101,12 @@ def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert wait_until(lambda: not any(alive(k) for k in kids), 10)
+        # every process serve owns logs to stderr: the engine's warm-up and start-up lines too, not only the fronts'
+        said = proc.stderr.read()
+        assert re.search(r"serve: warm-up \(chunks of .* took \d+\.\d\d s", said), said[-3000:]
+        for who in ("engine", "front 0", "front 1"):
+            kept = rf"serve: {who} \(pid \d+\): \d+ objects of its start-up kept out"
+            assert re.search(kept, said), (who, said[-3000:])
     finally:
         proc.kill()
         proc.wait()

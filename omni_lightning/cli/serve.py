@@ -232,10 +232,11 @@ def serve_module(module: Any, trainer: Any, config: Any, ckpt_path: str | None, 
     """Serves ``module`` in this process until stopped (``sock``: a bound socket to listen on); returns the
     stopped ``DrainingServer``."""
     from omni_lightning.serving.app import ROUTES, app_over
-    from omni_lightning.serving.server import request_log, server_for
+    from omni_lightning.serving.request_log import to_stderr
+    from omni_lightning.serving.server import server_for
     from omni_lightning.serving.supervisor import freeze_startup
 
-    request_log()
+    to_stderr()
     loop, info = decode_loop_for(module, trainer, config, ckpt_path)
     app = app_over(loop, loop.metrics, config.max_body_bytes)
 

@@ -24,6 +24,7 @@ import zmq
 from omni_lightning.serving import wire
 from omni_lightning.serving.decode_loop import DecodeLoop
 from omni_lightning.serving.jobs import Job, Overloaded
+from omni_lightning.serving.request_log import to_stderr
 from omni_lightning.serving.supervisor import freeze_startup
 
 log = logging.getLogger("omni_lightning.serving")
@@ -100,7 +101,9 @@ class EngineServer:
 
 def run_engine(build: Callable[[], tuple[DecodeLoop, dict]], address: str, conn: Any) -> None:
     """An engine process's body: ``build()`` its loop (and what the fronts need to know of it, sent on
-    ``conn`` once warm: ``("ready", info)``, else ``("failed", why)``), then serve until SIGTERM."""
+    ``conn`` once warm: ``("ready", info)``, else ``("failed", why)``), then serve until SIGTERM. Its log
+    lines (the warm-up's time, its start-up objects frozen, failures) go to stderr, as the fronts' do."""
+    to_stderr()
     try:
         loop, info = build()
     except BaseException as err:  # the supervisor says why and exits non-zero

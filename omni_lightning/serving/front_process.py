@@ -11,7 +11,8 @@ from typing import Any
 from omni_lightning.serving.app import app_over
 from omni_lightning.serving.engine_client import RemoteLoop
 from omni_lightning.serving.metrics import ServeMetrics
-from omni_lightning.serving.server import request_log, server_for, stop_summary
+from omni_lightning.serving.request_log import to_stderr
+from omni_lightning.serving.server import server_for, stop_summary
 from omni_lightning.serving.supervisor import freeze_startup, reuse_port_socket
 
 
@@ -30,7 +31,7 @@ def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any
     import torch
 
     torch.set_num_threads(1)  # a front never computes: torch's pool would only spin against the engines
-    request_log()
+    to_stderr()
     loop = RemoteLoop(addresses, info["config"], settings.max_streams)
     app = app_over(loop, ServeMetrics(), settings.max_body_bytes)
     sock = reuse_port_socket(settings.host, port)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -173,18 +172,6 @@ def stop_line(*summaries: dict[str, Any]) -> tuple[int, str]:
         return (130 if by == "Ctrl-C" else 143), f"error: serve: {reason}: {cut}"
     took = max((x["drained_s"] for x in summaries), default=0.0)
     return 0, f"serve: stopped on {by}, every request and stream in flight answered (drained in {took:.1f} s)"
-
-
-def request_log() -> logging.Logger:
-    """The serving log on stderr, a line per request and stream with its id (once per process)."""
-    log = logging.getLogger("omni_lightning.serving")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
-    return log
 
 
 def server_for(
