@@ -7,8 +7,9 @@ streams' chunks alone first, then the whole requests' frames (a chunk never wait
 forward); each decode advances its streams at once (``StreamingDecoder.step``), copies its audio to the host
 in one copy and hands each client its audio, a stream's split per chunk (``decodes.py``). So every client gets
 exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
-remains; the loop sleeps only when idle. With ``pipeline`` (CUDA) and no stream open, a step launches its
-bulk decode before landing the last one, so the device need not wait for the host between them.
+remains; the loop sleeps only when idle. With ``pipeline`` (CUDA), a step's bulk decode is handed out in the
+next step, after that step's first launch (the streams' chunks, else the next bulk slice), so the device need
+not wait for the host between them; a stream's chunk still waits only for the bulk slice already launched.
 
 Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
 a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
@@ -46,9 +47,9 @@ class DecodeLoop:
     where the steps run (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
     ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
     steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
-    the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): with no
-    stream open, a step launches its bulk decode before handing out the last one's audio (so the
-    device need not wait for the host between them; not yet timed on a GPU)."""
+    the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): a step
+    launches its decodes before handing out the last step's bulk audio (so the device need not wait for the
+    host between them)."""
 
     def __init__(
         self,
@@ -226,7 +227,7 @@ class DecodeLoop:
             if landing is not None:
                 self.decodes.land(landing, between)
                 landing = None
-            if launched is not None and is_bulk and self.pipeline and not streams:
+            if launched is not None and is_bulk and self.pipeline:  # the next step's decodes queue behind it
                 self._in_flight = launched
             elif launched is not None:
                 self.decodes.land(launched, between)
