@@ -79,9 +79,13 @@ def option(args: list[str], name: str, default: str) -> str:
 
 
 def run_cli(args: list[str], timings: Path | None) -> dict[str, Any]:
-    command = [sys.executable, "-m", "omni_lightning.cli", *args, *(["--timings", str(timings)] if timings else [])]
+    # -P and PYTHONPATH: the package on the PYTHONPATH given wins (an A/B's tree), then this checkout's; without
+    # -P, ``-m`` from the checkout would import the checkout's whatever PYTHONPATH says
+    command = [sys.executable, "-P", "-m", "omni_lightning.cli", *args]
+    command += ["--timings", str(timings)] if timings else []
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
     launched = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
     exited = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -94,7 +94,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                str(1 if args.front_processes is None else args.front_processes)]  # fmt: skip
         cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in DEVICE_OPTIONS] if args.sim_device else []
     else:
-        cmd = [sys.executable, "-m", "omni_lightning.cli", "serve", "--model.config", args.preset,
+        # -P: the folder it runs in is not put first on sys.path (run from a checkout, ``-m`` would import that
+        # checkout's package whatever PYTHONPATH says: an A/B's "before" would serve the tree after)
+        cmd = [sys.executable, "-P", "-m", "omni_lightning.cli", "serve", "--model.config", args.preset,
                "--model.random_weights", "true", "--port", "0", "--trainer.precision", args.precision,
                "--trainer.accelerator", args.device, "--max_streams", str(args.max_streams),
                "--request_frames", str(args.request_frames), "--max_queue", str(4 * total_clients(args))]  # fmt: skip

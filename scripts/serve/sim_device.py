@@ -7,8 +7,8 @@ inputs' packing and its outputs' split, the GPU's warm-up list and planner setti
 queue, ``forward_us + frame_us * rows * chunk`` after the last booked forward ends (a GPU runs what the host
 launched in order, while the host goes on); a decode's audio copy waits for its last forward's end, as an
 event would. A forward longer than the CUDA graphs' ``--graph-frames`` also costs the host ``--eager-ms`` (its
-launches), and a shape first run after the warm-up costs the host ``--capture-ms`` after the device drains (a
-capture). So the load test's served rate against the offline engine (booked on its own simulated device) and
+launches, which the device's work on them overlaps: it ends no sooner than the last launch), and a shape
+first run after the warm-up costs the host ``--capture-ms`` after the device drains (a capture). So the load test's served rate against the offline engine (booked on its own simulated device) and
 the talkers' latencies are those of a GPU as fast as the figures given, with this host's own overheads.
 
 Defaults are an H100's, qwen3-omni bf16 (docs/performance.md): the eager forward at batch 32, 4,596x real time
@@ -54,11 +54,12 @@ class SimDevice:
             if self.charging() and rows * chunk <= self.graph_frames:
                 self.wait()  # a capture runs on an idle device, the host busy throughout
                 time.sleep(self.capture_s)
+        launched = time.perf_counter()
         if rows * chunk > self.graph_frames:
             time.sleep(self.eager_s)  # the host launches an eager forward's kernels one by one
-        with self._lock:
-            start = max(time.perf_counter(), self.free_at)
-            self.free_at = start + self.forward_s + self.frame_s * rows * chunk
+        with self._lock:  # the device starts on the first kernel launched: launches and compute overlap
+            start = max(launched, self.free_at)
+            self.free_at = max(start + self.forward_s + self.frame_s * rows * chunk, time.perf_counter())
         if rows * chunk * up > self._audio.numel():
             return torch.zeros(rows, 1, chunk * up)
         return self._audio[: rows * chunk * up].view(rows, 1, chunk * up)
