@@ -8,8 +8,9 @@ queue, ``forward_us + frame_us * rows * chunk`` after the last booked forward en
 launched in order, while the host goes on); a decode's audio copy waits for its last forward's end, as an
 event would. A forward longer than the CUDA graphs' ``--graph-frames`` also costs the host ``--eager-ms`` (its
 launches, which the device's work on them overlaps: it ends no sooner than the last launch), and a shape
-first run after the warm-up costs the host ``--capture-ms`` after the device drains (a capture). So the load test's served rate against the offline engine (booked on its own simulated device) and
-the talkers' latencies are those of a GPU as fast as the figures given, with this host's own overheads.
+first run after the warm-up costs the host ``--capture-ms`` after the device drains (a capture). So the load
+test's served rate against the offline engine (booked on its own simulated device) and the talkers' latencies
+are those of a GPU as fast as the figures given, with this host's own overheads.
 
 Defaults are an H100's, qwen3-omni bf16 (docs/performance.md): the eager forward at batch 32, 4,596x real time
 (17.4 us a frame); a forward's fixed cost ~1.3 ms (a one-frame step replayed as a graph: 1.53 ms); an eager
