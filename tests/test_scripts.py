@@ -249,6 +249,33 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["wall_s"] >= 3 and result["by_kind"]["whole"] > 0 and result["by_kind"]["paced"] > 0, result
 
 
+@pytest.mark.slow
+def test_the_load_tests_server_imports_the_tree_on_its_pythonpath_even_run_from_the_checkout(tmp_path, monkeypatch):
+    """An A/B selects a tree by PYTHONPATH. Run from the checkout, ``python -m`` would import the checkout's
+    package instead (every GPU "before" of the serve A/B once did): the server started here must report the
+    given tree's metrics (a copy of the package with its forwards counter renamed)."""
+    import shutil
+    import signal
+
+    import httpx
+
+    tree = tmp_path / "tree"
+    shutil.copytree(ROOT / "omni_lightning", tree / "omni_lightning", ignore=shutil.ignore_patterns("__pycache__"))
+    metrics = tree / "omni_lightning" / "serving" / "metrics.py"
+    assert '"omni_forwards", ' in metrics.read_text()
+    metrics.write_text(metrics.read_text().replace('"omni_forwards", ', '"omni_tree_marker", '))
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("PYTHONPATH", str(tree))
+    load_test = importlib.import_module("load_test_serve")
+    proc, url = load_test.start_server(load_test.parser().parse_args(["--out", str(tmp_path / "load.json")]))
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=30).text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert "omni_tree_marker_total" in text and "omni_forwards_total" not in text
+
+
 def test_every_script_is_in_the_readmes_table():
     """scripts/README.md names each script (its question, where it runs, the figure it prints)."""
     readme = (ROOT / "scripts" / "README.md").read_text()
