@@ -229,7 +229,8 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
     with tempfile.TemporaryDirectory() as tmp:
         manifest = write_pairs(Path(tmp), paired_loader(config, batch, frames, batches), config.sample_rate)
         clock = Path(tmp) / "clock.json"
-        command = [sys.executable, "-m", "omni_lightning.cli", "fit", "--config", str(root / "configs/finetune.yaml"),
+        command = [sys.executable, "-P", "-m", "omni_lightning.cli", "fit",
+                   "--config", str(root / "configs/finetune.yaml"),
                    "--data.train", str(manifest), "--data.val", str(manifest), "--data.batch_size", str(batch),
                    "--data.crop_frames", str(frames), "--model.config", args.preset, "--model.random_weights", "true",
                    "--model.learning_rate", str(args.learning_rate), "--model.total_steps", str(10**6),
@@ -238,7 +239,9 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
                    "--trainer.max_steps", str(batches),
                    "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
                    "--trainer.callbacks+=bench_train.FitClock"]  # fmt: skip
-        path = os.pathsep.join([str(here), str(root), os.environ.get("PYTHONPATH", "")])
+        # this script's folder (FitClock), then the tree given (an A/B's), then this checkout's; -P below: not the
+        # folder it runs in first (``-m`` would import a checkout's package there whatever PYTHONPATH says)
+        path = os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH"), str(root)]))
         env = {**os.environ, "PYTHONPATH": path, "BENCH_TRAIN_CLOCK": f"{args.warmup},{batches},{clock}"}
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode or not clock.exists():
