@@ -1,7 +1,7 @@
 """What the benchmarks share: the seeded jobs, the peer (transformers) on the same weights, clocks.
 
-Imported by the ``bench_*.py`` scripts beside it (Python puts a script's folder on ``sys.path``);
-the package is imported as installed (``pip install -e .``, or ``PYTHONPATH=.`` on a machine where
+Imported by the scripts of every group below it (``bench/``, ``serve/``, ...: each puts ``scripts/`` on
+``sys.path`` first); the package is imported as installed (``pip install -e .``, or ``PYTHONPATH=.`` on a machine where
 it is not installed).
 """
 
