@@ -1,8 +1,8 @@
 """What the benchmarks share: the seeded jobs, the peer (transformers) on the same weights, clocks.
 
-Imported by the scripts of every group below it (``bench/``, ``serve/``, ...: each puts ``scripts/`` on
-``sys.path`` first); the package is imported as installed (``pip install -e .``, or ``PYTHONPATH=.`` on a machine where
-it is not installed).
+Imported by scripts in the groups below it (``bench/``, ``profiling/``, ...: each that does puts
+``scripts/`` on ``sys.path`` first); the package is imported as installed (``pip install -e .``, or
+``PYTHONPATH=.`` on a machine where it is not installed).
 """
 
 from __future__ import annotations
