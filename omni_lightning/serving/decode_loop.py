@@ -125,8 +125,7 @@ class DecodeLoop:
             raise Overloaded(f"the server cannot decode: {why}", retry_after=30)
 
     def push(self, job: Job, codes: torch.Tensor) -> None:
-        job.arrived.append(time.perf_counter())
-        job.chunks.append(codes)
+        job.chunks.append((time.perf_counter(), codes))
         self._wake.set()
 
     def finish(self, job: Job) -> None:
@@ -267,10 +266,10 @@ class DecodeLoop:
             piece = job.codes[:, job.sent_frames : job.sent_frames + (take or 0)]
             chunks = [piece] if piece.shape[1] else []
         else:
-            chunks = []
+            came = []
             while job.chunks:
-                chunks.append(job.chunks.popleft())
-            job.pushed_at = [job.arrived.popleft() for _ in chunks]
+                came.append(job.chunks.popleft())
+            job.pushed_at, chunks = [t for t, _ in came], [codes for _, codes in came]
         frames = [c.shape[1] for c in chunks]
         if sum(frames):
             self.decoder.push(job.sid, chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1))

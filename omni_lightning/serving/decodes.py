@@ -103,10 +103,11 @@ class Decodes:
             self.metrics.step_seconds.observe(seconds)
             if not d.bulk:
                 self.metrics.stream_step_seconds.observe(seconds)
+        timed = self.metrics is not None and not d.bulk
         for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
             if not job.aborted and not job.done:
                 self._deliver(job, self._split(samples, frames, first))
-                if self.metrics is not None and not d.bulk:
+                if timed:  # each chunk from its arrival in the loop
                     now = time.perf_counter()
                     for came in job.pushed_at:
                         self.metrics.stream_chunk_seconds.observe(now - came)
