@@ -37,6 +37,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: child.py, shared by every group
+from child import cli, package_env  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "predict.yaml"
 FRAME_RATE = 12.5
@@ -79,13 +82,9 @@ def option(args: list[str], name: str, default: str) -> str:
 
 
 def run_cli(args: list[str], timings: Path | None) -> dict[str, Any]:
-    # -P and PYTHONPATH: the package on the PYTHONPATH given wins (an A/B's tree), then this checkout's; without
-    # -P, ``-m`` from the checkout would import the checkout's whatever PYTHONPATH says
-    command = [sys.executable, "-P", "-m", "omni_lightning.cli", *args]
-    command += ["--timings", str(timings)] if timings else []
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    command = cli(*args, *(["--timings", str(timings)] if timings else []))
     launched = time.time()
-    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=env)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, env=package_env())
     exited = time.time()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -45,6 +45,9 @@ from torch.utils.data import DataLoader
 from omni_lightning import Code2Wav, Code2WavConfig, Code2WavModule, Trainer, collate_codes, randomize_weights
 from omni_lightning.kernels import Kernels
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: child.py, shared by every group
+from child import cli, package_env  # noqa: E402
+
 
 def paired_loader(config: Code2WavConfig, batch: int, frames: int, batches: int, seed: int = 0) -> DataLoader:
     """``batches`` batches of ``batch`` pairs: codes ``[Q, frames]`` and noise audio of their length."""
@@ -229,20 +232,18 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
     with tempfile.TemporaryDirectory() as tmp:
         manifest = write_pairs(Path(tmp), paired_loader(config, batch, frames, batches), config.sample_rate)
         clock = Path(tmp) / "clock.json"
-        command = [sys.executable, "-P", "-m", "omni_lightning.cli", "fit",
-                   "--config", str(root / "configs/finetune.yaml"),
-                   "--data.train", str(manifest), "--data.val", str(manifest), "--data.batch_size", str(batch),
-                   "--data.crop_frames", str(frames), "--model.config", args.preset, "--model.random_weights", "true",
-                   "--model.learning_rate", str(args.learning_rate), "--model.total_steps", str(10**6),
-                   "--model.adversarial", str(args.adversarial).lower(), "--trainer.precision", precision,
-                   "--trainer.accelerator", "gpu" if args.device == "cuda" else args.device,
-                   "--trainer.max_steps", str(batches),
-                   "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
-                   "--trainer.callbacks+=bench_train.FitClock"]  # fmt: skip
-        # this script's folder (FitClock), then the tree given (an A/B's), then this checkout's; -P below: not the
-        # folder it runs in first (``-m`` would import a checkout's package there whatever PYTHONPATH says)
-        path = os.pathsep.join(filter(None, [str(here), os.environ.get("PYTHONPATH"), str(root)]))
-        env = {**os.environ, "PYTHONPATH": path, "BENCH_TRAIN_CLOCK": f"{args.warmup},{batches},{clock}"}
+        command = cli("fit", "--config", str(root / "configs/finetune.yaml"),
+                      "--data.train", str(manifest), "--data.val", str(manifest), "--data.batch_size", str(batch),
+                      "--data.crop_frames", str(frames), "--model.config", args.preset,
+                      "--model.random_weights", "true",
+                      "--model.learning_rate", str(args.learning_rate), "--model.total_steps", str(10**6),
+                      "--model.adversarial", str(args.adversarial).lower(), "--trainer.precision", precision,
+                      "--trainer.accelerator", "gpu" if args.device == "cuda" else args.device,
+                      "--trainer.max_steps", str(batches),
+                      "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
+                      "--trainer.callbacks+=bench_train.FitClock")  # fmt: skip
+        # this script's folder (FitClock), then the tree given (an A/B's), then this checkout's
+        env = package_env(str(here), BENCH_TRAIN_CLOCK=f"{args.warmup},{batches},{clock}")
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode or not clock.exists():
             raise RuntimeError(f"omni-lightning fit failed ({done.returncode}): {done.stderr[-3000:]}")

@@ -42,6 +42,9 @@ from pathlib import Path
 
 import numpy as np
 from serve_clients import client_process, timed_clients
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: child.py, shared by every group
+from child import cli, package_env  # noqa: E402
 from sim_device import add_device_arguments, device_from, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,8 +87,7 @@ DEVICE_OPTIONS = ("frame-us", "forward-us", "eager-ms", "capture-ms", "graph-fra
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     script = None
-    # the package on the PYTHONPATH given first (an A/B runs another tree's), then this checkout's
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.environ.get("PYTHONPATH"), str(ROOT)]))}
+    env = package_env()  # the package on the PYTHONPATH given first (an A/B runs another tree's), then ROOT's
     if args.free_decode or args.sim_device:
         script = "sim_device.py" if args.sim_device else "free_decoder.py"
         cmd = [sys.executable, str(ROOT / "scripts" / "serve" / script), "--preset", args.preset,
@@ -94,12 +96,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                str(1 if args.front_processes is None else args.front_processes)]  # fmt: skip
         cmd += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in DEVICE_OPTIONS] if args.sim_device else []
     else:
-        # -P: the folder it runs in is not put first on sys.path (run from a checkout, ``-m`` would import that
-        # checkout's package whatever PYTHONPATH says: an A/B's "before" would serve the tree after)
-        cmd = [sys.executable, "-P", "-m", "omni_lightning.cli", "serve", "--model.config", args.preset,
-               "--model.random_weights", "true", "--port", "0", "--trainer.precision", args.precision,
-               "--trainer.accelerator", args.device, "--max_streams", str(args.max_streams),
-               "--request_frames", str(args.request_frames), "--max_queue", str(4 * total_clients(args))]  # fmt: skip
+        cmd = cli("serve", "--model.config", args.preset, "--model.random_weights", "true", "--port", "0",
+                  "--trainer.precision", args.precision, "--trainer.accelerator", args.device,
+                  "--max_streams", str(args.max_streams), "--request_frames", str(args.request_frames),
+                  "--max_queue", str(4 * total_clients(args)))  # fmt: skip
         cmd += ["--front_processes", str(args.front_processes)] if args.front_processes is not None else []
         cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
     if args.bulk_slice_ms is not None:
