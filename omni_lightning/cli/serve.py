@@ -37,6 +37,13 @@ OPTIONS = (
     ("max_body_bytes", int, 8 * 2**20, "a request body or WebSocket message past this gets 413"),
     ("request_frames", int, 32, "frames of a whole request decoded per step (streams interleave between)"),
     ("bulk_slice_ms", float, 10.0, "while a stream is open, the engine time a step gives whole requests"),
+    (
+        "stream_lane",
+        bool,
+        False,
+        "WebSocket streams on a decoder of their own, on a high-priority CUDA stream: a chunk does not wait "
+        "for whole requests' work (twice the decoders' memory; no slice cap)",
+    ),
     ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
     ("devices", int, 1, "engine processes, each its own engine on its own GPU (on a CPU: CPU engines)"),
     (
@@ -193,11 +200,16 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     what = what_runs(module, module.config, params, ckpt_path, device, trainer.precision)
     cuda_graphs = bool(module.fast_path and module.hparams.get("graph_frames", 512))
     share = getattr(trainer.predict_loop, "gpu_memory_utilization", None)
-    decoder = module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
+
+    def decoder() -> Any:
+        return module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
+
     chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
-    loop = DecodeLoop(decoder, config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
-                      warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows)  # fmt: skip
+    loop = DecodeLoop(decoder(), config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
+                      warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows,
+                      stream_lane=decoder if config.stream_lane else None)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
+    limits += "; streams on a lane of their own" if config.stream_lane else ""
     return loop, {"config": module.config, "what": what, "limits": limits}
 
 

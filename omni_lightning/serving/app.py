@@ -76,6 +76,7 @@ def build_app(
     context: Callable[[], Any] = contextlib.nullcontext,
     warmup: tuple[int, ...] = (1, 8),
     bulk_slice_s: float = 0.01,
+    stream_lane: bool = False,
 ) -> FastAPI:
     """The app serving ``module`` (a ``Code2WavModule``, e.g. one fine-tuned in this process, or a bare
     ``Code2Wav``) on the device and in the dtype it has now.
@@ -84,7 +85,8 @@ def build_app(
     requests waiting for a slot (past it, 503); ``max_body_bytes``: a body or a WebSocket message past it
     gets 413; ``request_frames``: frames of a whole request per decode step; ``context``: entered on the
     decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready;
-    ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``).
+    ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``);
+    ``stream_lane``: the streams on a decoder of their own, on a high-priority CUDA stream (``stream_lane.py``).
     A module's decoder is retired when ``trainer.fit`` starts on it: every request then fails with a 500
     saying so (build a new app after a fit).
     """
@@ -94,12 +96,15 @@ def build_app(
     for name, value, least in (("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
                                ("request_frames", request_frames, 1)):  # fmt: skip
         check_count(name, value, least)  # (max_streams: the decoder checks it)
-    if hasattr(module, "streaming_decoder"):
-        decoder = module.streaming_decoder(max_streams, cuda_graphs, gpu_memory_utilization)
-    else:
-        decoder = StreamingDecoder(module, max_streams, cuda_graphs, gpu_memory_utilization=gpu_memory_utilization)
+
+    def decoder() -> StreamingDecoder:
+        if hasattr(module, "streaming_decoder"):
+            return module.streaming_decoder(max_streams, cuda_graphs, gpu_memory_utilization)
+        return StreamingDecoder(module, max_streams, cuda_graphs, gpu_memory_utilization=gpu_memory_utilization)
+
     metrics = ServeMetrics()
-    loop = DecodeLoop(decoder, max_queue, request_frames, context, metrics, warmup, bulk_slice_s)
+    loop = DecodeLoop(decoder(), max_queue, request_frames, context, metrics, warmup, bulk_slice_s,
+                      stream_lane=decoder if stream_lane else None)  # fmt: skip
     return app_over(loop, metrics, max_body_bytes)
 
 

@@ -9,17 +9,19 @@ in one copy and hands each client its audio, a stream's split per chunk (``decod
 exactly ``decode`` of its codes, whatever else was in the step. Steps follow each other at once while work
 remains; the loop sleeps only when idle. With ``pipeline`` (CUDA), a step's bulk decode is handed out in the
 next step, after that step's first launch (the streams' chunks, else the next bulk slice), so the device need
-not wait for the host between them; a stream's chunk still waits only for the bulk slice already launched.
+not wait for the host between them. With a ``stream_lane`` (``stream_lane.py``) the streams are a second
+decoder's, on a high-priority CUDA stream: their chunks are launched as they come, also while the loop waits
+for a bulk slice to land, and the bulk is not capped to a slice.
 
-Slots are the decoder's ``max_streams``: a stream takes one when it opens (none free: :class:`Overloaded`),
-a whole request when one frees, waiting in a queue of at most ``max_queue`` (full: :class:`Overloaded`).
-A client that goes away is closed at the next step. A step whose forward raises fails its clients (each
-told why) and no other. Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``);
-it answers through the job's ``sink`` on the loop's thread: ``("audio", [samples, ...])`` (views the next
-step reuses: a sink that keeps them copies them), ``("end", None)`` or ``("error", (status, message))``.
-The loop runs on a thread of its own (``start``: one process) or its caller's (``warm``, then ``run_step``:
-the engine process, which reads its socket while the device computes, ``between``). Not done: a deadline
-per request (a client that wants one closes its connection, which frees the slot).
+Slots are the decoder's ``max_streams`` (``slots.py``): a stream takes one when it opens (none free:
+``Overloaded``), a whole request when one frees, waiting in a queue of at most ``max_queue``. A client that
+goes away is closed at the next step. A step whose forward raises fails its clients (each told why) and no
+other. Callers talk to the loop through :class:`Job` (``push``, ``finish``, ``abort``); it answers through the
+job's ``sink`` on the loop's thread: ``("audio", [samples, ...])`` (views the next step reuses: a sink that
+keeps them copies them), ``("end", None)`` or ``("error", (status, message))``. The loop runs on a thread of
+its own (``start``: one process) or its caller's (``warm``, then ``run_step``: the engine process, which reads
+its socket while the device computes, ``between``). Not done: a deadline per request (a client that wants one
+closes its connection, which frees the slot).
 """
 
 from __future__ import annotations
@@ -36,20 +38,22 @@ import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
 from omni_lightning.serving.decodes import Decode, Decodes
-from omni_lightning.serving.jobs import Job, Overloaded, Sink
+from omni_lightning.serving.jobs import Job
 from omni_lightning.serving.schedule import bulk_frames
+from omni_lightning.serving.slots import Slots
+from omni_lightning.serving.stream_lane import StreamLane
 
 log = logging.getLogger("omni_lightning.serving")
 
 
-class DecodeLoop:
+class DecodeLoop(Slots):
     """Runs the decode steps (see the module docstring). ``context``: a context manager factory entered
     where the steps run (autocast for mixed precision); ``metrics``: a :class:`ServeMetrics` or None;
     ``warmup``: chunk sizes run before ``ready`` is set, at each of ``warmup_rows`` streams at once (the shapes
     steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
     the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): a step
     launches its decodes before handing out the last step's bulk audio (so the device need not wait for the
-    host between them)."""
+    host between them); ``stream_lane``: makes the streams' own decoder (``stream_lane.py``), None: no lane."""
 
     def __init__(
         self,
@@ -62,18 +66,17 @@ class DecodeLoop:
         bulk_slice_s: float = 0.01,
         warmup_rows: tuple[int, ...] = (1,),
         pipeline: bool | None = None,
+        stream_lane: Callable[[], StreamingDecoder] | None = None,
     ) -> None:
-        self.decoder, self.max_queue, self.request_frames = decoder, max_queue, request_frames
-        self.max_streams, self.context, self.metrics, self.warmup = decoder.max_streams, context, metrics, warmup
+        super().__init__(decoder.max_streams, max_queue, metrics)
+        self.decoder, self.request_frames, self.context, self.warmup = decoder, request_frames, context, warmup
         self.config, self.bulk_slice_s = decoder.config, bulk_slice_s
         self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
         self.decodes = Decodes(decoder, metrics, self._fail)
+        self.lane = StreamLane(stream_lane, metrics, self._fail) if stream_lane is not None else None
         self.pipeline = decoder.engine.device.type == "cuda" if pipeline is None else pipeline
         self._in_flight: Decode | None = None  # a bulk decode launched, its audio not yet handed out
-        self.ready, self.warmup_error = threading.Event(), None
-        self._lock, self._wake, self._stop = threading.Lock(), threading.Event(), False
-        self._active: list[Job] = []  # holding a slot (or about to open one)
-        self._waiting: deque[Job] = deque()  # whole requests waiting for a slot
+        self.ready = threading.Event()
         self._thread = threading.Thread(target=self._run, name="omni-decode-loop", daemon=True)
 
     # --- any thread -----------------------------------------------------------------------------
@@ -88,65 +91,6 @@ class DecodeLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    @property
-    def open_jobs(self) -> int:
-        """Clients holding a slot or waiting for one."""
-        with self._lock:
-            return len(self._active) + len(self._waiting)
-
-    def open_stream(self, rid: str, sink: Sink) -> Job:
-        """A stream in a free slot, or :class:`Overloaded`."""
-        job = Job(rid, sink)
-        self._check_running()
-        with self._lock:
-            if len(self._active) >= self.max_streams or self._waiting:
-                raise Overloaded(f"all {self.max_streams} streams are in use (--max_streams): retry later")
-            self._active.append(job)
-        self._changed()
-        return job
-
-    def submit(self, rid: str, codes: torch.Tensor, sink: Sink) -> Job:
-        """A whole request (checked codes ``[Q, n]``): decoded in a free slot, else queued, else :class:`Overloaded`."""
-        job = Job(rid, sink, codes=codes, finishing=True)
-        self._check_running()
-        with self._lock:
-            if len(self._active) < self.max_streams and not self._waiting:
-                self._active.append(job)
-            elif len(self._waiting) < self.max_queue:
-                self._waiting.append(job)
-            else:
-                raise Overloaded(f"{self.max_streams} streams busy and {self.max_queue} requests queued: retry later")
-        self._changed()
-        return job
-
-    def _check_running(self) -> None:
-        if self.warmup_error or self._stop:
-            why = f"its warm-up failed ({self.warmup_error})" if self.warmup_error else "it is stopping"
-            raise Overloaded(f"the server cannot decode: {why}", retry_after=30)
-
-    def push(self, job: Job, codes: torch.Tensor) -> None:
-        job.chunks.append((time.perf_counter(), codes))
-        self._wake.set()
-
-    def finish(self, job: Job) -> None:
-        job.finishing = True
-        self._wake.set()
-
-    def abort(self, job: Job) -> None:
-        """The client is gone: its slot is freed at the next step (a queued request leaves the queue now)."""
-        job.aborted = True
-        with self._lock:
-            if job in self._waiting:
-                self._waiting.remove(job)
-                job.done = True
-        self._changed()
-
-    def _changed(self) -> None:
-        if self.metrics is not None:
-            self.metrics.open_streams.set(len(self._active))
-            self.metrics.queue_depth.set(len(self._waiting))
-        self._wake.set()
-
     # --- where the steps run --------------------------------------------------------------------
 
     def warm(self) -> bool:
@@ -156,6 +100,9 @@ class DecodeLoop:
                 seconds = self.decoder.warmup(chunk_sizes=self.warmup, batch_sizes=self.warmup_rows)
                 log.info("serve: warm-up (chunks of %s frames, %s streams) took %.2f s", self.warmup,
                          self.warmup_rows, seconds)  # fmt: skip
+            if self.lane is not None:
+                seconds = self.lane.build(self.warmup, self.warmup_rows)
+                log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
         except Exception as err:  # the server answers /health 503 with this
             self.warmup_error = f"{type(err).__name__}: {err}"
             log.exception("serve: warm-up failed")
@@ -214,7 +161,11 @@ class DecodeLoop:
         jobs = [j for j in jobs if not j.aborted]
         streams, bulk = [j for j in jobs if j.is_stream], [j for j in jobs if not j.is_stream]
         takes = bulk_frames([j.codes.shape[1] - j.sent_frames for j in bulk], self.request_frames,
-                            bool(streams), self.decodes.cost, self.bulk_slice_s)  # fmt: skip
+                            bool(streams) and self.lane is None, self.decodes.cost, self.bulk_slice_s)  # fmt: skip
+        if self.lane is not None:
+            self._lanes_step(bulk, takes, between)
+            self._close_ended(jobs)
+            return
         # the streams' chunks and the bulk slice are two decodes: a chunk never waits for bulk rows in its own
         phases = [[(j, None) for j in streams], list(zip(bulk, takes))]
         landing, self._in_flight = self._in_flight, None  # handed out after the next launch: the device goes on
@@ -234,6 +185,38 @@ class DecodeLoop:
             self.decodes.land(landing, between)
         elif between is not None and self._in_flight is None:
             between()  # nothing decoded: the socket is read all the same
+        self._close_ended(jobs)
+
+    def _lanes_step(self, bulk: list[Job], takes: list[int], between: Callable[[], None] | None) -> None:
+        """With a stream lane: the streams' chunks at once, the next bulk slice launched, the last one landed
+        (pipelined: the one before it), any chunk that comes while it computes launched on the lane meanwhile."""
+        self._talk()
+        pushed = self._push_all(list(zip(bulk, takes)))
+        launched = self.decodes.launch(pushed, True) if pushed else None
+        landing, self._in_flight = (self._in_flight, launched) if self.pipeline else (launched, None)
+        if landing is None:
+            if between is not None and self._in_flight is None:
+                between()  # nothing decoded: the socket is read all the same
+            return
+        while not landing.copy.ready():  # the device computes the slice: chunks that come go on the lane
+            if between is not None:
+                between()
+                time.sleep(5e-5)
+            else:
+                self._wake.wait(5e-4)
+                self._wake.clear()
+            self._talk()
+        self.decodes.land(landing, None)
+
+    def _talk(self) -> None:
+        """The streams' chunks waiting, on the stream lane: launched and landed (their own decode only)."""
+        with self._lock:
+            streams = [j for j in self._active if j.is_stream and not j.aborted and not j.done]
+        pushed = self._push_all([(j, None) for j in streams]) if any(j.chunks for j in streams) else {}
+        if pushed and (talked := self.lane.decodes.launch(pushed, False)) is not None:
+            self.lane.decodes.land(talked, None)
+
+    def _close_ended(self, jobs: list[Job]) -> None:
         for job in jobs:
             if job.finishing and not job.done and not job.aborted and not self._has_more(job) and not job.in_flight:
                 self._close(job, ("end", None))
@@ -245,7 +228,7 @@ class DecodeLoop:
         for job, take in phase:
             try:
                 if job.sid is None:
-                    job.sid = self.decoder.open()
+                    job.sid = self._decoder_of(job).open()
                 frames = self._push(job, take)
             except ValueError as err:  # checked at the edge already; a retired decoder says so here
                 self._close(job, ("error", (500, f"request {job.rid}: {err}")))
@@ -272,27 +255,17 @@ class DecodeLoop:
             job.pushed_at, chunks = [t for t, _ in came], [codes for _, codes in came]
         frames = [c.shape[1] for c in chunks]
         if sum(frames):
-            self.decoder.push(job.sid, chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1))
+            self._decoder_of(job).push(job.sid, chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1))
             job.sent_frames += sum(frames)
         return frames if sum(frames) else []
 
-    def _has_more(self, job: Job) -> bool:
-        return bool(job.chunks) if job.codes is None else job.sent_frames < job.codes.shape[1]
-
-    def _close(self, job: Job, message: tuple[str, Any] | None) -> None:
-        """Frees the job's slot (decoding nothing more: what was pushed is decoded by the step already)."""
+    def _release(self, job: Job) -> None:
         if job.sid is not None:
             with contextlib.suppress(ValueError):  # failed streams are closed without a decode
-                self.decoder.close(job.sid)
-        with self._lock:
-            if job in self._active:
-                self._active.remove(job)
-            while self._waiting and len(self._active) < self.max_streams:  # a freed slot goes to the queue first
-                self._active.append(self._waiting.popleft())
-        self._changed()
-        self._end(job, message)
+                self._decoder_of(job).close(job.sid)
 
-    def _end(self, job: Job, message: tuple[str, Any] | None) -> None:
-        job.done = True
-        if message is not None and not job.aborted:
-            job.sink(*message)
+    def _decoder_of(self, job: Job) -> StreamingDecoder:
+        return self.lane.decoder if self.lane is not None and job.is_stream else self.decoder
+
+    def _has_more(self, job: Job) -> bool:
+        return bool(job.chunks) if job.codes is None else job.sent_frames < job.codes.shape[1]

@@ -12,11 +12,13 @@ the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``),
 forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
 ``computed_frames``; a stream's chunk, from its arrival in the loop to its audio handed out, counts in
 ``stream_chunk_seconds`` (the server's own share of a chunk's latency: the rest is the sockets' and the
-client's). A decode that fails is told to its clients through ``fail``.
+client's). A decode that fails is told to its clients through ``fail``. ``stream``: the CUDA stream its
+decodes are launched on (None: the current one), a stream lane's high-priority one (``stream_lane.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,8 +49,10 @@ class Decodes:
     """Launches and lands ``decoder``'s decodes (see the module docstring); ``fail(pushed, err)`` tells a
     failed decode's clients."""
 
-    def __init__(self, decoder: StreamingDecoder, metrics: Any, fail: Callable[[dict, Exception], None]) -> None:
-        self.decoder, self.metrics, self.fail = decoder, metrics, fail
+    def __init__(
+        self, decoder: StreamingDecoder, metrics: Any, fail: Callable[[dict, Exception], None], stream: Any = None
+    ) -> None:
+        self.decoder, self.metrics, self.fail, self.stream = decoder, metrics, fail, stream
         self.config, self.cost, self.host = decoder.config, FrameCost(), HostAudio()
         self.landed = 0.0  # when the last decode's audio landed
 
@@ -58,9 +62,10 @@ class Decodes:
         work = getattr(getattr(self.decoder, "engine", None), "work", None)  # (a test double may have none)
         before = dict(work) if work is not None else None
         try:
-            out = self.decoder.step()
-            outs = [out[job.sid] for job in pushed]
-            copy = self.host.start(outs)
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                out = self.decoder.step()
+                outs = [out[job.sid] for job in pushed]
+                copy = self.host.start(outs)
         except Exception as err:
             self.fail(pushed, err)
             return None

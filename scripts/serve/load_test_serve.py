@@ -104,6 +104,8 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
     if args.bulk_slice_ms is not None:
         cmd += ["--bulk_slice_ms" if script is None else "--bulk-slice-ms", str(args.bulk_slice_ms)]
+    if args.stream_lane:  # (a free decode has nothing to put on a lane: refused in main)
+        cmd += ["--stream_lane", "true"] if script is None else ["--stream-lane"]
     log = open(Path(args.out or "load_serve.json").with_suffix(".server.log"), "w")  # noqa: SIM115 - the server's
     proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=log)
     line = proc.stdout.readline()
@@ -290,7 +292,10 @@ def check(engine, done: list[dict], args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.free_decode and args.stream_lane:
+        p.error("--stream-lane with --free-decode: a free decode has no device to share")
     engine = None if args.free_decode else offline_engine(args)
     rates = [] if engine is None else [offline_rate(engine, args)]  # before and after: the machine may be shared
     proc, url = start_server(args)

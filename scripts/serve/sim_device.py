@@ -35,20 +35,37 @@ from free_decoder import parser as free_parser
 from free_decoder import serve_double
 
 
+class Booking:
+    """A forward booked on the device: when it ends (later, if higher-priority work is booked before then)."""
+
+    def __init__(self, end: float) -> None:
+        self.end = end
+
+
 class SimDevice:
     """A device queue in simulated time (see the module docstring); ``charging()``: whether a shape first run
-    now costs a capture (after the warm-up)."""
+    now costs a capture (after the warm-up). A forward booked ``high`` (a stream lane's, on a CUDA stream of
+    the greatest priority) starts when it is launched, or after the high-priority work before it, and every
+    normal forward not done by then ends that much later: the device runs the high-priority blocks first
+    (exactly so: a real device finishes the blocks it started, and shares its SMs meanwhile)."""
 
     def __init__(self, frame_s: float, forward_s: float, eager_s: float, capture_s: float, graph_frames: int) -> None:
         self.frame_s, self.forward_s, self.eager_s, self.capture_s = frame_s, forward_s, eager_s, capture_s
-        self.graph_frames, self.free_at, self.seen = graph_frames, 0.0, set()
+        self.graph_frames, self.seen = graph_frames, set()
+        self.last = {False: Booking(0.0), True: Booking(0.0)}  # the last forward booked, normal and high
+        self.pending: list[Booking] = []  # normal forwards booked, perhaps not done
         self.charging: Callable[[], bool] = lambda: True
         self._lock = threading.Lock()
         # audio-like samples (noise), not silence: what the edge does with the audio (a WebSocket's
         # compression, say) costs what it would with a real decoder's output
         self._audio = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0)) * 0.1
 
-    def forward(self, rows: int, chunk: int, up: int) -> torch.Tensor:
+    @property
+    def free_at(self) -> float:
+        """When the device is done with everything booked so far."""
+        return max(self.last[False].end, self.last[True].end)
+
+    def forward(self, rows: int, chunk: int, up: int, high: bool = False) -> torch.Tensor:
         """Books a forward of ``rows x chunk`` frames; its output ``[rows, 1, chunk * up]`` (noise)."""
         if (rows, chunk) not in self.seen:
             self.seen.add((rows, chunk))
@@ -58,9 +75,19 @@ class SimDevice:
         launched = time.perf_counter()
         if rows * chunk > self.graph_frames:
             time.sleep(self.eager_s)  # the host launches an eager forward's kernels one by one
+        cost = self.forward_s + self.frame_s * rows * chunk
         with self._lock:  # the device starts on the first kernel launched: launches and compute overlap
-            start = max(launched, self.free_at)
-            self.free_at = max(start + self.forward_s + self.frame_s * rows * chunk, time.perf_counter())
+            now = time.perf_counter()
+            if high:
+                start = max(launched, self.last[True].end)
+                self.pending = [b for b in self.pending if b.end > start]
+                for booked in self.pending:  # not done when the high-priority work starts: it waits for it
+                    booked.end += cost
+                self.last[True] = Booking(max(start + cost, now))
+            else:
+                start = max(launched, self.last[False].end, self.last[True].end)
+                self.last[False] = Booking(max(start + cost, now))
+                self.pending.append(self.last[False])
         if rows * chunk * up > self._audio.numel():
             return torch.zeros(rows, 1, chunk * up)
         return self._audio[: rows * chunk * up].view(rows, 1, chunk * up)
@@ -72,25 +99,34 @@ class SimDevice:
             time.sleep(delay)
 
 
-def simulate(engine, device: SimDevice, frames: int) -> None:
+def simulate(engine, device: SimDevice, frames: int, high: bool = False) -> None:
     """``engine`` (a CPU ``DecodeEngine``) planned as on a GPU with CUDA graphs up to ``device.graph_frames``
-    and ``frames`` a forward, its forwards booked on ``device``."""
+    and ``frames`` a forward, its forwards booked on ``device`` (``high``: at the greatest priority)."""
     engine.graph_frames = device.graph_frames
     engine.planner = replace(engine._planner(frames), new_shape_cost=engine.new_shape_cost)  # a CPU's is 0
     up, engine.sim = engine.model.config.total_upsample, device
-    engine._run = lambda inputs: device.forward(inputs.rows, inputs.chunk, up)
+    engine._run = lambda inputs: device.forward(inputs.rows, inputs.chunk, up, high)
 
 
 class _BookedCopy:
-    def __init__(self, copy, device: SimDevice, until: float) -> None:
-        self.copy, self.device, self.until = copy, device, until
+    """A decode's audio copy, landed when its last forward's booking ends (read when asked: it may move)."""
+
+    def __init__(self, copy, device: SimDevice, booking: Booking) -> None:
+        self.copy, self.device, self.booking = copy, device, booking
 
     def ready(self) -> bool:
-        return time.perf_counter() >= self.until
+        return time.perf_counter() >= self.booking.end
 
     def wait(self) -> torch.Tensor:
-        self.device.wait(self.until)
+        while not self.ready():
+            self.device.wait(self.booking.end)
         return self.copy.wait()
+
+
+def book_copies(host, device: SimDevice, high: bool) -> None:
+    """``host`` (a ``HostAudio``) hands out copies that land when the device is done with their decode."""
+    start = host.start
+    host.start = lambda outs: _BookedCopy(start(outs), device, device.last[high])
 
 
 def device_from(args: argparse.Namespace, graph_frames: int | None = None) -> SimDevice:
@@ -114,11 +150,26 @@ def sim_loop(args: argparse.Namespace):
     except ImportError:  # a tree from before it (an A/B): the same lists
         warmup_shapes = lambda _, r: (tuple(sorted({1, 8, 10, 16, r})), tuple(2**i for i in range(8)))  # noqa: E731
     chunks, rows = warmup_shapes(True, args.request_frames)
+
+    def lane():  # the streams' own decoder (--stream-lane), its forwards booked at the greatest priority
+        own = module.streaming_decoder(args.max_streams, False, step_frames=args.request_frames)
+        simulate(own.engine, device, args.budget_frames, high=True)
+        return own
+
+    lanes = {"stream_lane": lane} if args.stream_lane else {}  # (a tree from before lanes: none)
     loop = DecodeLoop(decoder, args.max_queue, args.request_frames, metrics=ServeMetrics(), warmup=chunks,
-                      bulk_slice_s=args.bulk_slice_ms / 1000, warmup_rows=rows, pipeline=True)  # fmt: skip
+                      bulk_slice_s=args.bulk_slice_ms / 1000, warmup_rows=rows, pipeline=True, **lanes)  # fmt: skip
     device.charging = loop.ready.is_set
-    start = loop.decodes.host.start
-    loop.decodes.host.start = lambda outs: _BookedCopy(start(outs), device, device.free_at)
+    book_copies(loop.decodes.host, device, False)
+    if loop.lane is not None:  # its decodes are made with the decoder, in the warm-up
+        build = loop.lane.build
+
+        def build_and_book(*args):
+            seconds = build(*args)
+            book_copies(loop.lane.decodes.host, device, True)
+            return seconds
+
+        loop.lane.build = build_and_book
     what = f"{args.preset} preset on a simulated device ({args.frame_us} us a frame; a test double)"
     return loop, {"config": module.config, "what": what, "limits": ""}
 
@@ -137,6 +188,7 @@ def add_device_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--capture-ms", type=float, default=300.0, help="host time a capture")
     p.add_argument("--graph-frames", type=int, default=1024, help="the server's largest graphed forward (rows x chunk)")
     p.add_argument("--budget-frames", type=int, default=1024, help="the server's frames a forward at most")
+    p.add_argument("--stream-lane", action="store_true", help="serve's --stream_lane (high-priority bookings)")
     return p
 
 

@@ -1,0 +1,72 @@
+"""A stream lane: the WebSocket streams decoded by a decoder of their own, on a high-priority CUDA stream, so a
+talker's chunk does not queue on the device behind the bulk decode in flight (``serve --stream_lane``).
+
+Without a lane, the streams' chunks and the whole requests' slices are decodes of one ``StreamingDecoder``,
+run one after the other on one CUDA stream: a chunk that comes while a bulk slice computes waits for it, and
+for the slice the pipelined loop queued behind it. With a lane:
+
+- the streams hold slots of a second ``StreamingDecoder`` over the same weights, with its own state, CUDA
+  graphs, graph pool and capture stream (so its own cuBLAS workspace: two graphs replayed at once must not
+  share one). Every client's audio is still ``decode`` of its codes alone: the two share only the weights,
+  which nothing writes while serving;
+- its decodes are launched on a CUDA stream of the greatest priority: the device schedules their blocks
+  ahead of the bulk kernels' next ones, so a chunk computes beside the bulk slice, not after it;
+- the decode loop launches a chunk as it comes, also while it waits for a bulk slice to land (it polls the
+  slice's copy and its socket: ``DecodeLoop``), and whole requests are not capped to a slice while streams are
+  open (``schedule.py``'s cap bounds a chunk's wait behind bulk work, which a lane removes).
+
+Memory: the lane's decoder is built after the bulk decoder's warm-up, so under a cap
+(``gpu_memory_utilization``) its budget is what the bulk decoder left; with too little left it raises
+``torch.OutOfMemoryError`` with the figures, and the server does not start. Without a cap it takes the
+default budget, as the bulk decoder does. On a CPU a lane has no stream of its own: its decodes run in turn
+with the bulk ones (the same logic, no overlap: how the tests run it).
+Not done: a lane per priority class (all streams share one), preempting a bulk kernel already running
+(the device finishes the blocks it started).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from omni_lightning.engine.streaming import StreamingDecoder
+from omni_lightning.serving.decodes import Decodes
+
+
+def lane_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """A CUDA stream of the greatest priority on ``device`` (None on a CPU: one device queue)."""
+    if device.type != "cuda":
+        return None
+    _, greatest = torch.cuda.Stream.priority_range()  # (least, greatest): a lower number is a higher priority
+    return torch.cuda.Stream(device, priority=greatest)
+
+
+class StreamLane:
+    """The streams' decoder (``make()``: built by :meth:`build`, after the bulk decoder's warm-up), its
+    decodes (``Decodes`` on the lane's CUDA stream) and its warm-up."""
+
+    def __init__(self, make: Callable[[], StreamingDecoder], metrics: Any, fail: Callable) -> None:
+        self.make, self.metrics, self.fail = make, metrics, fail
+        self.decoder: StreamingDecoder | None = None
+        self.decodes: Decodes | None = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float:
+        """Makes the decoder and runs its warm-up on the lane's stream; returns its seconds."""
+        start = time.perf_counter()
+        self.decoder = self.make()
+        self.stream = lane_stream(self.decoder.engine.device)
+        self.decodes = Decodes(self.decoder, self.metrics, self.fail, self.stream)
+        if chunk_sizes:
+            with self.on_stream():
+                self.decoder.warmup(chunk_sizes=chunk_sizes, batch_sizes=batch_sizes)
+        if self.stream is not None:
+            self.stream.synchronize()
+        return time.perf_counter() - start
+
+    def on_stream(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()

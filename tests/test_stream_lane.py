@@ -1,0 +1,154 @@
+"""The stream lane (``serving/stream_lane.py``, ``serve --stream_lane``): the WebSocket streams on a decoder of
+their own, launched as their chunks come, also while a bulk slice computes; whole requests not capped to a
+slice. Driven step by step on real tiny decoders (every client exactly ``decode`` of its codes), with a bulk
+copy held back to see a chunk decoded while it waits, and end to end through the command (engine and front
+processes, real HTTP and WebSocket clients). On CUDA (``-m gpu``) the lane is a high-priority CUDA stream
+beside the bulk's, each decoder with its own graphs: fp32 with TF32 off, within 1e-4 of ``decode``."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+
+import numpy as np
+import pytest
+import torch
+from test_decode_loop import DEVICES, RecordingDecoder, _audio, _check, _sink, _tiny
+
+from omni_lightning.serving.decode_loop import DecodeLoop
+
+
+def _lane_loop(module, device: str, **settings) -> tuple[DecodeLoop, RecordingDecoder]:
+    """A loop whose bulk decoder and stream lane's decoder both record what each step advanced."""
+
+    def decoder() -> RecordingDecoder:
+        return RecordingDecoder(module.model, max_streams=8, cuda_graphs=device == "cuda")
+
+    loop = DecodeLoop(decoder(), stream_lane=decoder, **settings)
+    assert loop.warm()  # builds the lane's decoder (after the bulk's warm-up)
+    return loop, loop.lane.decoder
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("seed", range(3))
+def test_streams_decode_on_their_lane_whole_requests_uncapped_and_every_client_equals_decode(
+    seed, pipeline, device, no_tf32
+):
+    rng = random.Random(seed)
+    module = _tiny(seed, device)
+    # a slice of a nanosecond: without a lane, the bulk would send its least (8 frames, oldest first) a step
+    loop, lane = _lane_loop(module, device, request_frames=rng.choice([4, 8]), warmup=(), bulk_slice_s=1e-9,
+                            pipeline=pipeline)  # fmt: skip
+    q, size = module.config.num_quantizers, module.config.codebook_size
+    wholes = [torch.randint(0, size, (q, rng.randint(9, 60))) for _ in range(3)]
+    streams = [[torch.randint(0, size, (q, rng.randint(1, 12))) for _ in range(rng.randint(2, 5))] for _ in range(2)]
+    answers = [[] for _ in range(len(wholes) + len(streams))]
+    with torch.no_grad():
+        opened = [loop.open_stream(f"s{i}", _sink(answers[len(wholes) + i])) for i in range(len(streams))]
+        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
+        for at in range(max(map(len, streams))):
+            for job, chunks in zip(opened, streams):
+                if at < len(chunks):
+                    loop.push(job, chunks[at])
+            loop.run_step()
+        for job in opened:
+            loop.finish(job)
+        while loop.has_work():
+            loop.run_step()
+    for got, codes in zip(answers, [*wholes, *(torch.cat(c, dim=1) for c in streams)]):
+        _check(_audio(got), module, codes)
+    bulk = loop.decoder
+    assert {j.sid for j in jobs} <= set().union(*bulk.steps) and len(bulk.streams) == 0
+    assert lane.steps and all(s <= {j.sid for j in opened} for s in lane.steps)  # the lane decodes streams only
+    assert sum(len(c) for c in streams) >= len(lane.steps) >= max(map(len, streams))
+    assert len(bulk.steps[0]) == len(wholes)  # every whole request in the first step: no slice cap with a lane
+
+
+class HeldCopies:
+    """The bulk decodes' copies land only after ``polls`` checks of ``ready`` (a device still computing)."""
+
+    def __init__(self, host, polls: int) -> None:
+        self.host, self.polls, self.start_real = host, polls, host.start
+        host.start = self.start
+
+    def start(self, outs):
+        copy, left = self.start_real(outs), [self.polls]
+
+        class Held:
+            def ready(self) -> bool:
+                left[0] -= 1
+                return left[0] < 0
+
+            def wait(self):
+                return copy.wait()
+
+        return Held()
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lands(lane):
+    """The lane's point: the loop launches a chunk while it waits for the bulk slice, and hands out its audio
+    first. Without a lane (the control) the same chunk waits for the slice and the step after it."""
+    module = _tiny(0, "cpu")
+    settings = {"request_frames": 8, "warmup": (), "pipeline": False}
+    if lane:
+        loop, _ = _lane_loop(module, "cpu", **settings)
+    else:
+        loop = DecodeLoop(RecordingDecoder(module.model, max_streams=8, cuda_graphs=False), **settings)
+    HeldCopies(loop.decodes.host, polls=50)
+    q, size = module.config.num_quantizers, module.config.codebook_size
+    whole, chunk = torch.randint(0, size, (q, 40)), torch.randint(0, size, (q, 6))
+    order, answers = [], {"w": [], "s": []}
+
+    def sink(who):
+        into = _sink(answers[who])
+        return lambda kind, value: (order.append((who, kind)), into(kind, value))
+
+    came = []
+
+    def between():  # the socket read while the device computes: the talker's chunk arrives now
+        if not came:
+            came.append(loop.push(stream, chunk))
+
+    with torch.no_grad():
+        stream = loop.open_stream("s", sink("s"))
+        loop.submit("w", whole, sink("w"))
+        loop.run_step(between)
+        if not lane:  # without a lane the loop waits for the copy at once: the first poll read the socket
+            assert order[0] == ("w", "audio") and not answers["s"]
+            loop.run_step()
+        assert ("s", "audio") in order
+        if lane:
+            assert order.index(("s", "audio")) < order.index(("w", "audio"))
+        loop.finish(stream)
+        while loop.has_work():
+            loop.run_step()
+    _check(_audio(answers["w"]), module, whole)
+    _check(_audio(answers["s"]), module, chunk)
+
+
+@pytest.mark.slow
+def test_serve_with_a_stream_lane_answers_every_client_exactly_and_says_so():
+    from serve_helpers import tiny_module
+    from test_serve_processes import _clients, start
+
+    proc, line, url = start("--front_processes", "1", "--stream_lane", "true")
+    try:
+        assert "streams on a lane of their own" in line, line
+        torch.manual_seed(0)
+        reference = tiny_module()  # the command's seed: the same weights
+        rng = np.random.default_rng(1)
+        codes = [torch.from_numpy(rng.integers(0, 2048, (16, int(n)))) for n in rng.integers(1, 30, 8)]
+        for c, got in zip(codes, asyncio.run(_clients(url, codes))):
+            with torch.no_grad():
+                want = reference.model.decode(c[None])[0][0].numpy()
+            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        said = proc.stderr.read()
+        assert "serve: the stream lane's decoder built and warmed up in" in said, said[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
