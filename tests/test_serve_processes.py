@@ -76,6 +76,19 @@ async def _clients(url: str, codes: list[torch.Tensor]) -> list[np.ndarray]:
     return await asyncio.gather(*[(whole if i % 2 else stream)(c) for i, c in enumerate(codes)])
 
 
+def clients_exact(url: str, n: int, seed: int) -> None:
+    """``n`` clients of random lengths (whole requests and streams, alternately) each get ``decode`` of their
+    codes from the tiny model of the command's seed (0)."""
+    torch.manual_seed(0)
+    reference = tiny_module()  # the command's seed: the same weights
+    rng = np.random.default_rng(seed)
+    codes = [torch.from_numpy(rng.integers(0, 2048, (16, int(k)))) for k in rng.integers(1, 30, n)]
+    for c, got in zip(codes, asyncio.run(_clients(url, codes))):
+        with torch.no_grad():
+            want = reference.model.decode(c[None])[0][0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
 def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0():
     proc, line, url = start("--front_processes", "2")
     try:
@@ -83,14 +96,7 @@ def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0(
         pids = set()
         while len(pids) < 2:  # both fronts answer (a new connection each: the kernel spreads them)
             pids.add(httpx.get(f"{url}/health").json()["pid"])
-        torch.manual_seed(0)
-        reference = tiny_module()  # the command's seed: the same weights
-        rng = np.random.default_rng(0)
-        codes = [torch.from_numpy(rng.integers(0, 2048, (16, int(n)))) for n in rng.integers(1, 30, 12)]
-        for c, got in zip(codes, asyncio.run(_clients(url, codes))):
-            with torch.no_grad():
-                want = reference.model.decode(c[None])[0][0].numpy()
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        clients_exact(url, 12, seed=0)
         text = httpx.get(f"{url}/metrics").text  # one front answers for every process
         ok = sum(float(v) for v in re.findall(r'omni_requests_total\{route="(?:code2wav|stream)",status="200"\} (\S+)',
                                               text))  # fmt: skip

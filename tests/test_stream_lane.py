@@ -7,11 +7,9 @@ beside the bulk's, each decoder with its own graphs: fp32 with TF32 off, within 
 
 from __future__ import annotations
 
-import asyncio
 import random
 import signal
 
-import numpy as np
 import pytest
 import torch
 from test_decode_loop import DEVICES, RecordingDecoder, _audio, _check, _sink, _tiny
@@ -131,20 +129,12 @@ def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lan
 
 @pytest.mark.slow
 def test_serve_with_a_stream_lane_answers_every_client_exactly_and_says_so():
-    from serve_helpers import tiny_module
-    from test_serve_processes import _clients, start
+    from test_serve_processes import clients_exact, start
 
     proc, line, url = start("--front_processes", "1", "--stream_lane", "true")
     try:
         assert "streams on a lane of their own" in line, line
-        torch.manual_seed(0)
-        reference = tiny_module()  # the command's seed: the same weights
-        rng = np.random.default_rng(1)
-        codes = [torch.from_numpy(rng.integers(0, 2048, (16, int(n)))) for n in rng.integers(1, 30, 8)]
-        for c, got in zip(codes, asyncio.run(_clients(url, codes))):
-            with torch.no_grad():
-                want = reference.model.decode(c[None])[0][0].numpy()
-            np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+        clients_exact(url, 8, seed=1)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         said = proc.stderr.read()
