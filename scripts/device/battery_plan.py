@@ -113,6 +113,15 @@ STEPS = (
     Step(
         "serve-mix", "serve", "load_test_serve", (*SERVE, "--clients", "16", "--paced", "64"), SERVE_SMOKE, 90, ab=True
     ),  # fmt: skip
+    # the same mix with the streams on a lane of their own (serve --stream_lane; this tree only)
+    Step(
+        "serve-lane",
+        "serve",
+        "load_test_serve",
+        (*SERVE, "--clients", "16", "--paced", "64", "--stream-lane"),
+        (*SERVE_SMOKE, "--stream-lane"),
+        90,
+    ),
     # every CUDA test on the GPU
     Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
     # forward and fine-tuning throughput, the long-tailed job

@@ -47,8 +47,28 @@ WHEELS = (
     "jsonargparse==4.53.0",
     "docstring_parser==0.18.0",
     "typeshed_client==2.15.0",
-)  # fmt: skip  (what the test suite imports that the device lacks, wandb aside)
-PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+    # the serve extra (httpx, uvloop and prometheus_client are there)
+    "fastapi==0.165.0",
+    "starlette==1.10.0",
+    "annotated_doc==0.0.7",
+    "opentelemetry_api==1.45.3",
+    "importlib_metadata==10.2.0",
+    "zipp==4.1.2",
+    "pydantic==2.14.4",
+    "pydantic_core==2.50.5",
+    "annotated_types==0.8.0",
+    "typing_inspection==0.4.5",
+    "typing_extensions==4.16.0",
+    "uvicorn==0.55.0",
+    "h11==0.16.0",
+    "click==8.5.1",
+    "websockets==17.4",
+    "httptools==0.9.0",
+    "pyzmq==27.3.0",
+    "msgpack==1.2.4",
+)  # fmt: skip  (what the test suite and the server import that the device lacks, wandb aside)
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")  # fmt: skip
 PROBE = """import importlib.util, json, torch
 mods = {m: importlib.util.find_spec(m) is not None for m in
         ("wandb", "soundfile", "jsonargparse", "transformers", "pytest_timeout")}

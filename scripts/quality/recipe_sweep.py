@@ -70,6 +70,8 @@ RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "768-pairs-lr-2e-3": ({"learning_rate": 2e-3}, {"train_pairs": 768}),
     "768-pairs-batch-8": ({}, {"train_pairs": 768, "batch_size": 8}),
     "768-pairs-waveform-10": ({"waveform_weight": 10.0}, {"train_pairs": 768}),
+    "768-pairs-batch-8-waveform-10": ({"waveform_weight": 10.0}, {"train_pairs": 768, "batch_size": 8}),
+    "768-pairs-batch-16": ({}, {"train_pairs": 768, "batch_size": 16}),
     "frozen-embedding": ({"freeze": ["code_embedding"]}, {}),
     "frozen-pre-transformer": ({"freeze": ["code_embedding", "pre_transformer"]}, {}),
 }
