@@ -127,6 +127,65 @@ def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lan
     _check(_audio(answers["s"]), module, chunk)
 
 
+def _streams_reusing_a_slot(loop, module, between_close_and_open=lambda: None) -> None:
+    """Eight streams fill the lane's eight slots and decode a chunk each; the first ends, then a new stream takes
+    its slot (the only one free) and decodes; every stream's audio equals ``decode`` of its codes."""
+    q, size = module.config.num_quantizers, module.config.codebook_size
+    firsts = [torch.randint(0, size, (q, 7)) for _ in range(8)]
+    late = torch.randint(0, size, (q, 5))
+    answers = [[] for _ in range(9)]
+    with torch.no_grad():
+        jobs = [loop.open_stream(f"s{i}", _sink(answers[i])) for i in range(8)]
+        for job, codes in zip(jobs, firsts):
+            loop.push(job, codes)
+        loop.run_step()
+        loop.finish(jobs[0])
+        between_close_and_open()
+        loop.run_step()  # the first stream ends: its slot's state is zeroed
+        new = loop.open_stream("new", _sink(answers[8]))
+        loop.push(new, late)
+        loop.run_step()  # its first chunk reads that slot's state
+        for job in [*jobs[1:], new]:
+            loop.finish(job)
+        while loop.has_work():
+            loop.run_step()
+    for got, codes in zip(answers, [*firsts, late]):
+        _check(_audio(got), module, codes)
+
+
+def test_every_call_of_the_lanes_decoder_runs_with_the_lanes_stream_current():
+    """The CPU's stand-in for the race below: a slot's state zeroed, a stream opened, a forward, each with the
+    lane current (``StreamLane.inside``); on CUDA one outside would be queued on the bulk's stream."""
+    module = _tiny(0, "cpu")
+    loop, lane = _lane_loop(module, "cpu", request_frames=8, warmup=(1,), pipeline=True)
+    calls, outside = [], []
+    for name in ("acquire", "release", "_run"):
+        real = getattr(lane.engine, name)
+
+        def watched(*args, _real=real, _name=name, **kwargs):
+            calls.append(_name)
+            if loop.lane.inside == 0:
+                outside.append(_name)
+            return _real(*args, **kwargs)
+
+        setattr(lane.engine, name, watched)
+    _streams_reusing_a_slot(loop, module)
+    assert {"acquire", "release", "_run"} <= set(calls) and not outside, outside
+
+
+@pytest.mark.gpu
+def test_a_stream_on_a_closed_streams_slot_starts_fresh_while_the_bulk_stream_is_busy(no_tf32):
+    """A slot's state is zeroed on the lane's stream, before the next stream's first forward on it: with the
+    bulk's CUDA stream held busy (a sleep kernel) when the first stream ends, a reset queued there would come
+    after the new stream's first chunk read the old state (its audio wrong), and zero what that chunk saved.
+    The lane's decoder is also built while that stream is busy: its state, made there, is read after."""
+    module = _tiny(0, "cuda")
+    busy = lambda: torch.cuda._sleep(200_000_000)  # ~0.1 s of the bulk's stream at the H100's clock  # noqa: E731
+    busy()
+    loop, _ = _lane_loop(module, "cuda", request_frames=8, warmup=(1, 8), pipeline=True)
+    _streams_reusing_a_slot(loop, module, busy)
+
+
 @pytest.mark.slow
 def test_serve_with_a_stream_lane_answers_every_client_exactly_and_says_so():
     from test_serve_processes import clients_exact, start

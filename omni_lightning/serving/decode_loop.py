@@ -227,9 +227,10 @@ class DecodeLoop(Slots):
         pushed: dict[Job, list[int]] = {}
         for job, take in phase:
             try:
-                if job.sid is None:
-                    job.sid = self._decoder_of(job).open()
-                frames = self._push(job, take)
+                with self._stream_of(job):
+                    if job.sid is None:
+                        job.sid = self._decoder_of(job).open()
+                    frames = self._push(job, take)
             except ValueError as err:  # checked at the edge already; a retired decoder says so here
                 self._close(job, ("error", (500, f"request {job.rid}: {err}")))
                 continue
@@ -261,11 +262,16 @@ class DecodeLoop(Slots):
 
     def _release(self, job: Job) -> None:
         if job.sid is not None:
-            with contextlib.suppress(ValueError):  # failed streams are closed without a decode
+            with contextlib.suppress(ValueError), self._stream_of(job):  # failed streams: closed without a decode
                 self._decoder_of(job).close(job.sid)
 
     def _decoder_of(self, job: Job) -> StreamingDecoder:
         return self.lane.decoder if self.lane is not None and job.is_stream else self.decoder
+
+    def _stream_of(self, job: Job) -> contextlib.AbstractContextManager:
+        """Where ``job``'s decoder launches: a lane's stream (a closed slot's state is zeroed there, before the
+        next stream's first chunk reads it), else the current one."""
+        return self.lane.on_stream() if self.lane is not None and job.is_stream else contextlib.nullcontext()
 
     def _has_more(self, job: Job) -> bool:
         return bool(job.chunks) if job.codes is None else job.sent_frames < job.codes.shape[1]

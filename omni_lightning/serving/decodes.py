@@ -12,8 +12,9 @@ the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``),
 forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
 ``computed_frames``; a stream's chunk, from its arrival in the loop to its audio handed out, counts in
 ``stream_chunk_seconds`` (the server's own share of a chunk's latency: the rest is the sockets' and the
-client's). A decode that fails is told to its clients through ``fail``. ``stream``: the CUDA stream its
-decodes are launched on (None: the current one), a stream lane's high-priority one (``stream_lane.py``).
+client's). A decode that fails is told to its clients through ``fail``. ``on``: entered around each launch
+(default: nothing, the current CUDA stream); a stream lane's makes its high-priority stream current
+(``stream_lane.py``).
 """
 
 from __future__ import annotations
@@ -50,9 +51,13 @@ class Decodes:
     failed decode's clients."""
 
     def __init__(
-        self, decoder: StreamingDecoder, metrics: Any, fail: Callable[[dict, Exception], None], stream: Any = None
+        self,
+        decoder: StreamingDecoder,
+        metrics: Any,
+        fail: Callable[[dict, Exception], None],
+        on: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        self.decoder, self.metrics, self.fail, self.stream = decoder, metrics, fail, stream
+        self.decoder, self.metrics, self.fail, self.on = decoder, metrics, fail, on
         self.config, self.cost, self.host = decoder.config, FrameCost(), HostAudio()
         self.landed = 0.0  # when the last decode's audio landed
 
@@ -62,7 +67,7 @@ class Decodes:
         work = getattr(getattr(self.decoder, "engine", None), "work", None)  # (a test double may have none)
         before = dict(work) if work is not None else None
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            with self.on():
                 out = self.decoder.step()
                 outs = [out[job.sid] for job in pushed]
                 copy = self.host.start(outs)

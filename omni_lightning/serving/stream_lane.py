@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,13 +54,16 @@ class StreamLane:
         self.decoder: StreamingDecoder | None = None
         self.decodes: Decodes | None = None
         self.stream: torch.cuda.Stream | None = None
+        self.inside = 0
 
     def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float:
         """Makes the decoder and runs its warm-up on the lane's stream; returns its seconds."""
         start = time.perf_counter()
         self.decoder = self.make()
         self.stream = lane_stream(self.decoder.engine.device)
-        self.decodes = Decodes(self.decoder, self.metrics, self.fail, self.stream)
+        if self.stream is not None:  # the decoder's state was made on the current stream: the lane reads it after
+            self.stream.wait_stream(torch.cuda.current_stream(self.decoder.engine.device))
+        self.decodes = Decodes(self.decoder, self.metrics, self.fail, self.on_stream)
         if chunk_sizes:
             with self.on_stream():
                 self.decoder.warmup(chunk_sizes=chunk_sizes, batch_sizes=batch_sizes)
@@ -68,5 +71,15 @@ class StreamLane:
             self.stream.synchronize()
         return time.perf_counter() - start
 
-    def on_stream(self) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """The lane's stream current: every call of the lane's decoder that may launch device work (a decode,
+        opening, pushing, closing a stream: a slot's state is zeroed) runs inside, so that it is ordered with
+        the lane's decodes, not queued behind the bulk's on another stream. ``inside``: how deep (the CPU's
+        stand-in for which stream is current)."""
+        self.inside += 1
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                yield
+        finally:
+            self.inside -= 1
