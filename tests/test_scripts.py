@@ -285,3 +285,32 @@ def test_every_script_is_in_the_readmes_table():
         if f"`{p.relative_to(ROOT / 'scripts')}`" not in readme
     ]
     assert not missing, f"scripts not in scripts/README.md: {missing}"
+
+
+def test_recipe_sweeps_shifted_pairs_are_the_same_audio_late_by_at_most_a_millisecond(tmp_path):
+    """``recipe_sweep.py``'s ``shifted`` benchmark: each training audio is the pair's own, made late by 0 to
+    ``SHIFT`` samples (zeros first, the same length), the codes the same; made once."""
+    import numpy as np
+    import soundfile as sf
+    from recipe_sweep import SHIFT, shifted_pairs
+
+    (tmp_path / "audio").mkdir()
+    rng, rows = np.random.default_rng(0), []
+    for i in range(40):
+        wav = rng.standard_normal(2000 + 37 * i).astype(np.float32) * 0.1
+        sf.write(tmp_path / "audio" / f"p{i}.wav", wav, 24000, subtype="FLOAT")
+        rows.append({"id": f"p{i}", "codes": f"codes/p{i}.npy", "audio": f"audio/p{i}.wav"})
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = shifted_pairs(train)
+    lates = []
+    for row, shifted in zip(rows, map(json.loads, out.read_text().splitlines())):
+        assert shifted["codes"] == row["codes"] and shifted["audio"] != row["audio"]
+        wav, _ = sf.read(tmp_path / row["audio"], dtype="float32")
+        late_wav, rate = sf.read(tmp_path / shifted["audio"], dtype="float32")
+        assert rate == 24000 and len(late_wav) == len(wav)
+        late = next(k for k in range(SHIFT + 1) if np.array_equal(late_wav[k:], wav[: len(wav) - k]))
+        assert not late_wav[:late].any()
+        lates.append(late)
+    assert SHIFT == 24 and len(set(lates)) > 10 and max(lates) <= SHIFT  # up to 1 ms at 24 kHz, spread
+    assert shifted_pairs(train) == out
