@@ -31,7 +31,7 @@ def _lane_loop(module, device: str, **settings) -> tuple[DecodeLoop, RecordingDe
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_streams_decode_on_their_lane_whole_requests_uncapped_and_every_client_equals_decode(
+def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_client_equals_decode(
     seed, pipeline, device, no_tf32
 ):
     rng = random.Random(seed)
@@ -61,7 +61,9 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_and_every_client_e
     assert {j.sid for j in jobs} <= set().union(*bulk.steps) and len(bulk.streams) == 0
     assert lane.steps and all(s <= {j.sid for j in opened} for s in lane.steps)  # the lane decodes streams only
     assert sum(len(c) for c in streams) >= len(lane.steps) >= max(map(len, streams))
-    assert len(bulk.steps[0]) == len(wholes)  # every whole request in the first step: no slice cap with a lane
+    # on CUDA every whole request in the first step (no slice cap: the lane runs beside); on a CPU the lane's
+    # decodes run in turn with the bulk's, which stay capped (the least: 8 frames, oldest first, of 12-24)
+    assert len(bulk.steps[0]) == len(wholes) if device == "cuda" else len(bulk.steps[0]) < len(wholes)
 
 
 class HeldCopies:

@@ -11,7 +11,7 @@ remains; the loop sleeps only when idle. With ``pipeline`` (CUDA), a step's bulk
 next step, after that step's first launch (the streams' chunks, else the next bulk slice), so the device need
 not wait for the host between them. With a ``stream_lane`` (``stream_lane.py``) the streams are a second
 decoder's, on a high-priority CUDA stream: their chunks are launched as they come, also while the loop waits
-for a bulk slice to land, and the bulk is not capped to a slice.
+for a bulk slice to land, and on CUDA the bulk is not capped to a slice.
 
 Slots are the decoder's ``max_streams`` (``slots.py``): a stream takes one when it opens (none free:
 ``Overloaded``), a whole request when one frees, waiting in a queue of at most ``max_queue``. A client that
@@ -161,7 +161,7 @@ class DecodeLoop(Slots):
         jobs = [j for j in jobs if not j.aborted]
         streams, bulk = [j for j in jobs if j.is_stream], [j for j in jobs if not j.is_stream]
         takes = bulk_frames([j.codes.shape[1] - j.sent_frames for j in bulk], self.request_frames,
-                            bool(streams) and self.lane is None, self.decodes.cost, self.bulk_slice_s)  # fmt: skip
+                            bool(streams) and not self._overlapped, self.decodes.cost, self.bulk_slice_s)  # fmt: skip
         if self.lane is not None:
             self._lanes_step(bulk, takes, between)
             self._close_ended(jobs)
@@ -264,6 +264,13 @@ class DecodeLoop(Slots):
         if job.sid is not None:
             with contextlib.suppress(ValueError), self._stream_of(job):  # failed streams: closed without a decode
                 self._decoder_of(job).close(job.sid)
+
+    @property
+    def _overlapped(self) -> bool:
+        """Whether the streams' decodes run beside the bulk's (a lane on its own CUDA stream): then a bulk
+        decode is not capped to a slice while streams are open. On a CPU a lane's decodes run in turn with
+        the bulk's, and the cap bounds a chunk's wait as without one."""
+        return self.lane is not None and self.lane.stream is not None
 
     def _decoder_of(self, job: Job) -> StreamingDecoder:
         return self.lane.decoder if self.lane is not None and job.is_stream else self.decoder

@@ -12,14 +12,14 @@ for the slice the pipelined loop queued behind it. With a lane:
 - its decodes are launched on a CUDA stream of the greatest priority: the device schedules their blocks
   ahead of the bulk kernels' next ones, so a chunk computes beside the bulk slice, not after it;
 - the decode loop launches a chunk as it comes, also while it waits for a bulk slice to land (it polls the
-  slice's copy and its socket: ``DecodeLoop``), and whole requests are not capped to a slice while streams are
-  open (``schedule.py``'s cap bounds a chunk's wait behind bulk work, which a lane removes).
+  slice's copy and its socket: ``DecodeLoop``), and on CUDA whole requests are not capped to a slice while streams
+  are open (``schedule.py``'s cap bounds a chunk's wait behind bulk work, which a lane removes).
 
 Memory: the lane's decoder is built after the bulk decoder's warm-up, so under a cap
 (``gpu_memory_utilization``) its budget is what the bulk decoder left; with too little left it raises
 ``torch.OutOfMemoryError`` with the figures, and the server does not start. Without a cap it takes the
 default budget, as the bulk decoder does. On a CPU a lane has no stream of its own: its decodes run in turn
-with the bulk ones (the same logic, no overlap: how the tests run it).
+with the bulk ones, which stay capped to a slice (the same logic, no overlap: how the tests run it).
 Not done: a lane per priority class (all streams share one), preempting a bulk kernel already running
 (the device finishes the blocks it started).
 """
