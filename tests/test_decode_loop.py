@@ -9,45 +9,10 @@ import random
 
 import pytest
 import torch
+from serve_helpers import DEVICES, RecordingDecoder, audio_of, check_decode, sink_into, tiny_on
 
-from omni_lightning import Code2WavModule
 from omni_lightning.engine.streaming import StreamingDecoder
 from omni_lightning.serving.decode_loop import DecodeLoop
-
-
-class RecordingDecoder(StreamingDecoder):
-    """The real decoder; each ``step`` records which streams it advanced (to see what shared a forward)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.steps: list[set] = []
-
-    def step(self, chunks=None):
-        out = super().step(chunks)
-        self.steps.append({sid for sid, samples in out.items() if samples.shape[-1]})
-        return out
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
-
-
-def _tiny(seed: int, device: str) -> Code2WavModule:
-    torch.manual_seed(seed)
-    return Code2WavModule(config="tiny", random_weights=True).eval().to(device)
-
-
-def _check(got: torch.Tensor, module: Code2WavModule, codes: torch.Tensor) -> None:
-    expected = module.model.decode(codes[None].to(module.device))[0].cpu()
-    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=1e-5 if module.device.type == "cpu" else 1e-4)
-
-
-def _sink(into: list):
-    return lambda kind, value: into.append((kind, [v.clone() for v in value] if kind == "audio" else value))
-
-
-def _audio(messages: list) -> torch.Tensor:
-    assert messages[-1][0] == "end", messages[-1]
-    return torch.cat([piece for kind, pieces in messages if kind == "audio" for piece in pieces], dim=-1)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -57,7 +22,7 @@ def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_
     seed, pipeline, device, no_tf32
 ):
     rng = random.Random(seed)
-    module = _tiny(seed, device)
+    module = tiny_on(seed, device)
     decoder = RecordingDecoder(module.model, max_streams=8, cuda_graphs=device == "cuda")
     loop = DecodeLoop(decoder, request_frames=rng.choice([4, 8, 32]), warmup=(), bulk_slice_s=0.005, pipeline=pipeline)
     q = module.config.num_quantizers
@@ -65,8 +30,8 @@ def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_
     chunks = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 12))) for _ in range(6)]
     answers = {i: [] for i in range(len(wholes) + 1)}
     with torch.no_grad():
-        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
-        stream = loop.open_stream("s", _sink(answers[len(wholes)]))
+        jobs = [loop.submit(f"w{i}", codes, sink_into(answers[i])) for i, codes in enumerate(wholes)]
+        stream = loop.open_stream("s", sink_into(answers[len(wholes)]))
         for chunk in chunks:
             loop.push(stream, chunk)
             loop.run_step()
@@ -79,7 +44,7 @@ def test_a_streams_chunk_never_shares_a_forward_with_bulk_rows_and_every_client_
         assert all(s == {stream.sid} for s in stream_steps)  # never with a whole request's rows
         assert any(s & whole_sids for s in decoder.steps)  # the bulk work ran in steps of its own
         for i, codes in enumerate([*wholes, torch.cat(chunks, dim=1)]):
-            _check(_audio(answers[i]), module, codes)
+            check_decode(audio_of(answers[i]), module, codes)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,14 +54,14 @@ def test_pipelined_whole_requests_each_equal_decode_and_an_abort_in_flight_frees
     one's audio; on this CPU the same bookkeeping runs: every request whole and exact, in order, an aborted
     one told nothing more, every slot free at the end."""
     rng = random.Random(seed)
-    module = _tiny(seed, device)
+    module = tiny_on(seed, device)
     decoder = StreamingDecoder(module.model, max_streams=3, cuda_graphs=device == "cuda")
     loop = DecodeLoop(decoder, max_queue=16, request_frames=rng.choice([3, 8]), warmup=(), pipeline=True)
     q = module.config.num_quantizers
     wholes = [torch.randint(0, module.config.codebook_size, (q, rng.randint(1, 40))) for _ in range(7)]
     answers = {i: [] for i in range(len(wholes))}
     with torch.no_grad():
-        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
+        jobs = [loop.submit(f"w{i}", codes, sink_into(answers[i])) for i, codes in enumerate(wholes)]
         loop.run_step()
         loop.run_step()
         assert loop._in_flight is not None  # a decode launched and not yet handed out
@@ -113,7 +78,7 @@ def test_pipelined_whole_requests_each_equal_decode_and_an_abort_in_flight_frees
             assert all(kind == "audio" for kind, _ in answers[i])  # no end, no error: the client left
             continue
         with torch.no_grad():
-            _check(_audio(answers[i]), module, codes)
+            check_decode(audio_of(answers[i]), module, codes)
 
 
 def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(tmp_path):
@@ -128,7 +93,7 @@ def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(t
     from omni_lightning.serving.jobs import queue_sink
 
     rng = random.Random(7)
-    module = _tiny(7, "cpu")
+    module = tiny_on(7, "cpu")
     decoder = StreamingDecoder(module.model, max_streams=4, cuda_graphs=False)
     loop = DecodeLoop(decoder, max_queue=32, request_frames=8, warmup=(), pipeline=True)
     server = EngineServer(loop, f"ipc://{tmp_path}/engine")
@@ -167,4 +132,4 @@ def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(t
         thread.join(30)
     assert not thread.is_alive() and loop.open_jobs == 0 and decoder.streams == []
     for messages, codes in zip(answers[1:], [*wholes[1:], *(torch.cat(c, dim=1) for c in streamed)]):
-        _check(_audio(messages), module, codes)
+        check_decode(audio_of(messages), module, codes)

@@ -4,22 +4,14 @@ process, SIGTERM drains and exits 0, and no child outlives the server or a dead 
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import re
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
-import torch
-import websockets
-from helpers import ROOT
-from serve_helpers import tiny_module, wait_until
+from serve_helpers import clients_exact, serve_command, wait_until
 
 pytest.importorskip("fastapi")
 
@@ -43,54 +35,8 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def start(*options: str) -> tuple[subprocess.Popen, str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", "0", *options]
-    proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
-    line = proc.stdout.readline()
-    found = re.search(r"listening on (http://[\d.:]+)", line)
-    if not found:
-        proc.kill()
-        raise AssertionError(f"no start-up line: {line!r} {proc.stderr.read()[-2000:]}")
-    return proc, line, found.group(1)
-
-
-async def _clients(url: str, codes: list[torch.Tensor]) -> list[np.ndarray]:
-    async def whole(c: torch.Tensor) -> np.ndarray:
-        async with httpx.AsyncClient(timeout=120) as http:  # a new connection each: spread over the fronts
-            r = await http.post(f"{url}/v1/code2wav?format=pcm", json={"codes": c.tolist()})
-            assert r.status_code == 200, r.text
-            return np.frombuffer(r.content, "<f4")
-
-    async def stream(c: torch.Tensor) -> np.ndarray:
-        async with websockets.connect(f"{url.replace('http', 'ws')}/v1/code2wav/stream") as ws:
-            pieces = []
-            for at in range(0, c.shape[1], 4):
-                await ws.send(json.dumps({"codes": c[:, at : at + 4].tolist()}))
-                pieces.append(np.frombuffer(await ws.recv(), "<f4"))
-            await ws.send(json.dumps({"end": True}))
-            assert json.loads(await ws.recv())["done"]
-            return np.concatenate(pieces)
-
-    return await asyncio.gather(*[(whole if i % 2 else stream)(c) for i, c in enumerate(codes)])
-
-
-def clients_exact(url: str, n: int, seed: int) -> None:
-    """``n`` clients of random lengths (whole requests and streams, alternately) each get ``decode`` of their
-    codes from the tiny model of the command's seed (0)."""
-    torch.manual_seed(0)
-    reference = tiny_module()  # the command's seed: the same weights
-    rng = np.random.default_rng(seed)
-    codes = [torch.from_numpy(rng.integers(0, 2048, (16, int(k)))) for k in rng.integers(1, 30, n)]
-    for c, got in zip(codes, asyncio.run(_clients(url, codes))):
-        with torch.no_grad():
-            want = reference.model.decode(c[None])[0][0].numpy()
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-
-
 def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0():
-    proc, line, url = start("--front_processes", "2")
+    proc, line, url = serve_command("--front_processes", "2")
     try:
         assert "1 engine process, 2 fronts; listening on" in line, line
         pids = set()
@@ -120,7 +66,7 @@ def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0(
 
 @pytest.mark.slow
 def test_a_dead_engine_stops_the_server_non_zero_and_children_die_with_a_killed_parent():
-    proc, line, url = start("--front_processes", "1")
+    proc, line, url = serve_command("--front_processes", "1")
     try:
         kids = children(proc.pid)
         spawned = sorted(k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes())
@@ -132,7 +78,7 @@ def test_a_dead_engine_stops_the_server_non_zero_and_children_die_with_a_killed_
     finally:
         proc.kill()
         proc.wait()
-    proc, line, url = start("--front_processes", "2")
+    proc, line, url = serve_command("--front_processes", "2")
     try:
         kids = children(proc.pid)
         proc.kill()  # the parent dies without a word: its children follow

@@ -12,7 +12,16 @@ import signal
 
 import pytest
 import torch
-from test_decode_loop import DEVICES, RecordingDecoder, _audio, _check, _sink, _tiny
+from serve_helpers import (
+    DEVICES,
+    RecordingDecoder,
+    audio_of,
+    check_decode,
+    clients_exact,
+    serve_command,
+    sink_into,
+    tiny_on,
+)
 
 from omni_lightning.serving.decode_loop import DecodeLoop
 
@@ -35,7 +44,7 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
     seed, pipeline, device, no_tf32
 ):
     rng = random.Random(seed)
-    module = _tiny(seed, device)
+    module = tiny_on(seed, device)
     # a slice of a nanosecond: without a lane, the bulk would send its least (8 frames, oldest first) a step
     loop, lane = _lane_loop(module, device, request_frames=rng.choice([4, 8]), warmup=(), bulk_slice_s=1e-9,
                             pipeline=pipeline)  # fmt: skip
@@ -44,8 +53,8 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
     streams = [[torch.randint(0, size, (q, rng.randint(1, 12))) for _ in range(rng.randint(2, 5))] for _ in range(2)]
     answers = [[] for _ in range(len(wholes) + len(streams))]
     with torch.no_grad():
-        opened = [loop.open_stream(f"s{i}", _sink(answers[len(wholes) + i])) for i in range(len(streams))]
-        jobs = [loop.submit(f"w{i}", codes, _sink(answers[i])) for i, codes in enumerate(wholes)]
+        opened = [loop.open_stream(f"s{i}", sink_into(answers[len(wholes) + i])) for i in range(len(streams))]
+        jobs = [loop.submit(f"w{i}", codes, sink_into(answers[i])) for i, codes in enumerate(wholes)]
         for at in range(max(map(len, streams))):
             for job, chunks in zip(opened, streams):
                 if at < len(chunks):
@@ -56,7 +65,7 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
         while loop.has_work():
             loop.run_step()
     for got, codes in zip(answers, [*wholes, *(torch.cat(c, dim=1) for c in streams)]):
-        _check(_audio(got), module, codes)
+        check_decode(audio_of(got), module, codes)
     bulk = loop.decoder
     assert {j.sid for j in jobs} <= set().union(*bulk.steps) and len(bulk.streams) == 0
     assert lane.steps and all(s <= {j.sid for j in opened} for s in lane.steps)  # the lane decodes streams only
@@ -91,7 +100,7 @@ class HeldCopies:
 def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lands(lane):
     """The lane's point: the loop launches a chunk while it waits for the bulk slice, and hands out its audio
     first. Without a lane (the control) the same chunk waits for the slice and the step after it."""
-    module = _tiny(0, "cpu")
+    module = tiny_on(0, "cpu")
     settings = {"request_frames": 8, "warmup": (), "pipeline": False}
     if lane:
         loop, _ = _lane_loop(module, "cpu", **settings)
@@ -103,7 +112,7 @@ def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lan
     order, answers = [], {"w": [], "s": []}
 
     def sink(who):
-        into = _sink(answers[who])
+        into = sink_into(answers[who])
         return lambda kind, value: (order.append((who, kind)), into(kind, value))
 
     came = []
@@ -125,8 +134,8 @@ def test_a_chunk_that_comes_while_a_bulk_slice_computes_is_decoded_before_it_lan
         loop.finish(stream)
         while loop.has_work():
             loop.run_step()
-    _check(_audio(answers["w"]), module, whole)
-    _check(_audio(answers["s"]), module, chunk)
+    check_decode(audio_of(answers["w"]), module, whole)
+    check_decode(audio_of(answers["s"]), module, chunk)
 
 
 def _streams_reusing_a_slot(loop, module, between_close_and_open=lambda: None) -> None:
@@ -137,14 +146,14 @@ def _streams_reusing_a_slot(loop, module, between_close_and_open=lambda: None) -
     late = torch.randint(0, size, (q, 5))
     answers = [[] for _ in range(9)]
     with torch.no_grad():
-        jobs = [loop.open_stream(f"s{i}", _sink(answers[i])) for i in range(8)]
+        jobs = [loop.open_stream(f"s{i}", sink_into(answers[i])) for i in range(8)]
         for job, codes in zip(jobs, firsts):
             loop.push(job, codes)
         loop.run_step()
         loop.finish(jobs[0])
         between_close_and_open()
         loop.run_step()  # the first stream ends: its slot's state is zeroed
-        new = loop.open_stream("new", _sink(answers[8]))
+        new = loop.open_stream("new", sink_into(answers[8]))
         loop.push(new, late)
         loop.run_step()  # its first chunk reads that slot's state
         for job in [*jobs[1:], new]:
@@ -152,13 +161,13 @@ def _streams_reusing_a_slot(loop, module, between_close_and_open=lambda: None) -
         while loop.has_work():
             loop.run_step()
     for got, codes in zip(answers, [*firsts, late]):
-        _check(_audio(got), module, codes)
+        check_decode(audio_of(got), module, codes)
 
 
 def test_every_call_of_the_lanes_decoder_runs_with_the_lanes_stream_current():
     """The CPU's stand-in for the race below: a slot's state zeroed, a stream opened, a forward, each with the
     lane current (``StreamLane.inside``); on CUDA one outside would be queued on the bulk's stream."""
-    module = _tiny(0, "cpu")
+    module = tiny_on(0, "cpu")
     loop, lane = _lane_loop(module, "cpu", request_frames=8, warmup=(1,), pipeline=True)
     calls, outside = [], []
     for name in ("acquire", "release", "_run"):
@@ -181,7 +190,7 @@ def test_a_stream_on_a_closed_streams_slot_starts_fresh_while_the_bulk_stream_is
     bulk's CUDA stream held busy (a sleep kernel) when the first stream ends, a reset queued there would come
     after the new stream's first chunk read the old state (its audio wrong), and zero what that chunk saved.
     The lane's decoder is also built while that stream is busy: its state, made there, is read after."""
-    module = _tiny(0, "cuda")
+    module = tiny_on(0, "cuda")
     busy = lambda: torch.cuda._sleep(200_000_000)  # ~0.1 s of the bulk's stream at the H100's clock  # noqa: E731
     busy()
     loop, _ = _lane_loop(module, "cuda", request_frames=8, warmup=(1, 8), pipeline=True)
@@ -190,9 +199,7 @@ def test_a_stream_on_a_closed_streams_slot_starts_fresh_while_the_bulk_stream_is
 
 @pytest.mark.slow
 def test_serve_with_a_stream_lane_answers_every_client_exactly_and_says_so():
-    from test_serve_processes import clients_exact, start
-
-    proc, line, url = start("--front_processes", "1", "--stream_lane", "true")
+    proc, line, url = serve_command("--front_processes", "1", "--stream_lane", "true")
     try:
         assert "streams on a lane of their own" in line, line
         clients_exact(url, 8, seed=1)
