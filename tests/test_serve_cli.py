@@ -20,7 +20,7 @@ import pytest
 import torch
 import websockets
 from helpers import ROOT
-from serve_helpers import LiveServer, tiny_module, wait_until
+from serve_helpers import LiveServer, clients_exact, serve_command, tiny_module, wait_until
 
 from omni_lightning.cli import main
 from omni_lightning.cli.arguments import unknown_option
@@ -288,36 +288,12 @@ def test_a_drain_past_its_timeout_ends_the_command_143_without_a_traceback():
 
 @pytest.mark.slow
 def test_devices_2_runs_two_cpu_engines_behind_one_port_each_exact():
-    """``--devices 2`` on the CPU: two engine processes behind the fronts; streams spread over them are each
+    """``--devices 2`` on the CPU: two engine processes behind the fronts; clients spread over them are each
     exact; SIGTERM ends them all."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    argv = ["serve", "--model.config", "tiny", "--model.random_weights", "true", "--port", "0", "--devices", "2",
-            "--trainer.accelerator", "cpu", "--front_processes", "1"]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    proc, line, url = serve_command("--devices", "2", "--trainer.accelerator", "cpu", "--front_processes", "1")
     try:
-        line = proc.stdout.readline()
         assert "2 engine processes, 1 front;" in line, line
-        url = re.search(r"listening on (http://[\d.:]+)", line).group(1)
-        torch.manual_seed(0)
-        reference = tiny_module()
-        codes = [torch.randint(0, 2048, (16, n)) for n in (5, 9, 14, 20, 3, 11)]
-
-        async def one(c: torch.Tensor) -> np.ndarray:
-            async with websockets.connect(f"{url.replace('http', 'ws')}/v1/code2wav/stream") as ws:
-                pieces = []
-                for start in range(0, c.shape[1], 4):
-                    await ws.send(json.dumps({"codes": c[:, start : start + 4].tolist()}))
-                    pieces.append(np.frombuffer(await ws.recv(), "<f4"))
-                return np.concatenate(pieces)
-
-        async def main():
-            return await asyncio.gather(*[one(c) for c in codes])
-
-        for c, audio in zip(codes, asyncio.run(main())):
-            with torch.no_grad():
-                want = reference.model.decode(c[None])[0][0].numpy()
-            np.testing.assert_allclose(audio, want, atol=1e-5, rtol=0)
+        clients_exact(url, 8, seed=2)  # whole requests and streams, over both engines
         steps = re.findall(r"^omni_step_seconds_count (\S+)", httpx.get(f"{url}/metrics").text, re.M)
         assert float(steps[0]) >= 2  # both engines' steps, summed
         proc.send_signal(signal.SIGTERM)
