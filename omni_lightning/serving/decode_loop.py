@@ -270,7 +270,7 @@ class DecodeLoop(Slots):
         """Whether the streams' decodes run beside the bulk's (a lane on its own CUDA stream): then a bulk
         decode is not capped to a slice while streams are open. On a CPU a lane's decodes run in turn with
         the bulk's, and the cap bounds a chunk's wait as without one."""
-        return self.lane is not None and self.lane.stream is not None
+        return self.lane is not None and self.lane.overlaps
 
     def _decoder_of(self, job: Job) -> StreamingDecoder:
         return self.lane.decoder if self.lane is not None and job.is_stream else self.decoder

@@ -55,12 +55,14 @@ class StreamLane:
         self.decodes: Decodes | None = None
         self.stream: torch.cuda.Stream | None = None
         self.inside = 0
+        self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
     def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float:
         """Makes the decoder and runs its warm-up on the lane's stream; returns its seconds."""
         start = time.perf_counter()
         self.decoder = self.make()
         self.stream = lane_stream(self.decoder.engine.device)
+        self.overlaps = self.stream is not None
         if self.stream is not None:  # the decoder's state was made on the current stream: the lane reads it after
             self.stream.wait_stream(torch.cuda.current_stream(self.decoder.engine.device))
         self.decodes = Decodes(self.decoder, self.metrics, self.fail, self.on_stream)

@@ -167,6 +167,7 @@ def sim_loop(args: argparse.Namespace):
         def build_and_book(*args):
             seconds = build(*args)
             book_copies(loop.lane.decodes.host, device, True)
+            loop.lane.overlaps = True  # its forwards run beside the bulk's on the simulated device, as on CUDA
             return seconds
 
         loop.lane.build = build_and_book
