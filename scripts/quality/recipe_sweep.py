@@ -86,6 +86,7 @@ RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "768-pairs-config-waveform-10": ({**CONFIG, "waveform_weight": 10.0}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-lr-2e-3": ({**CONFIG, "learning_rate": 2e-3}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-constant": ({**CONFIG, "min_lr_ratio": 1.0}, {"train_pairs": 768, **CONFIG_DATA}),
+    "768-pairs-config-gan": ({**CONFIG, "adversarial": True}, {"train_pairs": 768, **CONFIG_DATA}),
     "frozen-embedding": ({"freeze": ["code_embedding"]}, {}),
     "frozen-pre-transformer": ({"freeze": ["code_embedding", "pre_transformer"]}, {}),
 }
