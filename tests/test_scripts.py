@@ -226,8 +226,9 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
     free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
     out = tmp_path / "load.json"
+    # (the stream lane asked for by name, as the battery's steps do; on a CPU it is not the default)
     run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
-                                   "--out", str(out)], tmp_path)  # fmt: skip
+                                   "--stream-lane", "true", "--out", str(out)], tmp_path)  # fmt: skip
     result = json.loads(out.read_text())
     assert result["lost"] == 0 and result["wrong"] == 0 and result["checked"] >= 2, result
     assert result["chunk_latency_ms_p50"] > 0 and result["ratio_to_offline"] > 0 and result["decode_loop_share"] > 0

@@ -7,6 +7,7 @@ beside the bulk's, each decoder with its own graphs: fp32 with TF32 off, within 
 
 from __future__ import annotations
 
+import logging
 import random
 import signal
 
@@ -24,6 +25,7 @@ from serve_helpers import (
 )
 
 from omni_lightning.serving.decode_loop import DecodeLoop
+from omni_lightning.serving.stream_lane import lane_wanted
 
 
 def _lane_loop(module, device: str, **settings) -> tuple[DecodeLoop, RecordingDecoder]:
@@ -73,6 +75,52 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
     # on CUDA every whole request in the first step (no slice cap: the lane runs beside); on a CPU the lane's
     # decodes run in turn with the bulk's, which stay capped (the least: 8 frames, oldest first, of 12-24)
     assert len(bulk.steps[0]) == len(wholes) if device == "cuda" else len(bulk.steps[0]) < len(wholes)
+
+
+def test_the_default_lane_is_on_where_a_gpu_runs_it_beside_the_bulk_and_off_on_a_cpu():
+    for device in ("cpu", "cuda", "cuda:1"):
+        on = torch.device(device).type == "cuda"
+        assert lane_wanted(None, torch.device(device)) is on
+        assert lane_wanted(True, torch.device(device)) is True and lane_wanted(False, torch.device(device)) is False
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("required", [False, True])
+def test_a_lane_its_memory_does_not_hold_is_dropped_with_a_warning_by_default_and_an_error_when_asked_for(
+    required, device, no_tf32, caplog
+):
+    """The lane's decoder is made, then runs out of memory in its warm-up (a stand-in for a capped GPU's
+    ``budget.no_room``, which a CPU has not): by default the server goes on without a lane, the streams on the
+    bulk decoder (each still ``decode`` of its codes); asked for (``--stream_lane true``), the warm-up fails,
+    naming the shortfall."""
+    module = tiny_on(0, device)
+    made = []
+
+    def short_of_memory() -> RecordingDecoder:
+        made.append(RecordingDecoder(module.model, max_streams=4, cuda_graphs=device == "cuda"))
+        raise torch.OutOfMemoryError("the stream lane's decoder needs 2.0 GiB; 0.5 GiB left under the cap")
+
+    bulk = RecordingDecoder(module.model, max_streams=4, cuda_graphs=device == "cuda")
+    loop = DecodeLoop(bulk, warmup=(1,), stream_lane=short_of_memory, lane_required=required)
+    caplog.set_level(logging.WARNING, "omni_lightning.serving")
+    assert loop.warm() is not required and made
+    if required:
+        assert "OutOfMemoryError" in loop.warmup_error and "0.5 GiB left" in loop.warmup_error, loop.warmup_error
+        return
+    assert loop.lane is None and loop.ready.is_set()
+    assert "no stream lane" in caplog.text and "0.5 GiB left" in caplog.text and "--stream_lane" in caplog.text
+    codes = torch.randint(0, module.config.codebook_size, (module.config.num_quantizers, 11))
+    got = []
+    with torch.no_grad():
+        job = loop.open_stream("s", sink_into(got))
+        for at in range(0, 11, 4):
+            loop.push(job, codes[:, at : at + 4])
+            loop.run_step()
+        loop.finish(job)
+        while loop.has_work():
+            loop.run_step()
+    check_decode(audio_of(got), module, codes)
+    assert len(bulk.steps) == 3 and len(set().union(*bulk.steps)) == 1  # the bulk decoder decoded its 3 chunks
 
 
 class HeldCopies:

@@ -39,10 +39,11 @@ OPTIONS = (
     ("bulk_slice_ms", float, 10.0, "while a stream is open, the engine time a step gives whole requests"),
     (
         "stream_lane",
-        bool,
-        False,
+        bool | None,
+        None,
         "WebSocket streams on a decoder of their own, on a high-priority CUDA stream: a chunk does not wait "
-        "for whole requests' work (twice the decoders' memory; no slice cap)",
+        "for whole requests' work (twice the decoders' memory; no slice cap). null: on with a GPU, where its "
+        "memory holds (else a warning), off on a CPU",
     ),
     ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
     ("devices", int, 1, "engine processes, each its own engine on its own GPU (on a CPU: CPU engines)"),
@@ -189,6 +190,7 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     from omni_lightning.runner.cpu_threads import choose_threads
     from omni_lightning.serving.decode_loop import DecodeLoop
     from omni_lightning.serving.metrics import ServeMetrics
+    from omni_lightning.serving.stream_lane import lane_wanted
 
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
     if device.type == "cpu":
@@ -205,11 +207,12 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
         return module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
 
     chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
+    lane = lane_wanted(config.stream_lane, device)
     loop = DecodeLoop(decoder(), config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
                       warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows,
-                      stream_lane=decoder if config.stream_lane else None)  # fmt: skip
+                      stream_lane=decoder if lane else None, lane_required=bool(config.stream_lane))  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
-    limits += "; streams on a lane of their own" if config.stream_lane else ""
+    limits += "; streams on a lane of their own" if lane else ""
     return loop, {"config": module.config, "what": what, "limits": limits}
 
 

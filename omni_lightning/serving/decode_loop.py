@@ -53,7 +53,8 @@ class DecodeLoop(Slots):
     steps take, captured before the first client, not in its way); ``bulk_slice_s``: while a stream is open,
     the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): a step
     launches its decodes before handing out the last step's bulk audio (so the device need not wait for the
-    host between them); ``stream_lane``: makes the streams' own decoder (``stream_lane.py``), None: no lane."""
+    host between them); ``stream_lane``: makes the streams' own decoder (``stream_lane.py``), None: no lane;
+    ``lane_required``: False, a lane whose memory does not hold is dropped with a warning, not an error."""
 
     def __init__(
         self,
@@ -67,13 +68,14 @@ class DecodeLoop(Slots):
         warmup_rows: tuple[int, ...] = (1,),
         pipeline: bool | None = None,
         stream_lane: Callable[[], StreamingDecoder] | None = None,
+        lane_required: bool = True,
     ) -> None:
         super().__init__(decoder.max_streams, max_queue, metrics)
         self.decoder, self.request_frames, self.context, self.warmup = decoder, request_frames, context, warmup
         self.config, self.bulk_slice_s = decoder.config, bulk_slice_s
         self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
         self.decodes = Decodes(decoder, metrics, self._fail)
-        self.lane = StreamLane(stream_lane, metrics, self._fail) if stream_lane is not None else None
+        self.lane = StreamLane(stream_lane, metrics, self._fail, lane_required) if stream_lane is not None else None
         self.pipeline = decoder.engine.device.type == "cuda" if pipeline is None else pipeline
         self._in_flight: Decode | None = None  # a bulk decode launched, its audio not yet handed out
         self.ready = threading.Event()
@@ -101,8 +103,10 @@ class DecodeLoop(Slots):
                 log.info("serve: warm-up (chunks of %s frames, %s streams) took %.2f s", self.warmup,
                          self.warmup_rows, seconds)  # fmt: skip
             if self.lane is not None:
-                seconds = self.lane.build(self.warmup, self.warmup_rows)
-                log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
+                if (seconds := self.lane.build(self.warmup, self.warmup_rows)) is None:
+                    self.lane = None  # its memory did not hold one (the lane warned)
+                else:
+                    log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
         except Exception as err:  # the server answers /health 503 with this
             self.warmup_error = f"{type(err).__name__}: {err}"
             log.exception("serve: warm-up failed")

@@ -17,9 +17,11 @@ for the slice the pipelined loop queued behind it. With a lane:
 
 Memory: the lane's decoder is built after the bulk decoder's warm-up, so under a cap
 (``gpu_memory_utilization``) its budget is what the bulk decoder left; with too little left it raises
-``torch.OutOfMemoryError`` with the figures, and the server does not start. Without a cap it takes the
-default budget, as the bulk decoder does. On a CPU a lane has no stream of its own: its decodes run in turn
-with the bulk ones, which stay capped to a slice (the same logic, no overlap: how the tests run it).
+``torch.OutOfMemoryError`` with the figures: asked for (``--stream_lane true``), the server does not start;
+by default (``lane_wanted``: on CUDA) the lane is dropped, a warning says why, and the streams share the bulk
+decoder. Without a cap it takes the default budget, as the bulk decoder does. On a CPU a lane has no stream of
+its own: its decodes run in turn with the bulk ones, which stay capped to a slice (the same logic, no overlap:
+how the tests run it; not the default there).
 Not done: a lane per priority class (all streams share one), preempting a bulk kernel already running
 (the device finishes the blocks it started).
 """
@@ -27,6 +29,8 @@ Not done: a lane per priority class (all streams share one), preempting a bulk k
 from __future__ import annotations
 
 import contextlib
+import gc
+import logging
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +39,16 @@ import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
 from omni_lightning.serving.decodes import Decodes
+
+log = logging.getLogger("omni_lightning.serving")
+
+
+def lane_wanted(setting: bool | None, device: torch.device) -> bool:
+    """``serve --stream_lane``: as given, else (None, the default) a lane on a CUDA device, where its decodes
+    run beside the bulk's (on an H100 a talker's chunk p50 went from 14 to 10 ms beside bulk clients, the bulk
+    served 7 % more, whole requests alone the same), and none on a CPU, where they take turns on the same cores
+    and a second decoder's warm-up would cost start-up time for a small gain (``docs/performance.md``)."""
+    return device.type == "cuda" if setting is None else setting
 
 
 def lane_stream(device: torch.device) -> torch.cuda.Stream | None:
@@ -49,16 +63,33 @@ class StreamLane:
     """The streams' decoder (``make()``: built by :meth:`build`, after the bulk decoder's warm-up), its
     decodes (``Decodes`` on the lane's CUDA stream) and its warm-up."""
 
-    def __init__(self, make: Callable[[], StreamingDecoder], metrics: Any, fail: Callable) -> None:
-        self.make, self.metrics, self.fail = make, metrics, fail
+    def __init__(
+        self, make: Callable[[], StreamingDecoder], metrics: Any, fail: Callable, required: bool = True
+    ) -> None:
+        self.make, self.metrics, self.fail, self.required = make, metrics, fail, required
         self.decoder: StreamingDecoder | None = None
         self.decodes: Decodes | None = None
         self.stream: torch.cuda.Stream | None = None
         self.inside = 0
         self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
-    def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float:
-        """Makes the decoder and runs its warm-up on the lane's stream; returns its seconds."""
+    def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float | None:
+        """Makes the decoder and runs its warm-up on the lane's stream; returns its seconds. Out of memory: raises
+        if ``required``, else frees what it made, warns, and returns None (no lane: the caller drops it)."""
+        try:
+            return self._build(chunk_sizes, batch_sizes)
+        except torch.OutOfMemoryError as err:
+            if self.required:
+                raise
+            self.decoder = self.decodes = self.stream = None
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            log.warning("serve: no stream lane, the streams share the bulk decoder: its memory did not hold one "
+                        "(%s); --stream_lane false skips the attempt, true makes this an error", err)  # fmt: skip
+            return None
+
+    def _build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float:
         start = time.perf_counter()
         self.decoder = self.make()
         self.stream = lane_stream(self.decoder.engine.device)

@@ -18,8 +18,9 @@ Reported: audio s/s served and its ratio to the offline engine's; requests/s; fi
 first audio packet: a request's body sent, a stream's first chunk sent, to its first audio); paced streams'
 chunk latency p50/p99 and real-time factor (mean chunk latency / chunk duration, over streams); the share of
 wall time the decode loop computed (``/metrics``: step seconds / wall / engines; the wall time runs from the
-clients' start, every client process up, to the last answer; with ``--stream-lane`` the streams' decodes
-overlap the bulk's, so the sum may pass 1: the bulk's alone is ``bulk_decode_share``); with ``--sim-device``,
+clients' start, every client process up, to the last answer; with a stream lane (serve's default on a GPU;
+``--stream-lane true|false``) the streams' decodes overlap the bulk's, so the sum may pass 1: the bulk's
+alone is ``bulk_decode_share``); with ``--sim-device``,
 the share of it the simulated device was busy and computed the requests' own frames; a stream chunk's mean
 time inside the decode loop (``omni_stream_chunk_seconds``); lost (an error or a short answer) and wrong
 (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
@@ -105,8 +106,10 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
     if args.bulk_slice_ms is not None:
         cmd += ["--bulk_slice_ms" if script is None else "--bulk-slice-ms", str(args.bulk_slice_ms)]
-    if args.stream_lane:  # (a free decode has nothing to put on a lane: refused in main)
-        cmd += ["--stream_lane", "true"] if script is None else ["--stream-lane"]
+    if args.stream_lane is not None and script is None:  # not given: the server's default (a lane on a GPU)
+        cmd += ["--stream_lane", args.stream_lane]
+    elif args.stream_lane == "true":  # (a free decode has nothing to put on a lane: refused in main)
+        cmd += ["--stream-lane"]
     log = open(Path(args.out or "load_serve.json").with_suffix(".server.log"), "w")  # noqa: SIM115 - the server's
     proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=log)
     line = proc.stdout.readline()
@@ -297,7 +300,7 @@ def check(engine, done: list[dict], args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
-    if args.free_decode and args.stream_lane:
+    if args.free_decode and args.stream_lane == "true":
         p.error("--stream-lane with --free-decode: a free decode has no device to share")
     engine = None if args.free_decode else offline_engine(args)
     rates = [] if engine is None else [offline_rate(engine, args)]  # before and after: the machine may be shared

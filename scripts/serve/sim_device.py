@@ -156,7 +156,7 @@ def sim_loop(args: argparse.Namespace):
         simulate(own.engine, device, args.budget_frames, high=True)
         return own
 
-    lanes = {"stream_lane": lane} if args.stream_lane else {}  # (a tree from before lanes: none)
+    lanes = {"stream_lane": lane} if args.stream_lane == "true" else {}  # (a tree from before lanes: none)
     loop = DecodeLoop(decoder, args.max_queue, args.request_frames, metrics=ServeMetrics(), warmup=chunks,
                       bulk_slice_s=args.bulk_slice_ms / 1000, warmup_rows=rows, pipeline=True, **lanes)  # fmt: skip
     device.charging = loop.ready.is_set
@@ -189,7 +189,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--capture-ms", type=float, default=300.0, help="host time a capture")
     p.add_argument("--graph-frames", type=int, default=1024, help="the server's largest graphed forward (rows x chunk)")
     p.add_argument("--budget-frames", type=int, default=1024, help="the server's frames a forward at most")
-    p.add_argument("--stream-lane", action="store_true", help="serve's --stream_lane (high-priority bookings)")
+    lane = "serve's --stream_lane: the flag alone or true, false; not given, the server's default (on a GPU a lane;"
+    lane += " the simulated device: none). A lane's forwards are booked at a high priority"
+    p.add_argument("--stream-lane", nargs="?", const="true", choices=("true", "false"), help=lane)
     return p
 
 
