@@ -51,6 +51,15 @@ def test_serve_help_is_short_and_lists_what_serve_uses(capsys):
         (["--model.random_weights", "true", "--max_streams", "0"], "error: --max_streams must be an integer >= 1"),
         (["--model.random_weights", "true", "--prot", "80"], "error: --prot is not an option of omni-lightning serve"),
         (["--model.config", "huge", "--model.random_weights", "true"], "error: --model.config 'huge' is not a preset"),
+        (["--model.random_weights", "true", "--stream_lane", "None"], "error: --stream_lane takes true, false or null"),
+        (
+            ["--model.random_weights", "true", "--bulk_slice_ms", "1e"],
+            "error: --bulk_slice_ms takes a number, got '1e'",
+        ),
+        (
+            ["--model.random_weights", "true", "--max_body_bytes", "0"],
+            "error: --max_body_bytes must be an integer >= 1",
+        ),
     ],
 )
 def test_a_mistake_is_one_line_and_status_2_before_torch_loads(argv, said):
@@ -225,13 +234,14 @@ def test_a_config_before_serve_then_sigterm_mid_stream_drains_and_exits_0(tmp_pa
     gets 503, and the command exits 0 with one line (no ``Seed set to 0`` at the start)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     config = tmp_path / "serve.yaml"
-    config.write_text("serve:\n  port: 0\n  model:\n    config: tiny\n    random_weights: true\n")
+    config.write_text("serve:\n  port: 0\n  stream_lane: false\n  model:\n    config: tiny\n    random_weights: true\n")
     argv = ["-c", str(config), "serve"]
     proc = subprocess.Popen([sys.executable, "-m", "omni_lightning.cli", *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         line = proc.stdout.readline()
         assert line.startswith("serve: tiny preset,") and "random weights; cpu 32-true" in line, line
+        assert "lane" not in line, line  # stream_lane: false (the default is a lane)
         url = re.search(r"listening on (http://[\d.:]+)", line).group(1)
         deadline = time.monotonic() + 60
         while httpx.get(f"{url}/health").status_code != 200:

@@ -39,7 +39,7 @@ def test_engine_and_two_fronts_each_client_exact_metrics_summed_sigterm_exits_0(
     proc, line, url = serve_command("--front_processes", "2")
     try:
         assert "1 engine process, 2 fronts; listening on" in line, line
-        assert "lane" not in line, line  # on a CPU no stream lane by default (stream_lane.lane_wanted)
+        assert "streams on a lane of their own" in line, line  # the default (--stream_lane null), a CPU's too
         pids = set()
         while len(pids) < 2:  # both fronts answer (a new connection each: the kernel spreads them)
             pids.add(httpx.get(f"{url}/health").json()["pid"])

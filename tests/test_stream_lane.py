@@ -25,7 +25,6 @@ from serve_helpers import (
 )
 
 from omni_lightning.serving.decode_loop import DecodeLoop
-from omni_lightning.serving.stream_lane import lane_wanted
 
 
 def _lane_loop(module, device: str, **settings) -> tuple[DecodeLoop, RecordingDecoder]:
@@ -75,13 +74,6 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
     # on CUDA every whole request in the first step (no slice cap: the lane runs beside); on a CPU the lane's
     # decodes run in turn with the bulk's, which stay capped (the least: 8 frames, oldest first, of 12-24)
     assert len(bulk.steps[0]) == len(wholes) if device == "cuda" else len(bulk.steps[0]) < len(wholes)
-
-
-def test_the_default_lane_is_on_where_a_gpu_runs_it_beside_the_bulk_and_off_on_a_cpu():
-    for device in ("cpu", "cuda", "cuda:1"):
-        on = torch.device(device).type == "cuda"
-        assert lane_wanted(None, torch.device(device)) is on
-        assert lane_wanted(True, torch.device(device)) is True and lane_wanted(False, torch.device(device)) is False
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -25,6 +25,7 @@ from typing import Any
 
 from omni_lightning.cli.arguments import SUBCOMMANDS, first_unknown, is_set, lightning_precisions, read_arguments
 from omni_lightning.cli.path_checks import check_checkpoint, check_ckpt_path, check_not_output_manifest, check_out_dir
+from omni_lightning.cli.serve_options import check_serve_values
 from omni_lightning.data.files import CODE_SUFFIXES
 from omni_lightning.data.folder_lock import lock_output_folder, unlock_output_folder
 from omni_lightning.data.job_lines import other_format_line, other_weights_line, summary_line, weights_source
@@ -255,26 +256,25 @@ def check_preset(value: str, flag: str = "--model.config") -> None:
         raise UsageError(f"{flag} {value!r} is not a preset: use one of {', '.join(sorted(PRESETS))}{weights}")
 
 
-# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken);
-# group None: serve's own options
+# settings these checks read (a no-op rerun decides without the parser): (group, key) -> (least, null taken)
 COUNTS = {
     ("data", "batch_size"): (1, False),
     ("data", "num_workers"): (0, True),
     ("model", "frames_per_forward"): (1, True),
-    **{(None, k): (n, False) for k, n in [("port", 0), ("max_streams", 1), ("max_queue", 0), ("request_frames", 1)]},
 }
 
 
 def _check_settings(values: dict[str, Any]) -> None:
     """The numbers and the precision that :data:`READ_HERE` names, as their classes would check them:
     UsageError naming the option and the value (not the parser's many lines, nor a rerun's silence)."""
+    check_serve_values(values)  # serve's own options (top-level keys)
     for (group, key), (least, null) in COUNTS.items():
-        section = _group(values, group) if group else values
-        value = section.get(key) if isinstance(section, dict) else None
+        value = section.get(key) if isinstance(section := _group(values, group), dict) else None
         number = _as_number(int, value)
         if value is not None and (isinstance(number, bool) or not isinstance(number, int) or number < least):
-            name = f"{group}.{key}" if group else key
-            raise UsageError(f"--{name} must be an integer >= {least}{' (or null)' if null else ''}, got {value}")
+            raise UsageError(
+                f"--{group}.{key} must be an integer >= {least}{' (or null)' if null else ''}, got {value}"
+            )
     trainer = values.get("trainer") if isinstance(values.get("trainer"), dict) else {}
     share = trainer.get("gpu_memory_utilization")
     fraction = None if isinstance(share, bool) else _as_number(float, share)

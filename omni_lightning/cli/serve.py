@@ -24,37 +24,10 @@ from typing import Any
 from omni_lightning.cli.arguments import SUBCOMMANDS, config_paths, read_arguments, section_for, subcommand_at
 from omni_lightning.cli.lightning_cli import RUN_SETTINGS, OmniCLI, OneLineErrorParser
 from omni_lightning.cli.lines import quiet_cli_run
+from omni_lightning.cli.serve_options import OPTIONS
 from omni_lightning.errors import UsageError
 from omni_lightning.module import Code2WavModule
 from omni_lightning.trainer import Trainer, quiet_cli_trainer
-
-# serve's own options: (name, type, default, help)
-OPTIONS = (
-    ("host", str, "127.0.0.1", "the address to listen on (0.0.0.0: every interface)"),
-    ("port", int, 8000, "the port to listen on (0: a free one, named in the start-up line)"),
-    ("max_streams", int, 64, "clients decoded at once (each holds a decode slot); more streams get 503"),
-    ("max_queue", int, 256, "whole requests waiting for a slot; more get 503 with Retry-After"),
-    ("max_body_bytes", int, 8 * 2**20, "a request body or WebSocket message past this gets 413"),
-    ("request_frames", int, 32, "frames of a whole request decoded per step (streams interleave between)"),
-    ("bulk_slice_ms", float, 10.0, "while a stream is open, the engine time a step gives whole requests"),
-    (
-        "stream_lane",
-        bool | None,
-        None,
-        "WebSocket streams on a decoder of their own, on a high-priority CUDA stream: a chunk does not wait "
-        "for whole requests' work (twice the decoders' memory; no slice cap). null: on with a GPU, where its "
-        "memory holds (else a warning), off on a CPU",
-    ),
-    ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
-    ("devices", int, 1, "engine processes, each its own engine on its own GPU (on a CPU: CPU engines)"),
-    (
-        "front_processes",
-        int,
-        -1,
-        "HTTP/WebSocket processes in front of the engines (-1: a quarter of the cores, "
-        "1 to 8; 0: one process, the app and its decode thread together)",
-    ),
-)
 
 
 class ServeCLI(OmniCLI):
@@ -190,7 +163,6 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     from omni_lightning.runner.cpu_threads import choose_threads
     from omni_lightning.serving.decode_loop import DecodeLoop
     from omni_lightning.serving.metrics import ServeMetrics
-    from omni_lightning.serving.stream_lane import lane_wanted
 
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
     if device.type == "cpu":
@@ -207,10 +179,10 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
         return module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
 
     chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
-    lane = lane_wanted(config.stream_lane, device)
+    lane = config.stream_lane is not False  # null: a lane where its memory holds one, else a warning
     loop = DecodeLoop(decoder(), config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
                       warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows,
-                      stream_lane=decoder if lane else None, lane_required=bool(config.stream_lane))  # fmt: skip
+                      stream_lane=decoder if lane else None, lane_required=config.stream_lane is True)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
     limits += "; streams on a lane of their own" if lane else ""
     return loop, {"config": module.config, "what": what, "limits": limits}

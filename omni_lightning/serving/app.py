@@ -42,7 +42,6 @@ from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
 from omni_lightning.serving.request_log import ended
-from omni_lightning.serving.stream_lane import lane_wanted
 
 log = logging.getLogger("omni_lightning.serving")
 MAX_BODY_BYTES = 8 * 2**20  # a JSON body of ~100 k frames (2 h of audio); .npy int16 takes 32 bytes a frame
@@ -88,7 +87,7 @@ def build_app(
     decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready;
     ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``);
     ``stream_lane``: the streams on a decoder of their own, on a high-priority CUDA stream (``stream_lane.py``;
-    None: on a CUDA device, dropped with a warning where its memory does not hold, off on a CPU).
+    None: where its memory holds one, else a warning; True: else the warm-up fails; False: none).
     A module's decoder is retired when ``trainer.fit`` starts on it: every request then fails with a 500
     saying so (build a new app after a fit).
     """
@@ -105,10 +104,9 @@ def build_app(
         return StreamingDecoder(module, max_streams, cuda_graphs, gpu_memory_utilization=gpu_memory_utilization)
 
     metrics = ServeMetrics()
-    first = decoder()
-    lane = lane_wanted(stream_lane, first.engine.device)
-    loop = DecodeLoop(first, max_queue, request_frames, context, metrics, warmup, bulk_slice_s,
-                      stream_lane=decoder if lane else None, lane_required=bool(stream_lane))  # fmt: skip
+    loop = DecodeLoop(decoder(), max_queue, request_frames, context, metrics, warmup, bulk_slice_s,
+                      stream_lane=decoder if stream_lane is not False else None,
+                      lane_required=stream_lane is True)  # fmt: skip
     return app_over(loop, metrics, max_body_bytes)
 
 

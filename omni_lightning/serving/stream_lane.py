@@ -18,10 +18,11 @@ for the slice the pipelined loop queued behind it. With a lane:
 Memory: the lane's decoder is built after the bulk decoder's warm-up, so under a cap
 (``gpu_memory_utilization``) its budget is what the bulk decoder left; with too little left it raises
 ``torch.OutOfMemoryError`` with the figures: asked for (``--stream_lane true``), the server does not start;
-by default (``lane_wanted``: on CUDA) the lane is dropped, a warning says why, and the streams share the bulk
-decoder. Without a cap it takes the default budget, as the bulk decoder does. On a CPU a lane has no stream of
-its own: its decodes run in turn with the bulk ones, which stay capped to a slice (the same logic, no overlap:
-how the tests run it; not the default there).
+by default (``--stream_lane null``: a lane where its memory holds) it is dropped, a warning says why, and the
+streams share the bulk decoder. Without a cap it takes the default budget, as the bulk decoder does. On a CPU
+a lane has no stream of its own: its decodes run in turn with the bulk ones, which stay capped to a slice (the
+same logic, no overlap: how the tests run it; there too it cut the talkers' waits beside bulk clients,
+``docs/serving.md``).
 Not done: a lane per priority class (all streams share one), preempting a bulk kernel already running
 (the device finishes the blocks it started).
 """
@@ -41,14 +42,6 @@ from omni_lightning.engine.streaming import StreamingDecoder
 from omni_lightning.serving.decodes import Decodes
 
 log = logging.getLogger("omni_lightning.serving")
-
-
-def lane_wanted(setting: bool | None, device: torch.device) -> bool:
-    """``serve --stream_lane``: as given, else (None, the default) a lane on a CUDA device, where its decodes
-    run beside the bulk's (on an H100 a talker's chunk p50 went from 14 to 10 ms beside bulk clients, the bulk
-    served 7 % more, whole requests alone the same), and none on a CPU, where they take turns on the same cores
-    and a second decoder's warm-up would cost start-up time for a small gain (``docs/performance.md``)."""
-    return device.type == "cuda" if setting is None else setting
 
 
 def lane_stream(device: torch.device) -> torch.cuda.Stream | None:
