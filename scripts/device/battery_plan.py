@@ -113,7 +113,7 @@ STEPS = (
     Step(
         "serve-mix", "serve", "load_test_serve", (*SERVE, "--clients", "16", "--paced", "64"), SERVE_SMOKE, 90, ab=True
     ),  # fmt: skip
-    # the same mix without the stream lane (serve's default on a GPU since c4e9603: --stream_lane false; this
+    # the same mix without the stream lane (serve's default since 36488d9: --stream_lane false; this
     # tree only), the lane's gain in one run
     Step(
         "serve-mix-no-lane",

@@ -18,7 +18,7 @@ Reported: audio s/s served and its ratio to the offline engine's; requests/s; fi
 first audio packet: a request's body sent, a stream's first chunk sent, to its first audio); paced streams'
 chunk latency p50/p99 and real-time factor (mean chunk latency / chunk duration, over streams); the share of
 wall time the decode loop computed (``/metrics``: step seconds / wall / engines; the wall time runs from the
-clients' start, every client process up, to the last answer; with a stream lane (serve's default on a GPU;
+clients' start, every client process up, to the last answer; with a stream lane (serve's default;
 ``--stream-lane true|false``) the streams' decodes overlap the bulk's, so the sum may pass 1: the bulk's
 alone is ``bulk_decode_share``); with ``--sim-device``,
 the share of it the simulated device was busy and computed the requests' own frames; a stream chunk's mean

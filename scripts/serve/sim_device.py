@@ -189,7 +189,7 @@ def add_device_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--capture-ms", type=float, default=300.0, help="host time a capture")
     p.add_argument("--graph-frames", type=int, default=1024, help="the server's largest graphed forward (rows x chunk)")
     p.add_argument("--budget-frames", type=int, default=1024, help="the server's frames a forward at most")
-    lane = "serve's --stream_lane: the flag alone or true, false; not given, the server's default (on a GPU a lane;"
+    lane = "serve's --stream_lane: the flag alone or true, false; not given, the server's default (a lane;"
     lane += " the simulated device: none). A lane's forwards are booked at a high priority"
     p.add_argument("--stream-lane", nargs="?", const="true", choices=("true", "false"), help=lane)
     return p
