@@ -4,7 +4,7 @@ and ``import omni_lightning`` stays light.
 Layers, lowest first; a file may import its own layer and the layers below it, never above:
 
     errors, imports, kernels < models < engine < data < runner < callbacks < training < evaluation < module
-        < trainer < __init__ < serving < cli: console, help, arguments, path_checks < cli.preflight
+        < trainer < __init__ < serving < cli: console, help, arguments, path_checks, serve_options < cli.preflight
         < cli: lines, fit, lightning_cli < cli.serve < cli: demo, entry, __init__, __main__
 
 - ``errors``: ``UsageError``, the user's mistakes (exit status 2), raised from data up to the CLI; public API.
@@ -43,7 +43,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "omni_lightning"
 LAYERS = [("errors", "imports", "kernels"), "models", "engine", "data", "runner", "callbacks", "training", "evaluation",
-          "module", "trainer", "__init__", "serving", ("cli.console", "cli.help", "cli.arguments", "cli.path_checks"),
+          "module", "trainer", "__init__", "serving",
+          ("cli.console", "cli.help", "cli.arguments", "cli.path_checks", "cli.serve_options"),
           "cli.preflight", ("cli.lines", "cli.fit", "cli.lightning_cli"), "cli.serve",
           ("cli.demo", "cli.entry", "cli", "cli.__main__")]  # fmt: skip
 MAX_LINES = 300

@@ -6,6 +6,7 @@ Before torch loads (standard library only, so a mistake costs a second):
 - ``help``: the short ``--help`` of a subcommand (the options it uses);
 - ``arguments``: the command line and its config files read as plain data;
 - ``path_checks``: the paths a command names (weights, output folder, timings file), checked;
+- ``serve_options``: ``serve``'s own options and their values, checked before torch loads;
 - ``preflight``: the whole command checked, and a predict job with nothing left to do ended.
 
 Then, with torch and Lightning:
