@@ -168,7 +168,12 @@ def test_battery_dry_run_times_the_job_on_a_prepared_before_tree_and_this_one(tm
         pytest.skip("not a git checkout: --prepare needs git")
     prepared = battery("--prepare", "--before", head, "--before-tar", str(tar), cwd=tmp_path)
     assert prepared.returncode == 0, prepared.stderr
-    assert json.loads(tar.with_name("manifest.json").read_text())["before"] == head
+    manifest = json.loads(tar.with_name("manifest.json").read_text())
+    assert manifest["before"] == head
+    # the after tree is named by the commit --prepare saw while the package is the one it saw, else not
+    label = importlib.import_module("device_battery").after_label
+    assert label(manifest, ROOT) == manifest["after"][:7]
+    assert label({**manifest, "after_package": "0" * 16}, ROOT).startswith("this tree (its package changed")
     with tarfile.open(tar) as t:
         assert "omni_lightning/__init__.py" in t.getnames()
     out = tmp_path / "out"

@@ -86,6 +86,24 @@ def git(*args: str, **kw) -> str:
     return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True, **kw).stdout.strip()
 
 
+def package_digest(root: Path) -> str:
+    """A digest of ``root``'s package sources: whether the tree run is the one ``--prepare`` saw."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted((root / "omni_lightning").rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def after_label(manifest: dict, root: Path) -> str:
+    """The after tree's name: the commit ``--prepare`` saw, unless the package run differs from its."""
+    after = manifest.get("after", "this tree")[:7]
+    if manifest.get("after_package", package_digest(root)) != package_digest(root):
+        return f"this tree (its package changed since --prepare at {after})"
+    return after
+
+
 def prepare(args: argparse.Namespace) -> None:
     """Here, where git works: the before tree as a tar and a manifest beside it (+ the wheels)."""
     tar = Path(args.before_tar).resolve()
@@ -93,7 +111,8 @@ def prepare(args: argparse.Namespace) -> None:
     before = git("rev-parse", "--verify", f"{args.before}^{{commit}}")
     git("archive", "--format=tar", "-o", str(tar), before)
     manifest = {"before": before, "after": git("rev-parse", "HEAD"), "made": now(),
-                "after_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}  # fmt: skip
+                "after_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+                "after_package": package_digest(ROOT)}  # fmt: skip
     tar.with_name("manifest.json").write_text(json.dumps(manifest, indent=2))
     print(f"{tar}: {before[:7]}; after = HEAD {manifest['after'][:7]}{' + changes' * manifest['after_dirty']}")
     inside = tar.parent.is_relative_to(ROOT)
@@ -304,7 +323,7 @@ def main() -> None:
         if not env_info["cuda"] and not args.dry_run:
             fail("no CUDA here: --dry-run runs the battery on the CPU (tiny preset)")
         say(f"battery {' '.join(parts)}: {len(plan)} runs, budget {args.budget_s:.0f} s; {json.dumps(env_info)}", log)
-        say(f"before {manifest.get('before', '-')[:7]}, after {manifest.get('after', 'this tree')[:7]}", log)
+        say(f"before {manifest.get('before', '-')[:7]}, after {after_label(manifest, ROOT)}", log)
         meta = {"date": now(), "args": vars(args), "environment": env_info, "manifest": manifest}
         flags = {"has_wandb": env_info["modules"]["wandb"], "has_timeout": env_info["modules"]["pytest_timeout"]}
         done: list[dict] = []
