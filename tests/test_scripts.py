@@ -241,6 +241,12 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["stream_decodes"] > 0 and result["bulk_decodes"] > 0, result
     assert result["stream_decode_ms_mean"] > 0 and result["bulk_decode_ms_mean"] > 0, result
     assert result["new_shapes"] >= 0 and result["new_shape_s"] >= 0, result  # counted (on a CPU: cuDNN-free, few)
+    # a stream's first chunk in the loop, and the first audio's tail in the loop and at the clients
+    assert 0 < result["stream_first_chunk_in_loop_ms_mean"] < 60_000, result
+    paced = result["by_kind"]["paced"]
+    assert 0 <= result["stream_first_chunks_in_loop_over_50ms"] <= result["stream_first_chunks_in_loop_over_20ms"]
+    assert result["stream_first_chunks_in_loop_over_20ms"] <= paced, result
+    assert 0 <= result["first_audio_streams_over_50ms"] <= result["first_audio_streams_over_20ms"] <= paced, result
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
     # a GPU's decode time on the CPU: the server's engine planned as on a GPU, its forwards booked, nothing lost

@@ -125,6 +125,10 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     chunks = server.state.metrics.stream_chunk_seconds.collect()[0].samples
     sent = sum(chunk_count(c.shape[1], random.Random(i)) for i, c in enumerate(codes[16:]))
     assert next(s.value for s in chunks if s.name.endswith("_count")) == sent
+    # and each stream's first chunk once more, apart (its first audio's share of the loop)
+    firsts = server.state.metrics.stream_first_chunk_seconds.collect()[0].samples
+    count, total = (next(s.value for s in firsts if s.name.endswith(end)) for end in ("_count", "_sum"))
+    assert count == 16 and 0 < total <= next(s.value for s in chunks if s.name.endswith("_sum"))
     shapes = server.state.metrics.new_shapes.collect()[0].samples  # random lengths: shapes first run while serving
     assert next(s.value for s in shapes if s.name.endswith("_total")) > 0
     m = server.state.metrics  # every frame of every client decoded once; forwards computed those and padding
@@ -196,7 +200,8 @@ def test_health_metrics_and_request_ids(server, caplog):
     text = httpx.get(f"{server.url}/metrics").text
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
-                 "omni_stream_step_seconds_bucket", "omni_stream_chunk_seconds_bucket", "omni_new_shapes_total",
+                 "omni_stream_step_seconds_bucket", "omni_stream_chunk_seconds_bucket",
+                 "omni_stream_first_chunk_seconds_bucket", "omni_new_shapes_total",
                  "omni_forwards_total",
                  "omni_frames_total", "omni_computed_frames_total"):  # fmt: skip
         assert name in text

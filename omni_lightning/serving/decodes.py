@@ -12,9 +12,9 @@ the bulk decodes' time per frame prices the bulk slice (``schedule.FrameCost``),
 forwards, frames decoded and frames computed (padding included) count in ``forwards``, ``frames`` and
 ``computed_frames``; a stream's chunk, from its arrival in the loop to its audio handed out, counts in
 ``stream_chunk_seconds`` (the server's own share of a chunk's latency: the rest is the sockets' and the
-client's). A decode that fails is told to its clients through ``fail``. ``on``: entered around each launch
-(default: nothing, the current CUDA stream); a stream lane's makes its high-priority stream current
-(``stream_lane.py``).
+client's), a stream's first chunk in ``stream_first_chunk_seconds`` too (its first audio's share). A decode
+that fails is told to its clients through ``fail``. ``on``: entered around each launch (default: nothing, the
+current CUDA stream); a stream lane's makes its high-priority stream current (``stream_lane.py``).
 """
 
 from __future__ import annotations
@@ -116,11 +116,14 @@ class Decodes:
         timed = self.metrics is not None and not d.bulk
         for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
             if not job.aborted and not job.done:
+                opening = job.first_audio is None
                 self._deliver(job, self._split(samples, frames, first))
                 if timed:  # each chunk from its arrival in the loop
                     now = time.perf_counter()
                     for came in job.pushed_at:
                         self.metrics.stream_chunk_seconds.observe(now - came)
+                    if opening and job.pushed_at:
+                        self.metrics.stream_first_chunk_seconds.observe(now - job.pushed_at[0])
 
     def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
         """A decode's samples of one stream, cut per chunk pushed (``output_length`` of each)."""

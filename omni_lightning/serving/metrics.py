@@ -47,6 +47,10 @@ class ServeMetrics:
             "omni_stream_chunk_seconds", "A stream chunk from its arrival in the decode loop to its audio handed out",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.stream_first_chunk_seconds = Histogram(
+            "omni_stream_first_chunk_seconds", "A stream's first chunk from its arrival in the loop to its audio",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.stream_step_seconds = Histogram(
             "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )

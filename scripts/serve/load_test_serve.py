@@ -208,14 +208,24 @@ DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stre
                   "omni_stream_step_seconds_count", "omni_new_shapes_total",
                   "omni_new_shape_seconds_total", "omni_forwards_total", "omni_frames_total",
                   "omni_computed_frames_total", "omni_stream_chunk_seconds_sum",
-                  "omni_stream_chunk_seconds_count")  # fmt: skip
+                  "omni_stream_chunk_seconds_count", "omni_stream_first_chunk_seconds_sum",
+                  "omni_stream_first_chunk_seconds_count")  # fmt: skip
+TAIL_MS = (20, 50)  # a first chunk's tail: how many passed these, in the loop and at the client (LATENCY_BUCKETS')
 
 
 def decode_metrics(url: str) -> dict[str, float]:
     import httpx
 
     text = httpx.get(f"{url}/metrics").text
-    return {name: metric(text, name) for name in DECODE_METRICS}
+    first_under = {f"first_chunk_under_{ms}ms": bucket(text, "omni_stream_first_chunk_seconds", ms / 1000)
+                   for ms in TAIL_MS}  # fmt: skip
+    return {**{name: metric(text, name) for name in DECODE_METRICS}, **first_under}
+
+
+def bucket(text: str, name: str, le: float) -> float:
+    """A histogram's count at or under ``le`` seconds (its bucket of that bound, summed over processes)."""
+    found = re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)', text, re.M)
+    return sum(float(v) for bound, v in found if bound != "+Inf" and abs(float(bound) - le) < 1e-9)
 
 
 def decode_figures(steps: dict[str, float], wall: float) -> dict:
@@ -233,6 +243,12 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         # latency is the sockets', the fronts' and the client's
         "stream_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_chunk_seconds_sum"] / chunks_n, 2)
         if (chunks_n := steps["omni_stream_chunk_seconds_count"]) else None,
+        # a stream's first chunk alone (its first audio's share of the loop) and how many passed 20 and 50 ms
+        # in the loop: against the clients' first audio over the same (``figures``), where its tail comes from
+        "stream_first_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_first_chunk_seconds_sum"] / opened, 2)
+        if (opened := steps["omni_stream_first_chunk_seconds_count"]) else None,
+        **{f"stream_first_chunks_in_loop_over_{ms}ms": int(opened - steps[f"first_chunk_under_{ms}ms"])
+           for ms in TAIL_MS},
         # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
         "new_shapes": int(steps["omni_new_shapes_total"]),
         "new_shape_s": round(steps["omni_new_shape_seconds_total"], 3),
@@ -272,6 +288,8 @@ def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args
         "offline_before_after": [round(r, 2) for r in rates],
         "ratio_to_offline": round(audio_s / wall / offline_s, 3) if offline_s else None,
         **{f"first_audio_ms_{k}_p{q}": percentile(v, q) for k, v in firsts.items() if v for q in (50, 99)},
+        **{f"first_audio_streams_over_{ms}ms": sum(f > ms for k in ("stream", "paced") for f in firsts[k])
+           for ms in TAIL_MS},
         "chunk_latency_ms_p50": percentile(chunks, 50), "chunk_latency_ms_p99": percentile(chunks, 99),
         "paced_rtf_p50": round(rtf[len(rtf) // 2], 3) if rtf else None,
         "paced_rtf_max": round(rtf[-1], 3) if rtf else None,
