@@ -188,16 +188,20 @@ def test_kill_9_while_the_background_writer_is_mid_batch_then_rerun_writes_every
     # Batches are sorted by length, so the longest request is in the last batch. Its temp file is made a
     # FIFO, whose open blocks until a reader comes, as a stalled disk would: the background thread stops
     # in the middle of that batch, the batch's other files in durable temp files, not yet renamed or listed.
-    target = f"r{max(range(16), key=lambda i: (lengths[i], i)):03d}"
+    # Only that batch's temp files are waited for: an earlier batch's are renamed a moment after they appear.
+    last_batch = sorted(range(16), key=lambda i: (lengths[i], i))[-4:]
+    target = f"r{last_batch[-1]:03d}"
+    stalled = {out / f".r{i:03d}.wav.tmp" for i in last_batch}
     proc = cli(*args)
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline and not manifest_rows_or_none(out):
         time.sleep(0.05)
     assert proc.poll() is None, "the job ended before the writer could be stalled:\n" + proc.stdout.read()
     os.mkfifo(out / f".{target}.wav.tmp")
-    while proc.poll() is None and time.time() < deadline and len(temp_files(out)) < 2:
+    while proc.poll() is None and time.time() < deadline and not stalled <= set(temp_files(out)):
         time.sleep(0.05)
-    assert proc.poll() is None and len(temp_files(out)) >= 2, "the writer never got to the stalled batch"
+    now = temp_files(out)
+    assert proc.poll() is None and stalled <= set(now), f"the writer never got to the stalled batch: {now}"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
