@@ -163,6 +163,7 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
     from omni_lightning.runner.cpu_threads import choose_threads
     from omni_lightning.serving.decode_loop import DecodeLoop
     from omni_lightning.serving.metrics import ServeMetrics
+    from omni_lightning.serving.stream_lane import lane_arguments
 
     device, plugin = trainer.strategy.root_device, trainer.strategy.precision_plugin
     if device.type == "cpu":
@@ -179,12 +180,11 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
         return module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
 
     chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
-    lane = config.stream_lane is not False  # null: a lane where its memory holds one, else a warning
+    lane = lane_arguments(config.stream_lane, decoder)
     loop = DecodeLoop(decoder(), config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
-                      warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows,
-                      stream_lane=decoder if lane else None, lane_required=config.stream_lane is True)  # fmt: skip
+                      warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows, **lane)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"
-    limits += "; streams on a lane of their own" if lane else ""
+    limits += "; streams on a lane of their own" if lane["stream_lane"] else ""
     return loop, {"config": module.config, "what": what, "limits": limits}
 
 

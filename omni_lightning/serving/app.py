@@ -42,6 +42,7 @@ from omni_lightning.serving.jobs import Job, Overloaded, queue_sink
 from omni_lightning.serving.metrics import ServeMetrics
 from omni_lightning.serving.request_body import BadRequest, body_codes
 from omni_lightning.serving.request_log import ended
+from omni_lightning.serving.stream_lane import lane_arguments
 
 log = logging.getLogger("omni_lightning.serving")
 MAX_BODY_BYTES = 8 * 2**20  # a JSON body of ~100 k frames (2 h of audio); .npy int16 takes 32 bytes a frame
@@ -105,8 +106,7 @@ def build_app(
 
     metrics = ServeMetrics()
     loop = DecodeLoop(decoder(), max_queue, request_frames, context, metrics, warmup, bulk_slice_s,
-                      stream_lane=decoder if stream_lane is not False else None,
-                      lane_required=stream_lane is True)  # fmt: skip
+                      **lane_arguments(stream_lane, decoder))  # fmt: skip
     return app_over(loop, metrics, max_body_bytes)
 
 

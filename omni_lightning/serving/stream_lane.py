@@ -52,6 +52,12 @@ def lane_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device, priority=greatest)
 
 
+def lane_arguments(setting: bool | None, make: Callable[[], StreamingDecoder]) -> dict[str, Any]:
+    """``serve --stream_lane`` (``build_app(stream_lane=...)``) as ``DecodeLoop``'s arguments: null, a lane
+    where its memory holds one, else a warning; true, a lane or the server does not start; false, none."""
+    return {"stream_lane": make if setting is not False else None, "lane_required": setting is True}
+
+
 class StreamLane:
     """The streams' decoder (``make()``: built by :meth:`build`, after the bulk decoder's warm-up), its
     decodes (``Decodes`` on the lane's CUDA stream) and its warm-up."""
