@@ -231,7 +231,7 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     """Bulk clients and paced talkers against ``serve`` (its engine and front processes), then against the
     free decode: nothing lost, every checked answer ``decode``'s, and the field's figures reported."""
     out = tmp_path / "load.json"
-    # (the stream lane asked for by name, as the battery's steps do; on a CPU it is not the default)
+    # (the stream lane asked for by name, as the battery's steps do; serve's default takes one where it fits)
     run_script("load_test_serve", ["--clients", "2", "--paced", "2", "--seconds", "3", "--offline-requests", "4",
                                    "--stream-lane", "true", "--out", str(out)], tmp_path)  # fmt: skip
     result = json.loads(out.read_text())
@@ -247,6 +247,10 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert 0 <= result["stream_first_chunks_in_loop_over_50ms"] <= result["stream_first_chunks_in_loop_over_20ms"]
     assert result["stream_first_chunks_in_loop_over_20ms"] <= paced, result
     assert 0 <= result["first_audio_streams_over_50ms"] <= result["first_audio_streams_over_20ms"] <= paced, result
+    # the same chunks in the fronts (the engine's figures and the fronts' gathered over processes): longer each
+    assert result["stream_chunk_at_front_ms_mean"] > result["stream_chunk_in_loop_ms_mean"] > 0, result
+    assert result["stream_first_chunk_at_front_ms_mean"] > result["stream_first_chunk_in_loop_ms_mean"], result
+    assert result["stream_first_chunks_in_loop_over_20ms"] <= result["stream_first_chunks_at_front_over_20ms"] <= paced
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
     # a GPU's decode time on the CPU: the server's engine planned as on a GPU, its forwards booked, nothing lost

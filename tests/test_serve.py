@@ -129,11 +129,25 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     firsts = server.state.metrics.stream_first_chunk_seconds.collect()[0].samples
     count, total = (next(s.value for s in firsts if s.name.endswith(end)) for end in ("_count", "_sum"))
     assert count == 16 and 0 < total <= next(s.value for s in chunks if s.name.endswith("_sum"))
+    # the same chunks in the front, from each message read to its audio sent: each one's time there holds its
+    # time in the loop, so each sum passes the loop's
+    m = server.state.metrics
+    assert count_sum(m.stream_chunk_front_seconds)[0] == sent and count_sum(m.stream_first_chunk_front_seconds)[0] == 16
+    assert count_sum(m.stream_chunk_front_seconds)[1] > count_sum(m.stream_chunk_seconds)[1]
+    assert count_sum(m.stream_first_chunk_front_seconds)[1] > total
     shapes = server.state.metrics.new_shapes.collect()[0].samples  # random lengths: shapes first run while serving
     assert next(s.value for s in shapes if s.name.endswith("_total")) > 0
     m = server.state.metrics  # every frame of every client decoded once; forwards computed those and padding
     frames, computed, forwards = (c.collect()[0].samples[0].value for c in (m.frames, m.computed_frames, m.forwards))
     assert frames == sum(c.shape[1] for c in codes) and computed >= frames and 0 < forwards <= frames
+
+
+def count_sum(histogram) -> tuple[float, float]:
+    """A histogram's observations: how many, and their sum."""
+    samples = {s.name: s.value for s in histogram.collect()[0].samples}
+    return next(v for k, v in samples.items() if k.endswith("_count")), next(
+        v for k, v in samples.items() if k.endswith("_sum")
+    )
 
 
 @pytest.mark.slow  # (the test above has copies of one request among its 32 clients)
@@ -201,7 +215,8 @@ def test_health_metrics_and_request_ids(server, caplog):
     for name in ("omni_requests_total", "omni_audio_seconds_total", "omni_open_streams", "omni_queue_depth",
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
                  "omni_stream_step_seconds_bucket", "omni_stream_chunk_seconds_bucket",
-                 "omni_stream_first_chunk_seconds_bucket", "omni_new_shapes_total",
+                 "omni_stream_first_chunk_seconds_bucket", "omni_stream_chunk_front_seconds_bucket",
+                 "omni_stream_first_chunk_front_seconds_bucket", "omni_new_shapes_total",
                  "omni_forwards_total",
                  "omni_frames_total", "omni_computed_frames_total"):  # fmt: skip
         assert name in text

@@ -19,8 +19,9 @@ LATENCY_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.
 class ServeMetrics:
     """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
     and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest), a
-    stream chunk's time in the decode loop, and the engine's forwards with their frames decoded and computed
-    (the rest is padding)."""
+    stream chunk's time in the decode loop and in the front (its message read to its audio sent: the loop's
+    time, the hand-offs between processes and the front's own work), each stream's first chunk apart, and the
+    engine's forwards with their frames decoded and computed (the rest is padding)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -49,6 +50,14 @@ class ServeMetrics:
         )  # fmt: skip
         self.stream_first_chunk_seconds = Histogram(
             "omni_stream_first_chunk_seconds", "A stream's first chunk from its arrival in the loop to its audio",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stream_chunk_front_seconds = Histogram(
+            "omni_stream_chunk_front_seconds", "A stream chunk from its message read by a front to its audio sent",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stream_first_chunk_front_seconds = Histogram(
+            "omni_stream_first_chunk_front_seconds", "A stream's first chunk from its message read to its audio sent",
             buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.stream_step_seconds = Histogram(

@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import deque
 from typing import Any
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
@@ -78,8 +79,9 @@ async def _serve_stream(
 ) -> str:
     """Receives chunks and sends audio until the stream ends; returns the status counted in the metrics."""
     lock = asyncio.Lock()  # the receiver's error replies and the sender's audio, one message at a time
-    receiver = asyncio.create_task(_receive(ws, state, job, rid, lock, frames))
-    sender = asyncio.create_task(_send(ws, queue, subtype, lock))
+    clock = ChunkClock(state.metrics)
+    receiver = asyncio.create_task(_receive(ws, state, job, rid, lock, frames, clock))
+    sender = asyncio.create_task(_send(ws, queue, subtype, lock, clock))
     try:
         done, _ = await asyncio.wait({receiver, sender}, return_when=asyncio.FIRST_COMPLETED)
         if sender in done:
@@ -94,13 +96,16 @@ async def _serve_stream(
                 await task
 
 
-async def _receive(ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.Lock, received: list[int]) -> str:
+async def _receive(
+    ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.Lock, received: list[int], clock: ChunkClock
+) -> str:
     """Chunks into the loop until ``{"end": true}`` (returns "ended") or a disconnect ("gone"); ``received[0]``
-    counts the frames taken."""
+    counts the frames taken; ``clock`` is told when each chunk taken was read."""
     frames, config, who = 0, state.loop.config, f"stream {rid}"
     while True:
         try:
             message = await ws.receive()
+            came = time.perf_counter()
         except (WebSocketDisconnect, RuntimeError):
             return "gone"
         if message["type"] == "websocket.disconnect":
@@ -129,6 +134,26 @@ async def _receive(ws: WebSocket, state: Any, job: Job, rid: str, lock: asyncio.
         frames += codes.shape[1]
         received[0] = frames
         state.loop.push(job, codes)
+        clock.came.append(came)
+
+
+class ChunkClock:
+    """A stream's chunks timed in its front, from the message read to its audio sent (``ServeMetrics``'
+    ``stream_chunk_front_seconds``; the first chunk's in ``stream_first_chunk_front_seconds`` too): against the
+    same chunks in the decode loop and at the client, where a chunk's latency goes. The server answers each
+    chunk taken with one audio message, in order, so the times read pair with the messages sent."""
+
+    def __init__(self, metrics: Any) -> None:
+        self.metrics, self.came, self.first = metrics, deque(), True
+
+    def sent(self) -> None:
+        if not self.came:
+            return
+        seconds = time.perf_counter() - self.came.popleft()
+        self.metrics.stream_chunk_front_seconds.observe(seconds)
+        if self.first:
+            self.metrics.stream_first_chunk_front_seconds.observe(seconds)
+            self.first = False
 
 
 def _is_end(text: str) -> bool:
@@ -138,16 +163,16 @@ def _is_end(text: str) -> bool:
     return False
 
 
-async def _send(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock) -> str:
+async def _send(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock, clock: ChunkClock) -> str:
     """Each chunk's audio as it comes, then the end (or the error) and the close; returns the status
     ("499": the client was gone before all was sent)."""
     try:
-        return await _send_all(ws, queue, subtype, lock)
+        return await _send_all(ws, queue, subtype, lock, clock)
     except (WebSocketDisconnect, RuntimeError, OSError):  # the connection closed under a send
         return "499"
 
 
-async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock) -> str:
+async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asyncio.Lock, clock: ChunkClock) -> str:
     samples = 0
     while True:
         kind, value = await queue.get()
@@ -156,6 +181,7 @@ async def _send_all(ws: WebSocket, queue: asyncio.Queue, subtype: str, lock: asy
                 for piece in value:
                     samples += piece.shape[-1]
                     await ws.send_bytes(sample_bytes(piece, subtype))
+                    clock.sent()
             elif kind == "end":
                 await ws.send_text(json.dumps({"done": True, "samples": samples}))
                 await ws.close(1000)

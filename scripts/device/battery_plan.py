@@ -305,12 +305,15 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("first audio p50 ms (whole)", lambda r: _get(r, "first_audio_ms_whole_p50"), ".0f"),
         ("first audio p99 ms (whole)", lambda r: _get(r, "first_audio_ms_whole_p99"), ".0f"),
         ("talkers' first audio p99 ms", lambda r: _get(r, "first_audio_ms_paced_p99"), ".0f"),
-        # where that tail waits: a stream's first chunk in the decode loop, and the first chunks past 50 ms
+        # where that tail waits: a stream's first chunk in the decode loop, and the first chunks past 50 ms there,
+        # in the fronts (the loop's time and the hand-offs) and at the clients (the sockets and the client too)
         ("first chunk in the loop ms (mean)", lambda r: _get(r, "stream_first_chunk_in_loop_ms_mean"), ".1f"),
         ("first chunks past 50 ms, in the loop", lambda r: _get(r, "stream_first_chunks_in_loop_over_50ms"), ".0f"),
+        ("first chunks past 50 ms, in the fronts", lambda r: _get(r, "stream_first_chunks_at_front_over_50ms"), ".0f"),
         ("first audio past 50 ms, at the clients", lambda r: _get(r, "first_audio_streams_over_50ms"), ".0f"),
         ("chunk latency p50 ms", lambda r: _get(r, "chunk_latency_ms_p50"), ".1f"),
         ("chunk latency p99 ms", lambda r: _get(r, "chunk_latency_ms_p99"), ".1f"),
+        ("chunk in the fronts ms (mean)", lambda r: _get(r, "stream_chunk_at_front_ms_mean"), ".1f"),
         ("streams' decode ms (mean)", lambda r: _get(r, "stream_decode_ms_mean"), ".2f"),
         ("bulk decode ms (mean)", lambda r: _get(r, "bulk_decode_ms_mean"), ".2f"),
         ("shapes first run under load", lambda r: _get(r, "new_shapes"), ".0f"),

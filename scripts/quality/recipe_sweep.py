@@ -23,7 +23,8 @@ A recipe's ``train_pairs`` (``768-pairs*``) makes the training set larger: the 2
 same kind (made once per ``--work`` folder); ``768-pairs-config*`` also take ``configs/finetune.yaml``'s
 recipe (``CONFIG``: warm-up, EMA; ``CONFIG_DATA``: batch 8, 4 s crops). Each variant is a
 ``Code2WavModule`` recipe (the module's defaults overridden by its settings) and the data's batch and crop;
-``--set`` overrides settings for every variant named, ``--tag`` names such a run. Results are written to
+``--set`` overrides settings for every variant named, ``--tag`` names such a run; ``--seed`` (0 by default) is
+the training run's (batch order, crops; the pairs and the student stay), a result per seed. Results are written to
 the JSON after each variant (a killed sweep keeps what it finished); ``--plot`` and ``--table`` make the
 figure and markdown table from that JSON.
 
@@ -252,19 +253,19 @@ def _curve_logger() -> Any:
     return CurveLogger()
 
 
-def run_variant(name: str, work: Path, steps: int, eval_every: int, extra: dict) -> dict[str, Any]:
+def run_variant(name: str, work: Path, steps: int, eval_every: int, extra: dict, seed: int = 0) -> dict[str, Any]:
     from omni_lightning import Code2WavModule, CodesDataModule
 
     target, settings, data_settings = variant(name)
     data = {**DATA, **data_settings, **{k: v for k, v in extra.items() if k in DATA}}
     settings = {**settings, **{k: v for k, v in extra.items() if k not in DATA}}
-    torch.manual_seed(0)
+    torch.manual_seed(seed)  # the training run's: the pairs, teacher and student stay the same
     module = Code2WavModule(
         model=student_for(target), quality_metrics=["pesq", "stoi"], quality_workers=1, log_samples=0, **settings
     )
     train, val = make_pairs(work, data.get("train_pairs", 24), target)
     loader = {k: v for k, v in data.items() if k != "train_pairs"}
-    datamodule = CodesDataModule(train=str(train), val=str(val), num_workers=0, **loader)
+    datamodule = CodesDataModule(train=str(train), val=str(val), num_workers=0, seed=seed, **loader)
     curve = [{"step": 0, **_scores(_trainer().validate(module, datamodule=datamodule, verbose=False)[0], "val")}]
     start = time.perf_counter()
     log = _curve_logger()  # fit's quality scores reach only its loggers (evaluation/quality.py)
@@ -282,16 +283,18 @@ def run_variant(name: str, work: Path, steps: int, eval_every: int, extra: dict)
     seen = CodesDataModule(val=str(train), batch_size=8, num_workers=0)
     on_train = _scores(_trainer().validate(module, datamodule=seen, verbose=False)[0], "val")
     recipe = {k: module.hparams[k] for k in RECIPE}
-    return {"name": name, "target": target, "recipe": recipe, "data": data, "steps": steps,
+    return {"name": name, "target": target, "recipe": recipe, "data": data, "steps": steps, "seed": seed,
             "seconds": round(seconds, 1), "curve": curve, "final": curve[-1], "train_pairs": on_train}  # fmt: skip
 
 
-def sweep(names: list[str], out: Path, work: Path, steps: int, eval_every: int, extra: dict, tag: str) -> None:
+def sweep(
+    names: list[str], out: Path, work: Path, steps: int, eval_every: int, extra: dict, tag: str, seed: int = 0
+) -> None:
     for name in names:
         variant(name)  # an unknown name fails before any run
     results = json.loads(out.read_text()) if out.exists() else {}
     for name in names:
-        result = run_variant(name + tag, work, steps, eval_every, extra)
+        result = run_variant(name + tag, work, steps, eval_every, extra, seed)
         results[name + tag] = result
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
@@ -351,6 +354,7 @@ def main() -> None:
         "--set", type=json.loads, default={}, help='settings over every variant\'s, e.g. {"learning_rate": 1e-3}'
     )
     parser.add_argument("--tag", default="", help="appended to the variants' names in the results (+tag)")
+    parser.add_argument("--seed", type=int, default=0, help="the training run's seed (batch order, crops); data alike")
     parser.add_argument("--out", type=Path, default=Path("docs/results/recipe_sweep.json"))
     parser.add_argument("--work", type=Path, default=Path("runs/recipe/data"))
     parser.add_argument("--plot", type=Path, help="write the curves of --out's results here (no runs)")
@@ -365,7 +369,8 @@ def main() -> None:
             print(table(results))
         return
     torch.set_num_threads(1)
-    sweep(args.variants, args.out, args.work, args.steps, args.eval_every, args.set, f"+{args.tag}" if args.tag else "")
+    tag = (f"+{args.tag}" if args.tag else "") + (f"+seed{args.seed}" if args.seed else "")  # a result per seed
+    sweep(args.variants, args.out, args.work, args.steps, args.eval_every, args.set, tag, args.seed)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ clients' start, every client process up, to the last answer; with a stream lane 
 ``--stream-lane true|false``) the streams' decodes overlap the bulk's, so the sum may pass 1: the bulk's
 alone is ``bulk_decode_share``); with ``--sim-device``,
 the share of it the simulated device was busy and computed the requests' own frames; a stream chunk's mean
-time inside the decode loop (``omni_stream_chunk_seconds``); lost (an error or a short answer) and wrong
+time inside the decode loop (``omni_stream_chunk_seconds``) and inside the fronts (message read to audio sent,
+``omni_stream_chunk_front_seconds``), each with the first chunks apart; lost (an error or a short answer) and wrong
 (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
 Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
 """
@@ -209,7 +210,9 @@ DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stre
                   "omni_new_shape_seconds_total", "omni_forwards_total", "omni_frames_total",
                   "omni_computed_frames_total", "omni_stream_chunk_seconds_sum",
                   "omni_stream_chunk_seconds_count", "omni_stream_first_chunk_seconds_sum",
-                  "omni_stream_first_chunk_seconds_count")  # fmt: skip
+                  "omni_stream_first_chunk_seconds_count", "omni_stream_chunk_front_seconds_sum",
+                  "omni_stream_chunk_front_seconds_count", "omni_stream_first_chunk_front_seconds_sum",
+                  "omni_stream_first_chunk_front_seconds_count")  # fmt: skip
 TAIL_MS = (20, 50)  # a first chunk's tail: how many passed these, in the loop and at the client (LATENCY_BUCKETS')
 
 
@@ -217,8 +220,9 @@ def decode_metrics(url: str) -> dict[str, float]:
     import httpx
 
     text = httpx.get(f"{url}/metrics").text
-    first_under = {f"first_chunk_under_{ms}ms": bucket(text, "omni_stream_first_chunk_seconds", ms / 1000)
-                   for ms in TAIL_MS}  # fmt: skip
+    # the first chunks at or under each tail bound, in the decode loop and in the fronts
+    first_under = {f"first_chunk_{at}under_{ms}ms": bucket(text, f"omni_stream_first_chunk_{at}seconds", ms / 1000)
+                   for ms in TAIL_MS for at in ("", "front_")}  # fmt: skip
     return {**{name: metric(text, name) for name in DECODE_METRICS}, **first_under}
 
 
@@ -248,6 +252,15 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         "stream_first_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_first_chunk_seconds_sum"] / opened, 2)
         if (opened := steps["omni_stream_first_chunk_seconds_count"]) else None,
         **{f"stream_first_chunks_in_loop_over_{ms}ms": int(opened - steps[f"first_chunk_under_{ms}ms"])
+           for ms in TAIL_MS},
+        # the same chunks in the fronts, from the message read to the audio sent: the loop's time, the hand-offs
+        # between processes and the front's own work (the client's figures add the sockets and the client)
+        "stream_chunk_at_front_ms_mean": round(1000 * steps["omni_stream_chunk_front_seconds_sum"] / fronts_n, 2)
+        if (fronts_n := steps["omni_stream_chunk_front_seconds_count"]) else None,
+        "stream_first_chunk_at_front_ms_mean":
+        round(1000 * steps["omni_stream_first_chunk_front_seconds_sum"] / front_opened, 2)
+        if (front_opened := steps["omni_stream_first_chunk_front_seconds_count"]) else None,
+        **{f"stream_first_chunks_at_front_over_{ms}ms": int(front_opened - steps[f"first_chunk_front_under_{ms}ms"])
            for ms in TAIL_MS},
         # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
         "new_shapes": int(steps["omni_new_shapes_total"]),
