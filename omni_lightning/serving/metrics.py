@@ -31,11 +31,24 @@ class ServeMetrics:
         live = {"multiprocess_mode": "livesum"} if multiprocess() else {}
         self.open_streams = Gauge("omni_open_streams", "Clients holding a decode slot", registry=r, **live)
         self.queue_depth = Gauge("omni_queue_depth", "Whole requests waiting for a decode slot", registry=r, **live)
-        self.first_audio_seconds = Histogram(
-            "omni_first_audio_seconds", "From a client's codes to its first audio", buckets=LATENCY_BUCKETS, registry=r
+
+        def latency(name: str, what: str) -> Histogram:
+            return Histogram(name, what, buckets=LATENCY_BUCKETS, registry=r)
+
+        self.first_audio_seconds = latency("omni_first_audio_seconds", "From a client's codes to its first audio")
+        self.step_seconds = latency("omni_step_seconds", "One decode (streams' chunks, or bulk)")
+        self.stream_step_seconds = latency("omni_stream_step_seconds", "One decode of streams' chunks alone")
+        self.stream_chunk_seconds = latency(
+            "omni_stream_chunk_seconds", "A stream chunk from its arrival in the decode loop to its audio handed out"
         )
-        self.step_seconds = Histogram(
-            "omni_step_seconds", "One decode (streams' chunks, or bulk)", buckets=LATENCY_BUCKETS, registry=r
+        self.stream_first_chunk_seconds = latency(
+            "omni_stream_first_chunk_seconds", "A stream's first chunk from its arrival in the loop to its audio"
+        )
+        self.stream_chunk_front_seconds = latency(
+            "omni_stream_chunk_front_seconds", "A stream chunk from its message read by a front to its audio sent"
+        )
+        self.stream_first_chunk_front_seconds = latency(
+            "omni_stream_first_chunk_front_seconds", "A stream's first chunk from its message read to its audio sent"
         )
         self.new_shapes = Counter("omni_new_shapes", "Decode shapes first run while serving", registry=r)
         self.new_shape_seconds = Counter("omni_new_shape_seconds", "Host seconds those first runs took", registry=r)
@@ -43,25 +56,6 @@ class ServeMetrics:
         self.frames = Counter("omni_frames", "Codec frames decoded", registry=r)
         self.computed_frames = Counter(
             "omni_computed_frames", "Frames the forwards computed (rows x chunk: decoded and padding)", registry=r
-        )
-        self.stream_chunk_seconds = Histogram(
-            "omni_stream_chunk_seconds", "A stream chunk from its arrival in the decode loop to its audio handed out",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.stream_first_chunk_seconds = Histogram(
-            "omni_stream_first_chunk_seconds", "A stream's first chunk from its arrival in the loop to its audio",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.stream_chunk_front_seconds = Histogram(
-            "omni_stream_chunk_front_seconds", "A stream chunk from its message read by a front to its audio sent",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.stream_first_chunk_front_seconds = Histogram(
-            "omni_stream_first_chunk_front_seconds", "A stream's first chunk from its message read to its audio sent",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.stream_step_seconds = Histogram(
-            "omni_stream_step_seconds", "One decode of streams' chunks alone", buckets=LATENCY_BUCKETS, registry=r
         )
 
     def text(self) -> bytes:
