@@ -39,7 +39,7 @@ from pathlib import Path
 from battery_plan import FIGURES, PARTS, STEPS, Step
 
 ROOT = Path(__file__).resolve().parents[2]
-BEFORE = "7545cff"  # the last GPU-measured tree (2026-12-06: docs/performance.md)
+BEFORE = "c4e9603"  # the last GPU-measured tree (2026-12-07, H100: docs/performance.md)
 WHEELS = (
     "soundfile==0.14.0",
     "cffi==2.1.1",
