@@ -213,7 +213,8 @@ DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stre
                   "omni_stream_first_chunk_seconds_count", "omni_stream_chunk_front_seconds_sum",
                   "omni_stream_chunk_front_seconds_count", "omni_stream_first_chunk_front_seconds_sum",
                   "omni_stream_first_chunk_front_seconds_count")  # fmt: skip
-TAIL_MS = (20, 50)  # a first chunk's tail: how many passed these, in the loop and at the client (LATENCY_BUCKETS')
+TAIL_MS = (20, 50)  # a first chunk's tail: how many passed these, in the loop, the fronts, at the client (buckets')
+WHERE = (("in_loop", ""), ("at_front", "front_"))  # a figure's name part, and its metrics' (decode loop, fronts)
 
 
 def decode_metrics(url: str) -> dict[str, float]:
@@ -222,7 +223,7 @@ def decode_metrics(url: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics").text
     # the first chunks at or under each tail bound, in the decode loop and in the fronts
     first_under = {f"first_chunk_{at}under_{ms}ms": bucket(text, f"omni_stream_first_chunk_{at}seconds", ms / 1000)
-                   for ms in TAIL_MS for at in ("", "front_")}  # fmt: skip
+                   for ms in TAIL_MS for _, at in WHERE}  # fmt: skip
     return {**{name: metric(text, name) for name in DECODE_METRICS}, **first_under}
 
 
@@ -230,6 +231,14 @@ def bucket(text: str, name: str, le: float) -> float:
     """A histogram's count at or under ``le`` seconds (its bucket of that bound, summed over processes)."""
     found = re.findall(rf'^{name}_bucket{{[^}}]*le="([^"]+)"[^}}]*}} (\S+)', text, re.M)
     return sum(float(v) for bound, v in found if bound != "+Inf" and abs(float(bound) - le) < 1e-9)
+
+
+def ms_mean(seconds: float, count: float) -> float | None:
+    return round(1000 * seconds / count, 2) if count else None
+
+
+def histogram_ms_mean(steps: dict[str, float], name: str) -> float | None:
+    return ms_mean(steps[f"{name}_sum"], steps[f"{name}_count"])
 
 
 def decode_figures(steps: dict[str, float], wall: float) -> dict:
@@ -241,27 +250,20 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         # the bulk decodes alone: with --stream-lane the streams' decodes overlap them (the sum may pass 1)
         "bulk_decode_share": round(bulk_s / wall, 3),
         "stream_decodes": int(streams_n), "bulk_decodes": int(bulk_n),
-        "stream_decode_ms_mean": round(1000 * streams_s / streams_n, 2) if streams_n else None,
-        "bulk_decode_ms_mean": round(1000 * bulk_s / bulk_n, 2) if bulk_n else None,
-        # a stream chunk inside the server's decode loop (arrival to audio handed out): the rest of its
-        # latency is the sockets', the fronts' and the client's
-        "stream_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_chunk_seconds_sum"] / chunks_n, 2)
-        if (chunks_n := steps["omni_stream_chunk_seconds_count"]) else None,
-        # a stream's first chunk alone (its first audio's share of the loop) and how many passed 20 and 50 ms
-        # in the loop: against the clients' first audio over the same (``figures``), where its tail comes from
-        "stream_first_chunk_in_loop_ms_mean": round(1000 * steps["omni_stream_first_chunk_seconds_sum"] / opened, 2)
-        if (opened := steps["omni_stream_first_chunk_seconds_count"]) else None,
-        **{f"stream_first_chunks_in_loop_over_{ms}ms": int(opened - steps[f"first_chunk_under_{ms}ms"])
-           for ms in TAIL_MS},
-        # the same chunks in the fronts, from the message read to the audio sent: the loop's time, the hand-offs
-        # between processes and the front's own work (the client's figures add the sockets and the client)
-        "stream_chunk_at_front_ms_mean": round(1000 * steps["omni_stream_chunk_front_seconds_sum"] / fronts_n, 2)
-        if (fronts_n := steps["omni_stream_chunk_front_seconds_count"]) else None,
-        "stream_first_chunk_at_front_ms_mean":
-        round(1000 * steps["omni_stream_first_chunk_front_seconds_sum"] / front_opened, 2)
-        if (front_opened := steps["omni_stream_first_chunk_front_seconds_count"]) else None,
-        **{f"stream_first_chunks_at_front_over_{ms}ms": int(front_opened - steps[f"first_chunk_front_under_{ms}ms"])
-           for ms in TAIL_MS},
+        "stream_decode_ms_mean": ms_mean(streams_s, streams_n),
+        "bulk_decode_ms_mean": ms_mean(bulk_s, bulk_n),
+        # a stream chunk inside the server's decode loop (arrival to audio handed out), and in the fronts (its
+        # message read to its audio sent: the loop's time, the hand-offs between processes and the front's own
+        # work); the client's figures add the sockets and the client
+        **{f"stream_chunk_{where}_ms_mean": histogram_ms_mean(steps, f"omni_stream_chunk_{at}seconds")
+           for where, at in WHERE},
+        # a stream's first chunk alone (its first audio's share) and how many passed 20 and 50 ms, in the loop
+        # and in the fronts: against the clients' first audio over the same (``figures``), where its tail waits
+        **{f"stream_first_chunk_{where}_ms_mean": histogram_ms_mean(steps, f"omni_stream_first_chunk_{at}seconds")
+           for where, at in WHERE},
+        **{f"stream_first_chunks_{where}_over_{ms}ms":
+           int(steps[f"omni_stream_first_chunk_{at}seconds_count"] - steps[f"first_chunk_{at}under_{ms}ms"])
+           for where, at in WHERE for ms in TAIL_MS},
         # shapes first run during the load (not warmed): each a capture or new plans in the clients' way
         "new_shapes": int(steps["omni_new_shapes_total"]),
         "new_shape_s": round(steps["omni_new_shape_seconds_total"], 3),
