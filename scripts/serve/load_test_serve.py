@@ -305,6 +305,7 @@ def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args
         **{f"first_audio_ms_{k}_p{q}": percentile(v, q) for k, v in firsts.items() if v for q in (50, 99)},
         **{f"first_audio_streams_over_{ms}ms": sum(f > ms for k in ("stream", "paced") for f in firsts[k])
            for ms in TAIL_MS},
+        "first_audio_ms_streams_slowest": [round(f, 1) for f in sorted(firsts["stream"] + firsts["paced"])[:-9:-1]],
         "chunk_latency_ms_p50": percentile(chunks, 50), "chunk_latency_ms_p99": percentile(chunks, 99),
         "paced_rtf_p50": round(rtf[len(rtf) // 2], 3) if rtf else None,
         "paced_rtf_max": round(rtf[-1], 3) if rtf else None,
