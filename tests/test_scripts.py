@@ -251,6 +251,10 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["stream_chunk_at_front_ms_mean"] > result["stream_chunk_in_loop_ms_mean"] > 0, result
     assert result["stream_first_chunk_at_front_ms_mean"] > result["stream_first_chunk_in_loop_ms_mean"], result
     assert result["stream_first_chunks_in_loop_over_20ms"] <= result["stream_first_chunks_at_front_over_20ms"] <= paced
+    # the client processes' own delays, which the clients' figures hold and the server's do not
+    assert result["client_loop_lag_ms_max"] >= 0 and result["client_gc_pause_ms_max"] >= 0, result
+    assert min(result["client_loop_stalls_over_20ms"], result["client_gc_pauses_over_20ms"]) >= 0, result
+    assert len(result["first_audio_ms_streams_slowest"]) == min(8, paced), result
     run_script("load_test_serve", ["--free-decode", "--clients", "2", "--seconds", "2", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["lost"] == 0
     # a GPU's decode time on the CPU: the server's engine planned as on a GPU, its forwards booked, nothing lost
@@ -263,6 +267,48 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert 0 <= result["padding_share"] < 1 and result["frames_per_forward"] > 1, result
     assert 0 < result["sim_device_useful_share"] <= result["sim_device_busy_share"] <= 1.1, result
     assert result["wall_s"] >= 3 and result["by_kind"]["whole"] > 0 and result["by_kind"]["paced"] > 0, result
+
+
+def test_a_client_process_counts_its_own_stalls_and_collections():
+    """A load-test client process's stall delays every client in it, though the server had no part: the
+    watch sees a blocked event loop and the collector's passes, and leaves ``gc.callbacks`` as it found them."""
+    import asyncio
+    import gc
+    import time
+
+    serve_clients = importlib.import_module("serve_clients")
+    callbacks = list(gc.callbacks)
+
+    async def stall() -> None:
+        await asyncio.sleep(0.03)
+        time.sleep(0.08)  # a client's work holding the event loop
+        gc.collect()
+
+    async def watched() -> dict:
+        with serve_clients.ClientWatch() as watch:
+            await asyncio.gather(watch.lags(time.perf_counter() + 0.3), stall())
+        return watch.figures()
+
+    for _ in range(3):  # a loaded host only lengthens the stall
+        figures = asyncio.run(watched())
+        assert figures["loop_stalls_over_20ms"] >= 1 and figures["loop_lag_ms_max"] >= 60, figures
+        assert figures["gc_ms_sum"] > 0, figures
+    assert gc.callbacks == callbacks
+
+
+def test_a_lost_result_is_counted_once_by_identity_not_compared_by_value():
+    """Results hold arrays: a lost one among others of other lengths is counted, not compared elementwise."""
+    import argparse
+    import collections
+
+    import numpy as np
+
+    load_test = importlib.import_module("load_test_serve")
+    ok = {"kind": "whole", "codes": np.zeros((16, 55), np.int64), "first": 0.01, "samples": 55 * 1920 - 555}
+    lost = {"kind": "whole", "codes": np.zeros((16, 46), np.int64), "first": None, "samples": None, "error": "x"}
+    steps = collections.defaultdict(lambda: 1.0)  # the server's metrics: not what is checked here
+    result = load_test.figures([ok, lost], 1.0, [], steps, argparse.Namespace(sim_device=False))
+    assert result["lost"] == 1 and result["audio_s_per_s"] == round((55 * 1920 - 555) / 24000, 2), result
 
 
 @pytest.mark.slow

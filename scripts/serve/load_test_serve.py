@@ -125,17 +125,18 @@ def total_clients(args: argparse.Namespace) -> int:
     return args.clients + args.streams + args.paced
 
 
-def load(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
-    """Every client's results and the wall time: from the clients' start (every client process up) to the last
-    answer, the clients spread over ``--client-processes``."""
+def load(url: str, args: argparse.Namespace) -> tuple[list[dict], float, dict]:
+    """Every client's results, the wall time (from the clients' start, every client process up, to the last
+    answer) and the client processes' own delays (``serve_clients.ClientWatch``: the worst, or their sum), the
+    clients spread over ``--client-processes``."""
     plan = [("whole", i) for i in range(args.clients)]
     plan += [("stream", args.clients + i) for i in range(args.streams)]
     plan += [("paced", args.clients + args.streams + i) for i in range(args.paced)]
     keep = max(1, -(-args.check // max(1, len(plan))))
     common = (args.seconds, tuple(args.frames), args.chunk_frames, args.seed, keep)
     if args.client_processes <= 1:
-        done, start, end = timed_clients(url, plan, *common)
-        return done, end - start
+        done, start, end, watched = timed_clients(url, plan, *common)
+        return done, end - start, client_delays([watched])
     context = multiprocessing.get_context("spawn")
     results, barrier = context.Queue(), context.Barrier(args.client_processes)
     shares = [plan[i :: args.client_processes] for i in range(args.client_processes)]
@@ -145,7 +146,13 @@ def load(url: str, args: argparse.Namespace) -> tuple[list[dict], float]:
     parts = [results.get() for _ in procs]
     for proc in procs:
         proc.join()
-    return [d for done, _, _ in parts for d in done], max(p[2] for p in parts) - min(p[1] for p in parts)
+    done = [d for part in parts for d in part[0]]
+    return done, max(p[2] for p in parts) - min(p[1] for p in parts), client_delays([p[3] for p in parts])
+
+
+def client_delays(watched: list[dict]) -> dict:
+    """The client processes' own delays as one set of figures: each maximum over processes, each count summed."""
+    return {f"client_{k}": (max if k.endswith("max") else sum)(w[k] for w in watched) for k in watched[0]}
 
 
 def offline_engine(args: argparse.Namespace):
@@ -288,10 +295,11 @@ def sim_busy(steps: dict[str, float], wall: float, args: argparse.Namespace) -> 
 def figures(done: list[dict], wall: float, rates: list[float], steps: dict, args: argparse.Namespace) -> dict:
     """The report's figures from the clients' results."""
     lost = [d for d in done if d["samples"] is None or d["samples"] != d["codes"].shape[1] * 1920 - 555]
-    audio_s = sum(d["samples"] for d in done if d not in lost) / 24000
+    lost_ids = {id(d) for d in lost}  # (by identity: a result holds arrays, which == compares elementwise)
+    audio_s = sum(d["samples"] for d in done if id(d) not in lost_ids) / 24000
     firsts = {kind: sorted(d["first"] * 1000 for d in done if d["kind"] == kind and d["first"] is not None)
               for kind in ("whole", "stream", "paced")}  # fmt: skip
-    paced = [d for d in done if d["kind"] == "paced" and d not in lost]
+    paced = [d for d in done if d["kind"] == "paced" and id(d) not in lost_ids]
     chunks = [x * 1000 for d in paced for x in d["latencies"]]
     rtf = sorted(float(np.mean(d["latencies"])) / d["chunk_s"] for d in paced if d["latencies"])
     offline_s = max(rates) if rates else None
@@ -345,14 +353,14 @@ def main(argv: list[str] | None = None) -> dict:
         while httpx.get(f"{url}/health").status_code != 200:
             time.sleep(0.1)
         before = decode_metrics(url)
-        done, wall = load(url, args)
+        done, wall, delays = load(url, args)
         steps = {k: v - before[k] for k, v in decode_metrics(url).items()}
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
     if engine is not None:
         rates.append(offline_rate(engine, args))
-    result = figures(done, wall, rates, steps, args)
+    result = {**figures(done, wall, rates, steps, args), **delays}
     checked = engine is not None and not args.sim_device  # a simulated device decodes noise
     result.update(check(engine, done, args) if checked else {"checked": 0, "wrong": 0})
     result["meta"] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),

@@ -7,6 +7,7 @@ and answered). Loopback only; every loop ends at its deadline.
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
 import json
 import random
@@ -55,7 +56,10 @@ async def stream(ws_url: str, codes: np.ndarray, rng: random.Random, chunk: int 
 
         async def receive(count: int) -> None:
             for _ in range(count):
-                pieces.append(np.frombuffer(await ws.recv(), "<f4"))
+                message = await ws.recv()
+                if isinstance(message, str):  # an error (a bad chunk, the server full or stopping): this stream is lost
+                    raise RuntimeError(f"the server answered a chunk with {message}")
+                pieces.append(np.frombuffer(message, "<f4"))
                 answered.append(time.perf_counter())
 
         start, at = time.perf_counter(), 0
@@ -64,6 +68,8 @@ async def stream(ws_url: str, codes: np.ndarray, rng: random.Random, chunk: int 
             if paced:
                 await asyncio.sleep(max(0.0, start + at / FRAME_RATE - time.perf_counter()))
             sent.append(time.perf_counter())
+            if receiver is not None and receiver.done():
+                break  # it failed: its error is raised below
             await ws.send(npy(codes[:, at : at + n]))
             at += n
             if not paced:
@@ -79,12 +85,15 @@ async def stream(ws_url: str, codes: np.ndarray, rng: random.Random, chunk: int 
 
 
 async def run_clients(url: str, plan: list[tuple[str, int]], seconds: float, frames: tuple[int, int],
-                      chunk: int, seed: int, keep: int) -> list[dict]:  # fmt: skip
+                      chunk: int, seed: int, keep: int) -> tuple[list[dict], dict]:  # fmt: skip
     """``plan``: (kind, client number) for each client loop: "whole", "stream" (unpaced) or "paced". Each
     sends its requests back to back until ``seconds`` have passed; returns every result (an error: no audio;
-    past a loop's first ``keep`` results, only the audio's length is kept)."""
+    past a loop's first ``keep`` results, only the audio's length is kept) and the process's own delays
+    (:class:`ClientWatch`)."""
     import httpx
+    import websockets  # noqa: F401 - imported before the freeze below
 
+    gc.freeze()  # the modules' objects out of the collector's way: its full passes stall every client here
     done: list[dict] = []
     deadline = time.perf_counter() + seconds
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -109,17 +118,57 @@ async def run_clients(url: str, plan: list[tuple[str, int]], seconds: float, fra
                     done.append({"kind": kind, "codes": codes, "first": None, "audio": None, "samples": None,
                                  "client": i, "error": repr(err)})  # fmt: skip
 
-    await asyncio.gather(*[client(kind, i) for kind, i in plan])
-    return done
+    with ClientWatch() as watch:
+        await asyncio.gather(watch.lags(deadline), *[client(kind, i) for kind, i in plan])
+    return done, watch.figures()
+
+
+class ClientWatch:
+    """A client process's own delays, which its clients' latencies include though the server had no part in
+    them: its event loop's lags (a 5 ms sleep's overshoot: a client's answer read late) and its garbage
+    collector's pauses (``gc.callbacks``). A stall there delays every client of the process at once."""
+
+    TICK_S, STALL_MS = 0.005, 20.0
+
+    def __init__(self) -> None:
+        self.lag_ms: list[float] = []
+        self.gc_ms: list[float] = []
+        self._gc_start = 0.0
+
+    def __enter__(self) -> ClientWatch:
+        gc.callbacks.append(self._collected)
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        gc.callbacks.remove(self._collected)
+
+    def _collected(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.gc_ms.append((time.perf_counter() - self._gc_start) * 1000)
+
+    async def lags(self, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            asked = time.perf_counter()
+            await asyncio.sleep(self.TICK_S)
+            self.lag_ms.append((time.perf_counter() - asked - self.TICK_S) * 1000)
+
+    def figures(self) -> dict:
+        return {"loop_lag_ms_max": round(max(self.lag_ms, default=0.0), 1),
+                "loop_stalls_over_20ms": sum(x > self.STALL_MS for x in self.lag_ms),
+                "gc_pauses_over_20ms": sum(x > self.STALL_MS for x in self.gc_ms),
+                "gc_pause_ms_max": round(max(self.gc_ms, default=0.0), 1),
+                "gc_ms_sum": round(sum(self.gc_ms), 1)}  # fmt: skip
 
 
 def timed_clients(url: str, plan: list[tuple[str, int]], seconds: float, frames: tuple[int, int], chunk: int,
-                  seed: int, keep: int) -> tuple[list[dict], float, float]:  # fmt: skip
+                  seed: int, keep: int) -> tuple[list[dict], float, float, dict]:  # fmt: skip
     """:func:`run_clients`, with the ``time.perf_counter()`` of its start and of its last answer (a system-wide
     clock on Linux, so comparable between processes)."""
     start = time.perf_counter()
-    done = asyncio.run(run_clients(url, plan, seconds, frames, chunk, seed, keep))
-    return done, start, time.perf_counter()
+    done, watched = asyncio.run(run_clients(url, plan, seconds, frames, chunk, seed, keep))
+    return done, start, time.perf_counter(), watched
 
 
 def client_process(url: str, plan: list[tuple[str, int]], seconds: float, frames: tuple[int, int], chunk: int,
