@@ -2,7 +2,7 @@
 
     python scripts/serve/load_test_serve.py --clients 4 --paced 16 --seconds 30 --out serve.json       # this CPU, tiny
     python scripts/serve/load_test_serve.py --device cuda --preset qwen3-omni --precision bf16-true \\
-        --clients 64 --client-processes 4 --seconds 30 --frames 25 125 --check 64 --out serve_gpu.json
+        --clients 64 --client-processes 8 --seconds 30 --frames 25 125 --check 64 --out serve_gpu.json
 
 Starts ``omni-lightning serve`` (random weights, seed 0; the PYTHONPATH it was given kept) on a free port,
 or with ``--free-decode`` the same server over a decode that costs nothing (``free_decoder.py``: the edge's
@@ -24,7 +24,10 @@ alone is ``bulk_decode_share``); with ``--sim-device``,
 the share of it the simulated device was busy and computed the requests' own frames; a stream chunk's mean
 time inside the decode loop (``omni_stream_chunk_seconds``) and inside the fronts (message read to audio sent,
 ``omni_stream_chunk_front_seconds``), each with the first chunks apart; lost (an error or a short answer) and wrong
-(fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1).
+(fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1); the client processes' own delays
+(``client_*``: their event loops' stalls and their collectors' pauses past 20 ms, and the longest), which the
+clients' latencies hold and the server's figures do not: a stall there delays every client of its process
+(give the clients enough processes: 8 on a 16-core host held the talkers' first-audio tail to the server's).
 Prints a table; writes JSON (``--out``). Loopback only; bounded in clients and time.
 """
 
