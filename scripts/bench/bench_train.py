@@ -19,7 +19,8 @@ bf16 step of its weight is rounded away. Peak memory: GPU memory allocated
 monitor, checkpoints and data loader workers) on the same pairs written to disk (codes ``.npy``, float
 WAV), with the same preset, precision, batch, crop and batches, timed over the same batches by a
 callback the command line adds (:class:`FitClock`). Its row follows the benchmark's, with
-``fit / bench``; a subprocess, so the CUDA memory figure is the benchmark's only.
+``fit / bench``; a subprocess, so the CUDA memory figure is the benchmark's only. ``--fit-args`` runs the
+command once per string given, with those arguments added (``'' '--model.ema_decay null'``: what the EMA costs).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import logging
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -222,8 +224,11 @@ def write_pairs(folder: Path, loader: DataLoader, sample_rate: int) -> Path:
     return manifest
 
 
-def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch: int) -> dict[str, Any]:
-    """``omni-lightning fit`` with ``configs/finetune.yaml`` at the benchmark's settings (module docstring)."""
+def fit_cli_one(
+    base: Code2Wav, args: argparse.Namespace, precision: str, batch: int, extra: str = ""
+) -> dict[str, Any]:
+    """``omni-lightning fit`` with ``configs/finetune.yaml`` at the benchmark's settings (module docstring),
+    plus ``extra`` (its arguments, split as a shell would)."""
     config = base.config
     frames = round(args.crop_seconds * config.frame_rate)
     batches = args.warmup + args.steps + 1
@@ -241,7 +246,7 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
                       "--trainer.accelerator", "gpu" if args.device == "cuda" else args.device,
                       "--trainer.max_steps", str(batches),
                       "--trainer.logger.init_args.save_dir", str(Path(tmp) / "runs"),
-                      "--trainer.callbacks+=bench_train.FitClock")  # fmt: skip
+                      "--trainer.callbacks+=bench_train.FitClock", *shlex.split(extra))  # fmt: skip
         # this script's folder (FitClock), then the tree given (an A/B's), then this checkout's
         env = package_env(str(here), BENCH_TRAIN_CLOCK=f"{args.warmup},{batches},{clock}")
         done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -252,7 +257,7 @@ def fit_cli_one(base: Code2Wav, args: argparse.Namespace, precision: str, batch:
     seconds, steps = timed["seconds"], timed["timed"]
     return {
         **{"preset": args.preset, "device": args.device, "precision": precision, "batch": batch},
-        **{"crop_s": args.crop_seconds, "adversarial": args.adversarial, "run": "omni-lightning fit"},
+        **{"crop_s": args.crop_seconds, "adversarial": args.adversarial, "run": f"omni-lightning fit {extra}".strip()},
         **{"steps": steps, "seconds": seconds, "step_s": seconds / max(steps, 1)},
         **{"audio_s_per_s": audio_s / max(seconds, 1e-9), "peak_memory_gib": float("nan")},
         **{"updated": float("nan"), "graphs": True, "graph": timed["graph"]},
@@ -294,6 +299,13 @@ def parser() -> argparse.ArgumentParser:
         "--conv-snake", action="store_true", help="the residual units' convolution and SnakeBeta fused in fit (opt-in)"
     )
     parser.add_argument("--fit-cli", action="store_true", help="also time `omni-lightning fit` at the same settings")
+    parser.add_argument(
+        "--fit-args",
+        nargs="+",
+        default=[""],
+        help="--fit-cli: rows of the command's extra arguments, each one string, e.g. '' '--model.ema_decay null' "
+        "(what each of its callbacks and settings costs)",
+    )
     parser.add_argument("--out", default="bench_train.json")
     return parser
 
@@ -314,10 +326,11 @@ def main() -> None:
                     file=sys.stderr,
                     flush=True,
                 )
-            if args.fit_cli:
-                rows.append(fit_cli_one(base, args, precision, batch))
-                rows[-1]["fit_over_bench"] = rows[-1]["audio_s_per_s"] / rows[-2]["audio_s_per_s"]
-                print(f"  done omni-lightning fit: {rows[-1]['fit_over_bench']:.2f} of the benchmark", file=sys.stderr)
+            bench = rows[-1]
+            for extra in args.fit_args if args.fit_cli else []:
+                rows.append(fit_cli_one(base, args, precision, batch, extra))
+                rows[-1]["fit_over_bench"] = rows[-1]["audio_s_per_s"] / bench["audio_s_per_s"]
+                print(f"  done {rows[-1]['run']}: {rows[-1]['fit_over_bench']:.2f} of the benchmark", file=sys.stderr)
             write_json(args.out, args, rows)  # after every row: a later crash keeps the earlier ones
     memory = "peak GPU memory allocated" if args.device == "cuda" else "peak process RSS"
     gan = ", GAN" if args.adversarial else ""
@@ -326,7 +339,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         used = "replayed" if r["graph"].get("replays") else ("off" if not r["graphs"] else "not used")
-        run = f"omni-lightning fit ({r['fit_over_bench']:.2f} of the benchmark)" if "fit_over_bench" in r else "bench"
+        run = f"{r['run']} ({r['fit_over_bench']:.2f} of the benchmark)" if "fit_over_bench" in r else "bench"
         print(
             f"| {run} | {r['batch']} | {r['precision']} | {used} | {1000 * r['step_s']:.0f} | "
             f"{r['audio_s_per_s']:.1f} | {r['peak_memory_gib']:.2f} | {r['updated']:.1%} |".replace(
