@@ -62,7 +62,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=0, help="unpaced WebSocket streams")
     p.add_argument("--paced", type=int, default=0, help="paced WebSocket streams (a talker at 12.5 frames/s)")
     p.add_argument("--chunk-frames", type=int, default=10, help="a paced stream's chunk")
-    p.add_argument("--client-processes", type=int, default=1)
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        default=None,
+        help="processes the clients are spread over (default: half the cores, at most 8: a client process's own "
+        "stalls delay every client in it)",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="how long new requests are sent")
     p.add_argument("--frames", type=int, nargs=2, default=(25, 125), help="a request's frames: min max (2 to 10 s)")
     p.add_argument("--preset", default="tiny")
@@ -345,6 +351,10 @@ def check(engine, done: list[dict], args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = parser()
     args = p.parse_args(argv)
+    if args.client_processes is None:
+        args.client_processes = max(1, min(8, (os.cpu_count() or 2) // 2, total_clients(args)))
+    if args.client_processes < 1:
+        p.error(f"--client-processes must be >= 1, got {args.client_processes}")
     if args.free_decode and args.stream_lane == "true":
         p.error("--stream-lane with --free-decode: a free decode has no device to share")
     engine = None if args.free_decode else offline_engine(args)
