@@ -151,3 +151,11 @@ def sink_into(into: list):
 def audio_of(messages: list) -> torch.Tensor:
     assert messages[-1][0] == "end", messages[-1]
     return torch.cat([piece for kind, pieces in messages if kind == "audio" for piece in pieces], dim=-1)
+
+
+def count_sum(histogram) -> tuple[float, float]:
+    """A histogram's observations: how many, and their sum."""
+    samples = {s.name: s.value for s in histogram.collect()[0].samples}
+    return next(v for k, v in samples.items() if k.endswith("_count")), next(
+        v for k, v in samples.items() if k.endswith("_sum")
+    )

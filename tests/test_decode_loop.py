@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-from serve_helpers import DEVICES, RecordingDecoder, audio_of, check_decode, sink_into, tiny_on
+from serve_helpers import DEVICES, RecordingDecoder, audio_of, check_decode, count_sum, sink_into, tiny_on
 
 from omni_lightning.engine.streaming import StreamingDecoder
 from omni_lightning.serving.decode_loop import DecodeLoop
@@ -84,18 +84,21 @@ def test_pipelined_whole_requests_each_equal_decode_and_an_abort_in_flight_frees
 def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(tmp_path):
     """The engine process's server (``EngineServer``, here on a thread) over a pipelined loop, its clients a
     front's ``RemoteLoop`` over a real ZeroMQ socket: whole requests and streams at once, one client gone
-    mid-way; every other client gets ``decode`` of its codes, the loop ends with nothing open."""
+    mid-way; every other client gets ``decode`` of its codes, the loop ends with nothing open. Each stream
+    chunk's hand-off to the engine and its audio's back are timed by their receivers."""
     import asyncio
     import threading
 
     from omni_lightning.serving.engine_client import RemoteLoop
     from omni_lightning.serving.engine_process import EngineServer
     from omni_lightning.serving.jobs import queue_sink
+    from omni_lightning.serving.metrics import ServeMetrics
 
     rng = random.Random(7)
     module = tiny_on(7, "cpu")
     decoder = StreamingDecoder(module.model, max_streams=4, cuda_graphs=False)
-    loop = DecodeLoop(decoder, max_queue=32, request_frames=8, warmup=(), pipeline=True)
+    engine_metrics, front_metrics = ServeMetrics(), ServeMetrics()
+    loop = DecodeLoop(decoder, max_queue=32, request_frames=8, warmup=(), pipeline=True, metrics=engine_metrics)
     server = EngineServer(loop, f"ipc://{tmp_path}/engine")
     with torch.no_grad():
         thread = threading.Thread(target=lambda: (torch.set_grad_enabled(False), server.serve()), daemon=True)
@@ -105,7 +108,7 @@ def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(t
         streamed = [[torch.randint(0, size, (q, rng.randint(1, 9))) for _ in range(4)] for _ in range(2)]
 
         async def drive() -> list[list]:
-            remote = RemoteLoop([server.address], module.config, max_streams=4)
+            remote = RemoteLoop([server.address], module.config, max_streams=4, metrics=front_metrics)
             remote.start()
             queues = [asyncio.Queue() for _ in range(len(wholes) + len(streamed))]
             streams = [remote.open_stream(f"s{k}", queue_sink(queues[len(wholes) + k])) for k in range(len(streamed))]
@@ -133,3 +136,11 @@ def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(t
     assert not thread.is_alive() and loop.open_jobs == 0 and decoder.streams == []
     for messages, codes in zip(answers[1:], [*wholes[1:], *(torch.cat(c, dim=1) for c in streamed)]):
         check_decode(audio_of(messages), module, codes)
+    # every chunk pushed timed once on its way in; each stream audio message on its way out (a message may
+    # carry several chunks' audio), the whole requests' not; each within the test's time
+    chunks_in, seconds_in = count_sum(engine_metrics.stream_chunk_to_engine_seconds)
+    audio_out, seconds_out = count_sum(front_metrics.stream_audio_to_front_seconds)
+    streamed_audio = sum(kind == "audio" for messages in answers[len(wholes) :] for kind, _ in messages)
+    assert chunks_in == sum(len(c) for c in streamed) and audio_out == streamed_audio, (chunks_in, audio_out)
+    assert 0 < seconds_in < 60 * chunks_in and 0 < seconds_out < 60 * audio_out
+    assert count_sum(engine_metrics.stream_audio_to_front_seconds)[0] == 0  # timed where it is received only

@@ -251,6 +251,10 @@ def test_the_serve_load_test_runs_on_the_cpu_every_answer_exact(tmp_path):
     assert result["stream_chunk_at_front_ms_mean"] > result["stream_chunk_in_loop_ms_mean"] > 0, result
     assert result["stream_first_chunk_at_front_ms_mean"] > result["stream_first_chunk_in_loop_ms_mean"], result
     assert result["stream_first_chunks_in_loop_over_20ms"] <= result["stream_first_chunks_at_front_over_20ms"] <= paced
+    # of a chunk's front time, its hand-off to the engine comes before its time in the loop (each chunk: read,
+    # sent, read by the engine, pushed into the loop, decoded, its audio sent by the front): the means add up under it
+    handed_in, loop, front = (result[f"stream_chunk_{k}_ms_mean"] for k in ("to_engine", "in_loop", "at_front"))
+    assert handed_in > 0 and handed_in + loop < front and result["stream_audio_to_front_ms_mean"] > 0, result
     # the client processes' own delays, which the clients' figures hold and the server's do not
     assert result["client_loop_lag_ms_max"] >= 0 and result["client_gc_pause_ms_max"] >= 0, result
     assert min(result["client_loop_stalls_over_20ms"], result["client_gc_pauses_over_20ms"]) >= 0, result

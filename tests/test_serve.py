@@ -17,7 +17,7 @@ import pytest
 import torch
 import websockets
 from safetensors.torch import save
-from serve_helpers import LiveServer, tiny_module, wait_until
+from serve_helpers import LiveServer, count_sum, tiny_module, wait_until
 
 pytest.importorskip("fastapi")
 EXACT_ATOL = 1e-5  # fp32: served audio against decode of the request alone (docs/serving.md)
@@ -142,14 +142,6 @@ def test_32_concurrent_clients_each_get_exactly_decode(server):
     assert frames == sum(c.shape[1] for c in codes) and computed >= frames and 0 < forwards <= frames
 
 
-def count_sum(histogram) -> tuple[float, float]:
-    """A histogram's observations: how many, and their sum."""
-    samples = {s.name: s.value for s in histogram.collect()[0].samples}
-    return next(v for k, v in samples.items() if k.endswith("_count")), next(
-        v for k, v in samples.items() if k.endswith("_sum")
-    )
-
-
 @pytest.mark.slow  # (the test above has copies of one request among its 32 clients)
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_identical_requests_at_once_are_each_within_the_documented_tolerance_of_decode_alone(server, seed):
@@ -216,7 +208,8 @@ def test_health_metrics_and_request_ids(server, caplog):
                  "omni_first_audio_seconds_bucket", "omni_step_seconds_bucket",
                  "omni_stream_step_seconds_bucket", "omni_stream_chunk_seconds_bucket",
                  "omni_stream_first_chunk_seconds_bucket", "omni_stream_chunk_front_seconds_bucket",
-                 "omni_stream_first_chunk_front_seconds_bucket", "omni_new_shapes_total",
+                 "omni_stream_first_chunk_front_seconds_bucket", "omni_stream_chunk_to_engine_seconds_bucket",
+                 "omni_stream_audio_to_front_seconds_bucket", "omni_new_shapes_total",
                  "omni_forwards_total",
                  "omni_frames_total", "omni_computed_frames_total"):  # fmt: skip
         assert name in text

@@ -16,6 +16,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from typing import Any
 
 import torch
@@ -30,10 +31,12 @@ log = logging.getLogger("omni_lightning.serving")
 
 
 class RemoteLoop:
-    """The engines at ``addresses``, each with ``max_streams`` slots, decoding a model of ``config``."""
+    """The engines at ``addresses``, each with ``max_streams`` slots, decoding a model of ``config``; ``metrics``
+    (the front's ``ServeMetrics``): where a stream's audio's hand-off from its engine is timed."""
 
-    def __init__(self, addresses: list[str], config: Code2WavConfig, max_streams: int) -> None:
+    def __init__(self, addresses: list[str], config: Code2WavConfig, max_streams: int, metrics: Any = None) -> None:
         self.addresses, self.config, self.max_streams = addresses, config, max_streams * len(addresses)
+        self.metrics = metrics
         self.ready, self.warmup_error = threading.Event(), None  # the supervisor starts fronts once engines are warm
         self.jobs: dict[int, Job] = {}
         self.keys = itertools.count(1)
@@ -107,7 +110,7 @@ class RemoteLoop:
         return job
 
     def _send(self, job: Job, op: str, codes: torch.Tensor | None = None) -> None:
-        frames = [wire.pack(op, job.key, 0 if codes is None else codes.shape[1], job.rid)]
+        frames = [wire.pack(op, job.key, 0 if codes is None else codes.shape[1], job.rid, time.perf_counter())]
         if codes is not None:
             frames.append(wire.codes_frame(codes))
         self.sockets[job.engine].send_multipart(frames)  # small: a copy is cheaper than a zero-copy frame
@@ -115,12 +118,14 @@ class RemoteLoop:
     async def _read(self, sock: Any) -> None:
         while True:
             header, *buffers = await sock.recv_multipart()
-            kind, key, value = wire.unpack(header)
+            kind, key, value, sent = wire.unpack(header)
             job = self.jobs.get(key)
             if job is None:
                 continue  # aborted here already
             try:
                 if kind == "audio":
+                    if job.is_stream and self.metrics is not None:
+                        self.metrics.stream_audio_to_front_seconds.observe(time.perf_counter() - sent)
                     job.sink("audio", [wire.frame_audio(b) for b in buffers])
                 else:
                     self._answer(job, kind, tuple(value) if value is not None else None)

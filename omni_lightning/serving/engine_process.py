@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,7 +61,9 @@ class EngineServer:
         while self.socket.poll(timeout_ms):
             timeout_ms = 0
             ident, header, *payload = self.socket.recv_multipart(copy=True)
-            op, key, frames, rid = wire.unpack(header)
+            op, key, frames, rid, sent = wire.unpack(header)
+            if op == wire.PUSH and self.loop.metrics is not None:  # a stream chunk's hand-off from its front
+                self.loop.metrics.stream_chunk_to_engine_seconds.observe(time.perf_counter() - sent)
             try:
                 self._handle(ident, op, key, frames, rid, payload)
             except Overloaded as err:
@@ -88,7 +91,7 @@ class EngineServer:
         def sink(kind: str, value: Any) -> None:
             if kind == "audio":
                 sizes, buffers = wire.audio_frames(value)  # copied by ZeroMQ: the step's buffer is reused
-                self.socket.send_multipart([ident, wire.pack("audio", key, sizes), *buffers])
+                self.socket.send_multipart([ident, wire.pack("audio", key, sizes, time.perf_counter()), *buffers])
                 return
             self.jobs.pop((ident, key), None)
             self._send(ident, key, kind, list(value) if value is not None else None)
@@ -96,7 +99,7 @@ class EngineServer:
         return sink
 
     def _send(self, ident: bytes, key: int, kind: str, value: Any) -> None:
-        self.socket.send_multipart([ident, wire.pack(kind, key, value)])
+        self.socket.send_multipart([ident, wire.pack(kind, key, value, time.perf_counter())])
 
 
 def run_engine(build: Callable[[], tuple[DecodeLoop, dict]], address: str, conn: Any) -> None:

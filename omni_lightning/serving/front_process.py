@@ -32,8 +32,9 @@ def run_front(index: int, port: int, addresses: list[str], info: dict, conn: Any
 
     torch.set_num_threads(1)  # a front never computes: torch's pool would only spin against the engines
     to_stderr()
-    loop = RemoteLoop(addresses, info["config"], settings.max_streams)
-    app = app_over(loop, ServeMetrics(), settings.max_body_bytes)
+    metrics = ServeMetrics()
+    loop = RemoteLoop(addresses, info["config"], settings.max_streams, metrics)
+    app = app_over(loop, metrics, settings.max_body_bytes)
     sock = reuse_port_socket(settings.host, port)
     server = server_for(app, settings.host, port, settings.drain_timeout, lambda h, p: conn.send(("listening", p)))
     sock.listen(2048)

@@ -20,8 +20,9 @@ class ServeMetrics:
     """Requests by route and status, audio seconds sent, open streams, queue depth, and the first-audio
     and decode latency histograms (every decode; the streams' own decodes apart: the bulk's are the rest), a
     stream chunk's time in the decode loop and in the front (its message read to its audio sent: the loop's
-    time, the hand-offs between processes and the front's own work), each stream's first chunk apart, and the
-    engine's forwards with their frames decoded and computed (the rest is padding)."""
+    time, the hand-offs between processes and the front's own work), each stream's first chunk apart, the two
+    hand-offs of a chunk between a front and its engine process (each timed by its receiver from the sender's
+    stamp), and the engine's forwards with their frames decoded and computed (the rest is padding)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -49,6 +50,12 @@ class ServeMetrics:
         )
         self.stream_first_chunk_front_seconds = latency(
             "omni_stream_first_chunk_front_seconds", "A stream's first chunk from its message read to its audio sent"
+        )
+        self.stream_chunk_to_engine_seconds = latency(
+            "omni_stream_chunk_to_engine_seconds", "A stream chunk from its front's send to its engine's read"
+        )
+        self.stream_audio_to_front_seconds = latency(
+            "omni_stream_audio_to_front_seconds", "A stream chunk's audio from its engine's send to its front's read"
         )
         self.new_shapes = Counter("omni_new_shapes", "Decode shapes first run while serving", registry=r)
         self.new_shape_seconds = Counter("omni_new_shape_seconds", "Host seconds those first runs took", registry=r)

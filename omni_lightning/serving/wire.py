@@ -3,9 +3,11 @@
 codebook of at most 32768 entries; the front has checked them), audio as the engine's float32, one frame
 per piece; never JSON or per-sample Python.
 
-Front to engine: ``[op, key, frames, request id]`` + the codes' bytes for ``submit`` and ``push`` (``key``: the job's
-number in that front). Engine to front: ``[kind, key, value]`` + one frame per audio piece; ``kind`` is
-``audio`` (value: the pieces' sample counts), ``end`` or ``error`` (value: ``[status, message]``).
+Front to engine: ``[op, key, frames, request id, sent]`` + the codes' bytes for ``submit`` and ``push`` (``key``:
+the job's number in that front). Engine to front: ``[kind, key, value, sent]`` + one frame per audio piece;
+``kind`` is ``audio`` (value: the pieces' sample counts), ``end`` or ``error`` (value: ``[status, message]``).
+``sent``: the sender's ``time.perf_counter()`` (a clock of the whole machine on Linux, the processes' one
+host), from which the receiver times a stream's hand-offs (``ServeMetrics``).
 """
 
 from __future__ import annotations

@@ -316,6 +316,11 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("chunk latency p50 ms", lambda r: _get(r, "chunk_latency_ms_p50"), ".1f"),
         ("chunk latency p99 ms", lambda r: _get(r, "chunk_latency_ms_p99"), ".1f"),
         ("chunk in the fronts ms (mean)", lambda r: _get(r, "stream_chunk_at_front_ms_mean"), ".1f"),
+        # of which: the loop's, the hand-off to the engine and the audio's back (the rest is the front's own)
+        ("chunk in the loop ms (mean)", lambda r: _get(r, "stream_chunk_in_loop_ms_mean"), ".1f"),
+        ("chunk to the engine ms (mean)", lambda r: _get(r, "stream_chunk_to_engine_ms_mean"), ".2f"),
+        ("audio back to the front ms (mean)", lambda r: _get(r, "stream_audio_to_front_ms_mean"), ".2f"),
+        ("client stalls past 20 ms", lambda r: _get(r, "client_loop_stalls_over_20ms"), ".0f"),
         ("streams' decode ms (mean)", lambda r: _get(r, "stream_decode_ms_mean"), ".2f"),
         ("bulk decode ms (mean)", lambda r: _get(r, "bulk_decode_ms_mean"), ".2f"),
         ("shapes first run under load", lambda r: _get(r, "new_shapes"), ".0f"),

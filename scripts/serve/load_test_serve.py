@@ -23,7 +23,9 @@ clients' start, every client process up, to the last answer; with a stream lane 
 alone is ``bulk_decode_share``); with ``--sim-device``,
 the share of it the simulated device was busy and computed the requests' own frames; a stream chunk's mean
 time inside the decode loop (``omni_stream_chunk_seconds``) and inside the fronts (message read to audio sent,
-``omni_stream_chunk_front_seconds``), each with the first chunks apart; lost (an error or a short answer) and wrong
+``omni_stream_chunk_front_seconds``), each with the first chunks apart, and the two hand-offs between a front
+and its engine the front's time holds (``omni_stream_chunk_to_engine_seconds``,
+``omni_stream_audio_to_front_seconds``); lost (an error or a short answer) and wrong
 (fp32: a sample > 1e-5 from the offline decode; bf16: relative L2 > 0.1); the client processes' own delays
 (``client_*``: their event loops' stalls and their collectors' pauses past 20 ms, and the longest), which the
 clients' latencies hold and the server's figures do not: a stall there delays every client of its process
@@ -228,7 +230,9 @@ DECODE_METRICS = ("omni_step_seconds_sum", "omni_step_seconds_count", "omni_stre
                   "omni_stream_chunk_seconds_count", "omni_stream_first_chunk_seconds_sum",
                   "omni_stream_first_chunk_seconds_count", "omni_stream_chunk_front_seconds_sum",
                   "omni_stream_chunk_front_seconds_count", "omni_stream_first_chunk_front_seconds_sum",
-                  "omni_stream_first_chunk_front_seconds_count")  # fmt: skip
+                  "omni_stream_first_chunk_front_seconds_count", "omni_stream_chunk_to_engine_seconds_sum",
+                  "omni_stream_chunk_to_engine_seconds_count", "omni_stream_audio_to_front_seconds_sum",
+                  "omni_stream_audio_to_front_seconds_count")  # fmt: skip
 TAIL_MS = (20, 50)  # a first chunk's tail: how many passed these, in the loop, the fronts, at the client (buckets')
 WHERE = (("in_loop", ""), ("at_front", "front_"))  # a figure's name part, and its metrics' (decode loop, fronts)
 
@@ -273,6 +277,10 @@ def decode_figures(steps: dict[str, float], wall: float) -> dict:
         # work); the client's figures add the sockets and the client
         **{f"stream_chunk_{where}_ms_mean": histogram_ms_mean(steps, f"omni_stream_chunk_{at}seconds")
            for where, at in WHERE},
+        # of the front's part, the two hand-offs between a front and its engine (each timed by its receiver;
+        # none with --front-processes 0): a chunk's on its way in, its audio message's on its way back
+        "stream_chunk_to_engine_ms_mean": histogram_ms_mean(steps, "omni_stream_chunk_to_engine_seconds"),
+        "stream_audio_to_front_ms_mean": histogram_ms_mean(steps, "omni_stream_audio_to_front_seconds"),
         # a stream's first chunk alone (its first audio's share) and how many passed 20 and 50 ms, in the loop
         # and in the fronts: against the clients' first audio over the same (``figures``), where its tail waits
         **{f"stream_first_chunk_{where}_ms_mean": histogram_ms_mean(steps, f"omni_stream_first_chunk_{at}seconds")
