@@ -110,7 +110,7 @@ class RemoteLoop:
         return job
 
     def _send(self, job: Job, op: str, codes: torch.Tensor | None = None) -> None:
-        frames = [wire.pack(op, job.key, 0 if codes is None else codes.shape[1], job.rid, time.perf_counter())]
+        frames = [wire.pack(op, job.key, 0 if codes is None else codes.shape[1], job.rid)]
         if codes is not None:
             frames.append(wire.codes_frame(codes))
         self.sockets[job.engine].send_multipart(frames)  # small: a copy is cheaper than a zero-copy frame

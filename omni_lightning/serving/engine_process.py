@@ -91,7 +91,7 @@ class EngineServer:
         def sink(kind: str, value: Any) -> None:
             if kind == "audio":
                 sizes, buffers = wire.audio_frames(value)  # copied by ZeroMQ: the step's buffer is reused
-                self.socket.send_multipart([ident, wire.pack("audio", key, sizes, time.perf_counter()), *buffers])
+                self.socket.send_multipart([ident, wire.pack("audio", key, sizes), *buffers])
                 return
             self.jobs.pop((ident, key), None)
             self._send(ident, key, kind, list(value) if value is not None else None)
@@ -99,7 +99,7 @@ class EngineServer:
         return sink
 
     def _send(self, ident: bytes, key: int, kind: str, value: Any) -> None:
-        self.socket.send_multipart([ident, wire.pack(kind, key, value, time.perf_counter())])
+        self.socket.send_multipart([ident, wire.pack(kind, key, value)])
 
 
 def run_engine(build: Callable[[], tuple[DecodeLoop, dict]], address: str, conn: Any) -> None:

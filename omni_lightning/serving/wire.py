@@ -6,12 +6,13 @@ per piece; never JSON or per-sample Python.
 Front to engine: ``[op, key, frames, request id, sent]`` + the codes' bytes for ``submit`` and ``push`` (``key``:
 the job's number in that front). Engine to front: ``[kind, key, value, sent]`` + one frame per audio piece;
 ``kind`` is ``audio`` (value: the pieces' sample counts), ``end`` or ``error`` (value: ``[status, message]``).
-``sent``: the sender's ``time.perf_counter()`` (a clock of the whole machine on Linux, the processes' one
-host), from which the receiver times a stream's hand-offs (``ServeMetrics``).
+``sent``: the sender's ``time.perf_counter()``, added by :func:`pack` (a clock of the whole machine on Linux,
+the processes' one host), from which the receiver times a stream's hand-offs (``ServeMetrics``).
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgpack
@@ -23,7 +24,8 @@ CODE_DTYPE = np.dtype("<i2")
 
 
 def pack(*header: Any) -> bytes:
-    return msgpack.packb(header)
+    """``header`` with ``sent`` (now) after it, as one msgpack frame."""
+    return msgpack.packb((*header, time.perf_counter()))
 
 
 def unpack(frame: bytes | memoryview) -> list[Any]:

@@ -67,9 +67,9 @@ async def stream(ws_url: str, codes: np.ndarray, rng: random.Random, chunk: int 
         for n in sizes:
             if paced:
                 await asyncio.sleep(max(0.0, start + at / FRAME_RATE - time.perf_counter()))
-            sent.append(time.perf_counter())
             if receiver is not None and receiver.done():
                 break  # it failed: its error is raised below
+            sent.append(time.perf_counter())
             await ws.send(npy(codes[:, at : at + n]))
             at += n
             if not paced:
