@@ -70,6 +70,8 @@ class Code2WavModule(pl.LightningModule):
         weight_decay: AdamW's weight decay.
         warmup_steps: linear warm-up steps before the cosine decay (at most a tenth of the run's steps).
         min_lr_ratio: the cosine decay's floor, as a fraction of the learning rate.
+        decay_fraction: the last fraction of the steps after warm-up the decay spans (1.0: all of them;
+            0.3: the peak rate until 70 % of the way, then the cosine).
         total_steps: steps of the schedule; None: the trainer's estimated stepping batches.
         grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
         mel_weight: weight of the multi-resolution mel L1 loss.
@@ -105,6 +107,7 @@ class Code2WavModule(pl.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         min_lr_ratio: float = 0.1,
+        decay_fraction: float = 1.0,
         total_steps: int | None = None,
         grad_clip: float | None = 1.0,
         mel_weight: float = 1.0,
@@ -383,7 +386,7 @@ class Code2WavModule(pl.LightningModule):
         return fine_tuning_optimizers(
             self.model.parameters(), self.discriminators, learning_rate=hp.learning_rate, betas=hp.betas,
             weight_decay=hp.weight_decay, discriminator_lr=hp.discriminator_lr, warmup_steps=hp.warmup_steps,
-            min_lr_ratio=hp.min_lr_ratio, total_steps=hp.total_steps,
+            min_lr_ratio=hp.min_lr_ratio, total_steps=hp.total_steps, decay_fraction=hp.decay_fraction,
             estimated_stepping_batches=self.trainer.estimated_stepping_batches,
             fused=fused_adamw(self.device, self.trainer.precision_plugin),
         )  # fmt: skip

@@ -144,3 +144,30 @@ def test_pipelined_steps_behind_the_engines_socket_answer_every_client_exactly(t
     assert chunks_in == sum(len(c) for c in streamed) and audio_out == streamed_audio, (chunks_in, audio_out)
     assert 0 < seconds_in < 60 * chunks_in and 0 < seconds_out < 60 * audio_out
     assert count_sum(engine_metrics.stream_audio_to_front_seconds)[0] == 0  # timed where it is received only
+
+
+def test_a_queue_sink_keeps_what_its_own_loop_hands_it_and_copies_what_another_thread_does():
+    """On its event loop's thread (a front's reader: audio made from the message's bytes) the message is on the
+    queue when the call returns, the very tensors; from a decode thread (views of a buffer the next step
+    reuses) it arrives a turn later, copied, so overwriting the buffer after the call changes nothing."""
+    import asyncio
+    import threading
+
+    from omni_lightning.serving.jobs import queue_sink
+
+    async def drive() -> None:
+        queue: asyncio.Queue = asyncio.Queue()
+        sink = queue_sink(queue)
+        own = [torch.arange(6.0).reshape(1, 6)]
+        sink("audio", own)
+        assert queue.qsize() == 1 and queue.get_nowait()[1][0] is own[0]
+        buffer = torch.arange(8.0).reshape(1, 8)
+        thread = threading.Thread(target=lambda: (sink("audio", [buffer[:, :4]]), buffer.fill_(-1)))
+        thread.start()
+        thread.join()
+        kind, pieces = await asyncio.wait_for(queue.get(), 5)
+        assert kind == "audio" and pieces[0].tolist() == [[0.0, 1.0, 2.0, 3.0]]
+        sink("end", None)
+        assert queue.get_nowait() == ("end", None)
+
+    asyncio.run(drive())

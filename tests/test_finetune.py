@@ -284,6 +284,9 @@ def test_out_of_range_optimization_settings_are_refused_by_name():
         ({"mel_weight": -0.5}, "mel_weight"),
         ({"discriminator_lr": float("nan")}, "discriminator_lr"),
         ({"min_lr_ratio": 2.0}, "min_lr_ratio"),
+        ({"decay_fraction": 0.0}, "decay_fraction"),
+        ({"decay_fraction": 1.5}, "decay_fraction"),
+        ({"decay_fraction": "half"}, "decay_fraction"),
     ):
         with pytest.raises(ValueError, match=name):
             Code2WavModule(model=random_model("tiny"), **kw)

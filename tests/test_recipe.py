@@ -15,11 +15,12 @@ from omni_lightning.training.schedule import fine_tuning_optimizers
 MOVED = re.compile(r"^fit: val/mel_distance ([\d.]+) \(step (\d+)\) -> ([\d.]+) \(step (\d+)\);")
 
 
-def learning_rates(warmup_steps, run_steps, learning_rate=1e-3):
+def learning_rates(warmup_steps, run_steps, learning_rate=1e-3, decay_fraction=1.0):
     layer = torch.nn.Linear(2, 2)
     kw = dict(learning_rate=learning_rate, betas=(0.8, 0.99), weight_decay=0.0, discriminator_lr=1e-4)
     out = fine_tuning_optimizers(layer.parameters(), None, warmup_steps=warmup_steps, min_lr_ratio=0.1,
-                                 total_steps=None, estimated_stepping_batches=run_steps, **kw)  # fmt: skip
+                                 total_steps=None, estimated_stepping_batches=run_steps, decay_fraction=decay_fraction,
+                                 **kw)  # fmt: skip
     optimizer, scheduler = out["optimizer"], out["lr_scheduler"]["scheduler"]
     rates = []
     for _ in range(run_steps):
@@ -36,6 +37,20 @@ def test_a_short_run_warms_up_over_at_most_a_tenth_of_its_steps():
     assert all(r > 1e-4 for r in short)
     long = learning_rates(100, 2000)
     assert long[49] == pytest.approx(5e-4) and long[99] == pytest.approx(1e-3)  # a long run keeps its 100
+
+
+@pytest.mark.parametrize("run_steps", [40, 600, 2000])
+def test_a_late_decay_holds_the_peak_rate_then_ends_where_the_cosine_ends(run_steps):
+    """decay_fraction 0.3: warm-up, the peak rate until 70 % of the steps after it, then the same cosine to the
+    floor; 1.0 is the plain cosine, step for step."""
+    plain, late = learning_rates(100, run_steps), learning_rates(100, run_steps, decay_fraction=0.3)
+    warm = min(100, run_steps // 10)
+    assert late[:warm] == plain[:warm]
+    stable_until = run_steps - round((run_steps - warm) * 0.3)
+    assert all(r == pytest.approx(1e-3) for r in late[warm:stable_until])
+    assert all(a >= b for a, b in zip(late[stable_until:], late[stable_until + 1 :]))  # falling
+    assert late[-1] < 1.5e-4  # near the same floor (1e-4) at the end
+    assert all(a >= b for a, b in zip(late[warm:], plain[warm:]))  # never below the plain cosine
 
 
 def test_a_short_runs_ema_follows_its_recent_weights():

@@ -5,7 +5,7 @@
 that copy alone (an event, not the whole stream: a decode launched after it may still be running). Two
 buffers take turns, so one decode's audio can wait to be handed out while the next decode's copy lands:
 a view is valid until the copy two ``start`` calls later; a consumer that keeps a piece copies it
-(``jobs.queue_sink``; ZeroMQ copies what it sends). On a CPU the copy is done when ``start`` returns.
+(``jobs.queue_sink`` on another thread; ZeroMQ copies what it sends). On a CPU the copy is done when ``start`` returns.
 """
 
 from __future__ import annotations

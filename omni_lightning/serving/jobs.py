@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -33,7 +34,7 @@ class Job:
     sink: Sink
     codes: torch.Tensor | None = None  # a whole request's codes, pushed ``request_frames`` at a time
     chunks: deque = field(default_factory=deque)  # a stream's chunks not yet pushed, (when it came, codes) each
-    pushed_at: list = field(default_factory=list)  # when the chunks of its decode in flight came
+    pushed_at: list = field(default_factory=list)  # when the chunks of its last push came
     finishing: bool = False  # no more chunks: close after the last is decoded
     aborted: bool = False  # the client went away: close now
     sid: int | None = None  # its stream in the decoder, once opened
@@ -51,10 +52,19 @@ class Job:
 
 
 def queue_sink(queue: asyncio.Queue) -> Sink:
-    """A sink for a job made on an event loop's thread: each message goes onto ``queue`` on that loop."""
-    loop = asyncio.get_running_loop()
+    """A sink for a job made on an event loop's thread: each message goes onto ``queue`` on that loop.
+
+    Called from another thread (a ``DecodeLoop``'s, one process: its audio is views of a host buffer its next
+    step reuses) it copies the audio and hands the message over thread-safely, for the loop's next turn.
+    Called on the loop's own thread (``RemoteLoop``'s reader, a front process: its audio is made from the
+    message's bytes, the sink's to keep) it puts the message on the queue at once, no copy: the route's task
+    wakes a turn of the event loop sooner, without a write to the loop's wake-up pipe."""
+    loop, thread = asyncio.get_running_loop(), threading.get_ident()
 
     def sink(kind: str, value: Any) -> None:
+        if threading.get_ident() == thread:
+            queue.put_nowait((kind, value))
+            return
         if kind == "audio":  # views of the decode loop's host buffer, which its next step reuses
             value = [piece.clone() for piece in value]
         with contextlib.suppress(RuntimeError):  # the event loop closed: nobody is waiting

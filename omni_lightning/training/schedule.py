@@ -1,7 +1,8 @@
 """The optimizers and learning-rate schedules of fine-tuning: AdamW, linear warm-up, then cosine
-decay to a floor, stepped once per batch; with adversarial training a second AdamW for the
-discriminators, on the same schedule. Parameters below fp32 (bf16-true) get AdamW with fp32 master
-weights (``master_weights.py``): plain AdamW on bf16 weights rounds most updates away.
+decay to a floor (over the whole run, or only its last part: ``decay_fraction``), stepped once per batch;
+with adversarial training a second AdamW for the discriminators, on the same schedule. Parameters below fp32
+(bf16-true) get AdamW with fp32 master weights (``master_weights.py``): plain AdamW on bf16 weights rounds most
+updates away.
 
 AdamW runs torch's fused kernel where :func:`fused_adamw` allows it: a foreach step's many kernel
 launches would bound the generator's step on the host."""
@@ -19,17 +20,23 @@ from omni_lightning.training.master_weights import MasterWeightAdamW, below_fp32
 
 
 class WarmupCosine:
-    """``LambdaLR`` factor: ``(step + 1) / warmup`` during warm-up, then cosine from 1 down to
-    ``min_ratio`` at ``total`` steps (and ``min_ratio`` after). A class, not a closure, so a
-    scheduler holding it pickles into a Lightning checkpoint."""
+    """``LambdaLR`` factor: ``(step + 1) / warmup`` during warm-up, then 1 until the last ``decay_fraction``
+    of the steps after warm-up, then cosine from 1 down to ``min_ratio`` at ``total`` steps (and ``min_ratio``
+    after). ``decay_fraction`` 1.0 is a plain warm-up-cosine; below it, the rate stays at its peak longer
+    (warm-up, stable, decay). A class, not a closure, so a scheduler holding it pickles into a Lightning
+    checkpoint (one saved before ``decay_fraction`` existed loads as 1.0)."""
 
-    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float) -> None:
+    decay_fraction = 1.0  # a checkpoint's state from before the setting leaves the class's value
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float, decay_fraction: float = 1.0) -> None:
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, max(total_steps, 1), min_ratio
+        self.decay_fraction = decay_fraction
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        progress = min((step - self.warmup_steps) / max(self.total_steps - self.warmup_steps, 1), 1.0)
+        decay = max(round((self.total_steps - self.warmup_steps) * self.decay_fraction), 1)
+        progress = min(max(step - (self.total_steps - decay), 0) / decay, 1.0)
         return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -55,9 +62,9 @@ NON_NEGATIVE = (
 
 def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
     """Refuses, by name, a negative or NaN learning rate, weight decay, loss weight or warm-up
-    (:data:`NON_NEGATIVE`), ``min_lr_ratio`` outside [0, 1], a negative ``grad_clip``: checked when the
-    module is built, not at the first optimizer step."""
-    for name in (*NON_NEGATIVE, "min_lr_ratio"):  # a config file's null reaches here (jsonargparse allows it)
+    (:data:`NON_NEGATIVE`), ``min_lr_ratio`` outside [0, 1], ``decay_fraction`` outside (0, 1], a negative
+    ``grad_clip``: checked when the module is built, not at the first optimizer step."""
+    for name in (*NON_NEGATIVE, "min_lr_ratio", "decay_fraction"):  # a config file's null reaches here
         if isinstance(hparams[name], bool) or not isinstance(hparams[name], numbers.Real):
             raise ValueError(f"{name} must be a number, got {hparams[name]!r}")
     for name in NON_NEGATIVE:
@@ -65,6 +72,8 @@ def check_fine_tuning_settings(hparams: Mapping[str, Any]) -> None:
             raise ValueError(f"{name} must be >= 0, got {hparams[name]}")
     if not 0 <= hparams["min_lr_ratio"] <= 1:
         raise ValueError(f"min_lr_ratio must be in [0, 1], got {hparams['min_lr_ratio']}")
+    if not 0 < hparams["decay_fraction"] <= 1:
+        raise ValueError(f"decay_fraction must be in (0, 1], got {hparams['decay_fraction']}")
     clip = hparams["grad_clip"]
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not clip >= 0):
         raise ValueError(f"grad_clip must be >= 0 or None, got {clip!r}")
@@ -153,17 +162,19 @@ def fine_tuning_optimizers(
     total_steps: int | None,
     estimated_stepping_batches: float,
     fused: bool = False,
+    decay_fraction: float = 1.0,
 ) -> Any:
     """What ``configure_optimizers`` returns: the trainable generator parameters' AdamW and schedule,
     and with ``discriminators`` theirs too (no weight decay). The schedule spans ``total_steps``
     batches, or Lightning's estimate (one step a batch, the GAN's too: ``adversarial.py``); its
-    warm-up is at most a tenth of them (:func:`short_run_warmup`).
+    warm-up is at most a tenth of them (:func:`short_run_warmup`); the decay spans the last ``decay_fraction``
+    of the rest (:class:`WarmupCosine`).
     ``fused``: torch's fused AdamW kernel (:func:`fused_adamw` decides)."""
     params = [p for p in generator if p.requires_grad]
     if not params:
         raise ValueError("every model parameter is frozen: nothing to fine-tune")
     total = total_steps or int(estimated_stepping_batches)
-    schedule = WarmupCosine(short_run_warmup(warmup_steps, total), max(total, 1), min_lr_ratio)
+    schedule = WarmupCosine(short_run_warmup(warmup_steps, total), max(total, 1), min_lr_ratio, decay_fraction)
     opt, sched = adamw_with_schedule(
         params, schedule, fused, lr=learning_rate, betas=tuple(betas), weight_decay=weight_decay
     )

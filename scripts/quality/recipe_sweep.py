@@ -87,6 +87,18 @@ RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "768-pairs-config-waveform-10": ({**CONFIG, "waveform_weight": 10.0}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-lr-2e-3": ({**CONFIG, "learning_rate": 2e-3}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-constant": ({**CONFIG, "min_lr_ratio": 1.0}, {"train_pairs": 768, **CONFIG_DATA}),
+    "768-pairs-config-decay-0.3": ({**CONFIG, "decay_fraction": 0.3}, {"train_pairs": 768, **CONFIG_DATA}),
+    "768-pairs-config-decay-0.5": ({**CONFIG, "decay_fraction": 0.5}, {"train_pairs": 768, **CONFIG_DATA}),
+    "768-pairs-config-decay-0.3-lr-2e-3": (
+        {**CONFIG, "decay_fraction": 0.3, "learning_rate": 2e-3},
+        {"train_pairs": 768, **CONFIG_DATA},
+    ),
+    "768-pairs-config-batch-16": (CONFIG, {"train_pairs": 768, **CONFIG_DATA, "batch_size": 16}),
+    "768-pairs-config-batch-16-decay-0.3": (
+        {**CONFIG, "decay_fraction": 0.3},
+        {"train_pairs": 768, **CONFIG_DATA, "batch_size": 16},
+    ),
+    "768-pairs-config-no-ema": ({**CONFIG, "ema_decay": None}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-gan": ({**CONFIG, "adversarial": True}, {"train_pairs": 768, **CONFIG_DATA}),
     "frozen-embedding": ({"freeze": ["code_embedding"]}, {}),
     "frozen-pre-transformer": ({"freeze": ["code_embedding", "pre_transformer"]}, {}),
@@ -95,8 +107,8 @@ RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 # "default" on "perturbed") are in recipe_sweep_floor.json
 TARGETS = ("decoder", "covered", "shifted", "perturbed", "perturbed-net", "other-seed",
            *(f"only:{part}" for part in ("code_embedding", "pre_transformer", "upsample", "decoder")))  # fmt: skip
-RECIPE = ("learning_rate", "betas", "warmup_steps", "min_lr_ratio", "grad_clip", "mel_weight", "stft_weight",
-          "waveform_weight", "ema_decay", "adversarial", "freeze")  # fmt: skip
+RECIPE = ("learning_rate", "betas", "warmup_steps", "min_lr_ratio", "decay_fraction", "grad_clip", "mel_weight",
+          "stft_weight", "waveform_weight", "ema_decay", "adversarial", "freeze")  # fmt: skip
 METRICS = (("mel_distance", ".3f"), ("pesq", ".2f"), ("stoi", ".3f"))
 DATA = {"batch_size": 4, "crop_frames": 25}  # the sweep's data settings unless a variant says otherwise
 SHIFT = 24  # the shifted benchmark: its training audio up to this many samples late (1 ms)
