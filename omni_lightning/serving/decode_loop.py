@@ -118,8 +118,7 @@ class DecodeLoop(Slots):
         """Whether a step now would do something (else the caller may sleep until ``push``/``submit``)."""
         with self._lock:
             jobs = list(self._active)
-        in_flight = self._in_flight is not None or (self.lane is not None and bool(self.lane.talking))
-        return in_flight or any(
+        return self._in_flight is not None or any(
             j.aborted or j.chunks or (j.finishing and not j.done) or j.sid is None or self._has_more(j) for j in jobs
         )
 
@@ -140,8 +139,6 @@ class DecodeLoop(Slots):
         if self._in_flight is not None:
             self.decodes.land(self._in_flight, None)
             self._in_flight = None
-        if self.lane is not None:
-            self.lane.land_done(every=True)
         with self._lock:
             left = self._active + list(self._waiting)
             self._active, self._waiting = [], deque()
@@ -196,18 +193,16 @@ class DecodeLoop(Slots):
 
     def _lanes_step(self, bulk: list[Job], takes: list[int], between: Callable[[], None] | None) -> None:
         """With a stream lane: the streams' chunks at once, the next bulk slice launched, the last one landed
-        (pipelined: the one before it); until it lands (or, with no bulk, the lane's decode), chunks that come
-        are launched on the lane, behind its decode in flight, and each lane decode is landed once done."""
+        (pipelined: the one before it), any chunk that comes while it computes launched on the lane meanwhile."""
         self._talk()
         pushed = self._push_all(list(zip(bulk, takes)))
         launched = self.decodes.launch(pushed, True) if pushed else None
         landing, self._in_flight = (self._in_flight, launched) if self.pipeline else (launched, None)
-        if landing is None and not self.lane.talking:
+        if landing is None:
             if between is not None and self._in_flight is None:
                 between()  # nothing decoded: the socket is read all the same
             return
-        done = landing.copy if landing is not None else self.lane.talking[0].copy
-        while not done.ready():  # the device computes: chunks that come go on the lane
+        while not landing.copy.ready():  # the device computes the slice: chunks that come go on the lane
             if between is not None:
                 between()
                 time.sleep(5e-5)
@@ -215,18 +210,15 @@ class DecodeLoop(Slots):
                 self._wake.wait(5e-4)
                 self._wake.clear()
             self._talk()
-        if landing is not None:
-            self.decodes.land(landing, None)
-        self._talk()
+        self.decodes.land(landing, None)
 
     def _talk(self) -> None:
-        """The stream lane: its decodes done handed out, the streams' chunks waiting launched on it."""
-        self.lane.land_done()
+        """The streams' chunks waiting, on the stream lane: launched and landed (their own decode only)."""
         with self._lock:
             streams = [j for j in self._active if j.is_stream and not j.aborted and not j.done]
-        waiting = self.lane.has_room and any(j.chunks for j in streams)
-        if waiting and (pushed := self._push_all([(j, None) for j in streams])):
-            self.lane.launch(pushed)
+        pushed = self._push_all([(j, None) for j in streams]) if any(j.chunks for j in streams) else {}
+        if pushed and (talked := self.lane.decodes.launch(pushed, False)) is not None:
+            self.lane.decodes.land(talked, None)
 
     def _close_ended(self, jobs: list[Job]) -> None:
         for job in jobs:
