@@ -5,8 +5,7 @@ the launchers launch.
 Skipped, with the reason, where Triton's NVIDIA backend or its ptxas is missing. Each distinct
 compile runs once (``kernels/hopper.py`` caches within the process); Triton's disk cache points at a
 fresh folder, so nothing is reused across runs. Opt-in launches (``default_path=False``) are not
-compiled here (``scripts/kernels/kernel_report.py --opt-in`` reports them), but for the one the
-per-width table of residual-unit paths makes (``--units per-width``).
+compiled here (``scripts/kernels/kernel_report.py --opt-in`` reports them).
 """
 
 import json
@@ -67,24 +66,6 @@ def test_the_report_runs_and_writes_its_json(tmp_path, fresh_cache, capsys):
     total = report["costs"][-1]
     assert total["stage"] == "total" and 60 < total["gflop"] < 70  # ~64 GFLOP per audio second (issue 50)
     assert "| snake_beta.forward | 1536 ch (decoder.1) | bf16 | 32x128 | 4 | 3 | none |" in capsys.readouterr().out
-
-
-def test_the_report_holds_the_per_width_units_launches_to_the_rule(tmp_path, fresh_cache):
-    """``--units per-width``: the default path and the one-kernel unit where the per-width table runs it (96
-    channels, the launcher's setting), compiled clean; the 192-channel unit, which that table leaves to
-    conv_snake, is not compiled."""
-    sys.path.insert(0, str(ROOT / "scripts" / "kernels"))
-    import kernel_report
-
-    assert kernel_report.main(["--units", "per-width", "--json", str(tmp_path / "report.json")]) == 0
-    report = json.loads((tmp_path / "report.json").read_text())
-    assert not report["problems"] and report["units"] == "per-width"
-    on = [
-        (row["kernel"], row["label"], row["tiles"], row["mma"])
-        for row in report["launches"]
-        if row["path"] != "default"
-    ]
-    assert on == [("residual_unit", "96 ch (decoder.4)", "128x64x32x32", "wgmma")]
 
 
 def test_a_spill_or_too_much_shared_memory_is_a_problem():

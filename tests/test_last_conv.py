@@ -96,7 +96,7 @@ MODEL_SCRIPT = textwrap.dedent(
         calls.append(x.shape[0])
         return last_conv_triton(x, *args, tiles=Tiles(512, *last_conv_tiles(x.shape[2])[1:3], 4, 1), precise=True, **kw)
     kernels = dataclasses.replace(Kernels.for_inference("cuda", last_conv=True), snake_beta=snake_beta_reference,
-                                  conv_snake=None, residual_unit=None, last_conv=last_conv)
+                                  conv_snake=None, last_conv=last_conv)
     assert kernels.name == "triton+last-conv", kernels.name
     odd = dict(name="odd", hidden_size=16, num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
                intermediate_size=32, decoder_dim=16, sliding_window=5, upsample_rates=(3, 2), upsampling_ratios=(2,))

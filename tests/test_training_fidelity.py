@@ -142,11 +142,11 @@ def test_fast_training_path_gives_the_reference_losses_and_gradients_over_ten_st
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["steps"] == [STEPS] * 4
     assert result["kernels"] == ["triton-autograd, interpreted", "reference, fp32 conv-transpose input grads"]
-    fused_units = 3  # the first decoder block's (32 channels); the later blocks' are narrower than conv_snake takes
-    snake_layers = 29 - fused_units  # micro's SnakeBetas (4 decoder blocks of 7 and the last one) less the fused
+    conv_units = 3  # the first decoder block's (32 channels); the later blocks' are narrower than conv_snake takes
+    snake_layers = 29 - conv_units  # micro's SnakeBetas (4 decoder blocks of 7 and the last one) less the fused
     fast_fit, fast_val, plain_fit, plain_val = result["calls"]
     assert fast_fit == STEPS * snake_layers and fast_val == snake_layers and plain_fit == plain_val == 0
-    assert result["conv_calls"] == [STEPS * fused_units, fused_units, 0, 0], result["conv_calls"]
+    assert result["conv_calls"] == [STEPS * conv_units, conv_units, 0, 0], result["conv_calls"]
     assert max(result["loss"]) <= LOSS_TOLERANCE, result["loss"]
     for key, (first, any_step) in (("grad", GRAD_TOLERANCE), ("parameter", PARAMETER_TOLERANCE)):
         assert result[key][0] <= first and max(result[key]) <= any_step, (key, result[key])

@@ -17,9 +17,7 @@ from omni_lightning.kernels import snake_beta
 from omni_lightning.kernels.conv_snake import conv_snake_triton, conv_snake_triton_autograd, widths_supported
 from omni_lightning.kernels.conv_transpose import conv_transpose_fp32_input_grad, conv_transpose_reference
 from omni_lightning.kernels.last_conv import MAX_TAPS, last_conv_triton
-from omni_lightning.kernels.residual_unit import residual_unit_triton
 from omni_lightning.kernels.snake_beta import snake_beta_reference, snake_beta_triton, snake_beta_triton_autograd
-from omni_lightning.kernels.unit_paths import MOST_FUSED, UnitPaths, choice
 
 
 def triton_available() -> bool:
@@ -34,10 +32,7 @@ class Kernels:
     autograd needs the stream's earlier values), and for the residual units ``conv_snake``
     (``kernels/conv_snake.py``: the dilated convolution with its second SnakeBeta as the epilogue, for
     the widths it takes in ``conv_snake_dtypes``; also where autograd records when ``conv_snake_grad``:
-    it is differentiable, ``conv_snake_triton_autograd``), ``residual_unit`` (``kernels/residual_unit.py``:
-    that convolution, its SnakeBeta, the 1x1 convolution and the residual add as one kernel, in place,
-    inference only, same widths and dtypes; None: neither) and ``units``, the table that picks one of
-    those or the layers per unit shape (``kernels/unit_paths.py``; default: the most fused given);
+    it is differentiable, ``conv_snake_triton_autograd``; None: the convolution, then SnakeBeta);
     ``last_conv`` (``kernels/last_conv.py``: the decoder's last SnakeBeta, its ``C -> 1`` convolution and the
     clamp as one pass, inference only; None: the layers)."""
 
@@ -48,8 +43,6 @@ class Kernels:
     conv_snake: Callable[..., torch.Tensor] | None = None
     conv_snake_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
     conv_snake_grad: bool = False
-    residual_unit: Callable[..., torch.Tensor] | None = None
-    units: UnitPaths = MOST_FUSED
     last_conv: Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None = None
 
     def takes_last_conv(self, x: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
@@ -67,53 +60,30 @@ class Kernels:
             and 2 <= conv.kernel_size[0] <= MAX_TAPS
         )
 
-    def unit_path(self, x: torch.Tensor, a: torch.Tensor, conv: torch.nn.Conv1d) -> str:
-        """The path a residual unit on the stream ``x`` (its first SnakeBeta's output ``a``, its dilated
-        convolution ``conv``) runs: ``units``' path for its shape, or the next one down where it cannot
-        take that (``kernels/unit_paths.py``). The one kernel needs inference, in-place residuals and
-        ``x`` contiguous in ``a``'s dtype; both kernels need widths :func:`widths_supported` takes, ``a``'s
-        dtype in ``conv_snake_dtypes`` and its channels contiguous."""
-        path = self.units.path(conv.out_channels, conv.dilation[0])
-        grad = torch.is_grad_enabled()
-        takes = (
-            a.dtype in self.conv_snake_dtypes
+    def fuses_conv_snake(self, a: torch.Tensor, conv: torch.nn.Conv1d) -> bool:
+        """Whether a residual unit's dilated convolution ``conv`` of its first SnakeBeta's output ``a`` runs
+        as ``conv_snake``: one given, widths :func:`widths_supported` takes, ``a``'s dtype in
+        ``conv_snake_dtypes`` with its channels contiguous, no gradient recorded unless ``conv_snake_grad``."""
+        return (
+            self.conv_snake is not None
+            and a.dtype in self.conv_snake_dtypes
             and a.stride(-1) == 1
             and widths_supported(conv.in_channels, conv.out_channels)
+            and (self.conv_snake_grad or not torch.is_grad_enabled())
         )
-        if (
-            path == "residual_unit"
-            and takes
-            and self.residual_unit is not None
-            and self.inplace
-            and not grad
-            and x.is_contiguous()
-            and x.dtype == a.dtype
-            and conv.in_channels == conv.out_channels == x.shape[-1]
-        ):
-            return "residual_unit"
-        if path != "layers" and takes and self.conv_snake is not None and (self.conv_snake_grad or not grad):
-            return "conv_snake"
-        return "layers"
 
     @classmethod
-    def for_inference(
-        cls, device: torch.device | str, fused: bool = True, fused_units: bool | str = False, last_conv: bool = False
-    ) -> Kernels:
+    def for_inference(cls, device: torch.device | str, fused: bool = True, last_conv: bool = False) -> Kernels:
         """On CUDA (when Triton is installed and ``fused``): Triton SnakeBeta, in-place residuals and the
-        residual units' fused kernels (16-bit, 32-256 channels) as ``fused_units`` picks them per unit
-        (``kernels/unit_paths.CHOICES``): ``False`` conv_snake everywhere, ``True`` the one-kernel unit
-        everywhere, ``"per-width"`` the one kernel up to 96 channels and conv_snake above; with ``last_conv``
-        the output layer as one kernel (``kernels/last_conv.py``; off until a GPU measures it faster:
-        docs/performance.md); elsewhere the torch reference with in-place residuals. Any other
-        ``fused_units`` or ``last_conv`` is a ValueError naming it."""
-        units = choice(fused_units)
+        residual units' dilated convolutions with their SnakeBeta fused (``conv_snake``: 16-bit, 32-256
+        channels); with ``last_conv`` the output layer as one kernel (``kernels/last_conv.py``; off until a
+        GPU measures it faster: docs/performance.md); elsewhere the torch reference with in-place residuals.
+        Any other ``last_conv`` is a ValueError naming it."""
         if not isinstance(last_conv, bool):
             raise ValueError(f"last_conv must be True or False, got {last_conv!r}")
         if fused and torch.device(device).type == "cuda" and triton_available():
-            name = {False: "triton", True: "triton-units"}.get(fused_units, f"triton-units-{fused_units}")
-            return cls(snake_beta_triton, inplace=True, name=name + "+last-conv" * last_conv,
-                       conv_snake=conv_snake_triton, residual_unit=residual_unit_triton, units=units,
-                       last_conv=last_conv_triton if last_conv else None)  # fmt: skip
+            return cls(snake_beta_triton, inplace=True, name="triton" + "+last-conv" * last_conv,
+                       conv_snake=conv_snake_triton, last_conv=last_conv_triton if last_conv else None)  # fmt: skip
         return cls(snake_beta_reference, inplace=True, name="reference-inplace")
 
     @classmethod

@@ -13,15 +13,14 @@ module that follows it; nothing else needs to change when a module joins):
   function too; ``hopper_launches`` passes those arguments, with :class:`MockTensor` for tensors,
   to :func:`bind`, which specializes them as Triton's JIT does at a launch (16-byte alignment,
   integers divisible by 16, unit strides as constants). So the report compiles what a launch compiles.
-- ``default_path=False`` marks a launch only an opt-in path makes (``residual_unit.py``): reported,
-  not held to the rule that the default path neither spills nor exceeds shared memory. ``choices``
-  names the tables of residual-unit paths that make it (``kernels/unit_paths.NAMES``: ``"all"``,
-  ``"per-width"``): the report holds those to the rule where asked (``kernel_report.py --units``).
+- ``default_path=False`` marks a launch only an opt-in path makes (``last_conv.py``): reported
+  (``kernel_report.py --opt-in``), not held to the rule that the default path neither spills nor
+  exceeds shared memory.
 
 A :class:`KernelLaunch` holds ``kernel`` (a name, e.g. ``"snake_beta.forward"``), ``fn`` (the
 ``@triton.jit`` function), ``signature``, ``constexprs`` and ``attrs`` (as ``triton.compiler.ASTSource``
 takes them), ``num_warps``, ``num_stages``, ``label`` (the layers or stage it serves), ``dtype``
-(``"bf16"`` or ``"fp32"``), ``default_path``, ``choices`` and ``notes`` (free text, kept in the report's JSON).
+(``"bf16"`` or ``"fp32"``), ``default_path`` and ``notes`` (free text, kept in the report's JSON).
 Not here: the compiling (``kernels/hopper.py``), and launch flags that vary call by call within one
 tile setting (each module's ``hopper_launches`` says which values it lists): they compile variants
 of the same tile, which are not compiled here, so their registers and spills go unchecked.
@@ -74,7 +73,6 @@ class KernelLaunch:
     label: str
     dtype: str
     default_path: bool = True
-    choices: tuple[str, ...] = ()
     notes: str = field(default="", compare=False)
 
     @property

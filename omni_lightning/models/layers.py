@@ -192,13 +192,7 @@ class DecoderResidualUnit(nn.Module):
         """The unit on the stream ``x`` whose true value is ``x + pending``; returns both, updated."""
         a = self.act1(x, step, pending, before=self.conv1, junk=junk)
         conv1, act2 = self.conv1.conv, self.act2
-        path = step.kernels.unit_path(x, a, conv1)  # kernels/unit_paths.py: by the unit's shape
-        if path == "residual_unit":  # neither the convolution's output nor h reaches memory
-            x = step.kernels.residual_unit(
-                x, a, conv1.weight, conv1.bias, act2.alpha, act2.beta, self.conv2.conv.weight, conv1.dilation[0]
-            )
-            return x, pending + self.conv2.conv.bias.float()
-        if path == "conv_snake":  # the convolution's output never reaches memory
+        if step.kernels.fuses_conv_snake(a, conv1):  # the convolution's output never reaches memory
             h = step.kernels.conv_snake(
                 a, conv1.weight, conv1.bias, act2.alpha, act2.beta, conv1.dilation[0], x.shape[1]
             )

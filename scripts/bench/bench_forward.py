@@ -3,7 +3,6 @@
     python scripts/bench/bench_forward.py                                     # a GPU: batch 1 and 32, bf16
     python scripts/bench/bench_forward.py --compile                           # + transformers with torch.compile
     python scripts/bench/bench_forward.py --budget-gib 8 --no-fidelity        # the engine at another default budget
-    python scripts/bench/bench_forward.py --units none all per-width --rounds 3   # the residual units' paths, in turns
     python scripts/bench/bench_forward.py --last-conv off on --rounds 3        # the output layer's kernel off and on
     python scripts/bench/bench_forward.py --device cpu --preset tiny --batches 1 2 --repeats 2   # smoke test
 
@@ -14,20 +13,16 @@
   model's plain forward with the engine's kernels, one call for the batch (the engine's ceiling);
   ``engine_vs_eager`` the ratio. ``--budget-gib``: the engine's memory budget with no cap (default:
   ``budget.DEFAULT_BUDGET``), for choosing that default.
-- **--units**: the residual units' kernels, ``Kernels.for_inference(fused_units=...)`` (``none``: conv_snake
-  everywhere, the default; ``all``: the one-kernel unit everywhere; ``per-width``: the one kernel up to
-  96 channels, conv_snake above; ``kernels/unit_paths.py``), one engine each on the same model. Every
-  measure of a batch (each choice's engine and eager forward, transformers) is timed in turns,
-  ``--rounds`` rounds of ``--repeats``, in one process on one GPU; each choice's figures go under
-  ``units``, and the first choice's are also the row's ``ours`` and ``eager``. Each timing holds the median
-  of every repeat (``ms``) and of each round (``rounds_ms``: the spread a choice must win beyond).
 - **--last-conv**: the output layer's kernel (``Kernels.for_inference(last_conv=...)``, ``kernels/last_conv.py``)
-  ``off`` (the default), ``on`` or both: with ``on`` among several, each units choice runs once per value, the
-  ``on`` one named ``<units>+last-conv`` under ``units`` (timed in turns with the rest, its own fidelity guard).
+  ``off`` (the default), ``on`` or both, one engine each on the same model. Every measure of a batch (each
+  choice's engine and eager forward, transformers) is timed in turns, ``--rounds`` rounds of ``--repeats``,
+  in one process on one GPU; each choice's figures go under ``last_conv``, and the first choice's are also
+  the row's ``ours`` and ``eager``. Each timing holds the median of every repeat (``ms``) and of each round
+  (``rounds_ms``: the spread a choice must win beyond).
 - **fidelity**: four 10 s clips, relative L2 and multi-resolution mel distance against the fp32
-  reference (transformers, TF32 off): the engine in bf16 (each ``--units`` choice) and transformers in
+  reference (transformers, TF32 off): the engine in bf16 (each ``--last-conv`` choice) and transformers in
   bf16. The guard: ours no worse than theirs, for every choice (``guard_holds``; each choice's under
-  ``units``).
+  ``last_conv``).
 ``cudnn.benchmark`` stays off (the default). Prints a table; writes JSON (``--out``).
 """
 
@@ -45,27 +40,24 @@ from workload import interleaved_samples, memory, peer, random_model, rel_l2, sa
 
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
-from omni_lightning.kernels.unit_paths import NAMES as UNITS  # --units: Kernels.for_inference(fused_units=...)
 
 
-def choices(units: list[str], last_conv: list[str]) -> dict[str, tuple[str, bool]]:
-    """Each measured choice's name: ``units`` (and ``<units>+last-conv`` where ``last_conv`` has ``on``) ->
-    (the units choice, the output layer's kernel on)."""
-    return {u + "+last-conv" * (lc == "on"): (u, lc == "on") for u in units for lc in last_conv}
+def choices(last_conv: list[str]) -> dict[str, bool]:
+    """Each measured choice's name (a ``--last-conv`` value, in order, once) -> the output layer's kernel on."""
+    return {lc: lc == "on" for lc in dict.fromkeys(last_conv)}
 
 
 def engines_for(base: Code2Wav, device: torch.device, dtype: torch.dtype, budget_gib: float | None,
-                names: dict[str, tuple[str, bool]]) -> dict[str, DecodeEngine]:  # fmt: skip
+                names: dict[str, bool]) -> dict[str, DecodeEngine]:  # fmt: skip
     """One engine per choice of :func:`choices`, all on one copy of ``base`` in ``dtype`` on ``device``."""
     model = Code2Wav(base.config).to(device, dtype).eval()
     model.load_state_dict(base.state_dict())
     budget = None if budget_gib is None else int(budget_gib * 2**30)
-    return {name: DecodeEngine(model, budget=budget, kernels=Kernels.for_inference(device, fused_units=UNITS[u],
-                                                                                   last_conv=on))
-            for name, (u, on) in names.items()}  # fmt: skip
+    return {name: DecodeEngine(model, budget=budget, kernels=Kernels.for_inference(device, last_conv=on))
+            for name, on in names.items()}  # fmt: skip
 
 
-def fidelity(base: Code2Wav, device: torch.device, units: dict[str, tuple[str, bool]]) -> dict:
+def fidelity(base: Code2Wav, device: torch.device, names: dict[str, bool]) -> dict:
     from omni_lightning.training.losses import MultiResolutionMelLoss
 
     gen = torch.Generator().manual_seed(5)
@@ -75,7 +67,7 @@ def fidelity(base: Code2Wav, device: torch.device, units: dict[str, tuple[str, b
     with torch.inference_mode():
         want = peer(base, torch.float32, device)(codes).float()
         theirs = peer(base, torch.bfloat16, device)(codes).float()
-        engines = engines_for(base, device, torch.bfloat16, None, units)
+        engines = engines_for(base, device, torch.bfloat16, None, names)
         ours = {u: torch.stack(engine.decode(codes, [125] * 4)).float() for u, engine in engines.items()}
         for engine in engines.values():
             engine.close()
@@ -87,10 +79,10 @@ def fidelity(base: Code2Wav, device: torch.device, units: dict[str, tuple[str, b
         one = {"ours_rel_l2": rel_l2(got, want), "ours_mel": float(mel(got[:, 0], want[:, 0]))}
         one["guard_holds"] = one["ours_rel_l2"] <= theirs_l2 and one["ours_mel"] <= theirs_mel
         per_choice[u] = one
-    first = per_choice[next(iter(units))]
+    first = per_choice[next(iter(names))]
     return {"ours_rel_l2": first["ours_rel_l2"], "transformers_rel_l2": theirs_l2, "ours_mel": first["ours_mel"],
             "transformers_mel": theirs_mel, "guard_holds": all(c["guard_holds"] for c in per_choice.values()),
-            "units": per_choice}  # fmt: skip
+            "last_conv": per_choice}  # fmt: skip
 
 
 def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device) -> list[dict]:
@@ -120,12 +112,12 @@ def forward_rows(base: Code2Wav, args: argparse.Namespace, device: torch.device)
             s = statistics.median(t for one in runs for t in one)
             timing[name] = {"ms": 1e3 * s, "x_realtime": audio / s,
                             "rounds_ms": [1e3 * statistics.median(one) for one in runs]}  # fmt: skip
-        row["units"] = {}
+        row["last_conv"] = {}
         for u, engine in engines.items():
             ours, eager = timing[f"ours {u}"], timing[f"eager {u}"]
-            row["units"][u] = {"kernels": engine.kernels.name, "ours": ours, "eager": eager,
-                               "engine_vs_eager": ours["x_realtime"] / eager["x_realtime"]}  # fmt: skip
-        first = row["units"][next(iter(args.choices))]
+            row["last_conv"][u] = {"kernels": engine.kernels.name, "ours": ours, "eager": eager,
+                                   "engine_vs_eager": ours["x_realtime"] / eager["x_realtime"]}  # fmt: skip
+        first = row["last_conv"][next(iter(args.choices))]
         row.update(ours=first["ours"], eager=first["eager"], transformers=timing["transformers"])
         row["frames_per_forward"] = engines[next(iter(args.choices))].frames_per_forward
         row["engine_vs_eager"] = first["engine_vs_eager"]
@@ -150,18 +142,11 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=1, help="rounds of --repeats, every measure in turn")
     parser.add_argument(
-        "--units",
-        nargs="+",
-        default=["none"],
-        choices=list(UNITS),
-        help="the residual units' kernels (Kernels.for_inference(fused_units=...)); the first is 'ours'",
-    )
-    parser.add_argument(
         "--last-conv",
         nargs="+",
         default=["off"],
         choices=("off", "on"),
-        help="the output layer's kernel, Kernels.for_inference(last_conv=...): off, on or both",
+        help="the output layer's kernel, Kernels.for_inference(last_conv=...): off, on or both; the first is 'ours'",
     )
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--budget-gib", type=float, default=None, help="the engine's memory budget (default: its own)")
@@ -172,8 +157,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main() -> None:
     args = parser().parse_args()
-    args.units = list(dict.fromkeys(args.units))
-    args.choices = choices(args.units, list(dict.fromkeys(args.last_conv)))
+    args.choices = choices(args.last_conv)
     device = torch.device(args.device)
     base = random_model(args.preset)
     res = {"forward": forward_rows(base, args, device), **memory(device)}
@@ -198,16 +182,16 @@ def main() -> None:
             f"guard holds: {f['guard_holds']}"
         )
     if len(args.choices) > 1:
-        units_table(res)
+        choices_table(res)
 
 
-def units_table(res: dict) -> None:
-    """Each ``--units`` choice's engine and eager forward, timed in turns, and its fidelity guard."""
-    print("\n| batch | units | kernels | engine ms | engine x | eager ms | eager x | engine/eager | guard holds |")
+def choices_table(res: dict) -> None:
+    """Each ``--last-conv`` choice's engine and eager forward, timed in turns, and its fidelity guard."""
+    print("\n| batch | last conv | kernels | engine ms | engine x | eager ms | eager x | engine/eager | guard holds |")
     print("|---|---|---|---|---|---|---|---|---|")
-    guards = res.get("fidelity", {}).get("units", {})
+    guards = res.get("fidelity", {}).get("last_conv", {})
     for r in res["forward"]:
-        for u, c in r["units"].items():
+        for u, c in r["last_conv"].items():
             guard = guards.get(u, {}).get("guard_holds", "")
             print(f"| {r['batch']} | {u} | {c['kernels']} | {c['ours']['ms']:.2f} | {c['ours']['x_realtime']:,.0f} | "
                   f"{c['eager']['ms']:.2f} | {c['eager']['x_realtime']:,.0f} | {c['engine_vs_eager']:.2f} | "

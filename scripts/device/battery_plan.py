@@ -44,23 +44,12 @@ SERVE = ("--device", "cuda", "--preset", "qwen3-omni", "--precision", "bf16-true
 # first-audio tail, docs/performance.md; the server's part is its front's figures, the same with either)
 SERVE_SMOKE = (*TINY, "--clients", "2", "--paced", "2", "--seconds", "2", "--offline-requests", "4", "--check", "4")
 
-UNIT_CHOICES = ("none", "all", "per-width")  # bench_forward --units: Kernels.for_inference(fused_units=...)
 UNITS_SMOKE = ("--preset", "tiny", "--device", "cpu", "--seconds", "0.1", "--batch", "1", "--repeats", "1")
 
 STEPS = (
-    # first, where GPU time is short: the fused residual units against the layers, stage by stage and
-    # whole forwards (decides whether Kernels.for_inference turns them on); what holds memory in a predict
+    # first, where GPU time is short: the residual units' fused convolution + SnakeBeta against the layers,
+    # stage by stage and whole forwards (Kernels.for_inference's conv_snake); what holds memory in a predict
     Step("units", "kernels", "bench_units", (), UNITS_SMOKE, 90),
-    # the residual units' three tables (conv_snake, the one kernel, per width) in one process, in turns: whole
-    # eager and engine forwards at batch 1 and 32 x 10 s and the fidelity guard of each (decides fused_units' default)
-    Step(
-        "forward-units",
-        "kernels",
-        "bench_forward",
-        ("--units", *UNIT_CHOICES, "--rounds", "3", "--repeats", "5"),
-        (*TINY, "--batches", "1", "--seconds", "1", "--repeats", "1", "--units", *UNIT_CHOICES),
-        120,
-    ),
     # the output layer (SnakeBeta, the 96 > 1 convolution, the clamp): the layers against its one kernel at each
     # setting, alone at batch 32 x 10 s; then whole forwards with it off and on, in turns, each with its fidelity
     # guard (decides Kernels.for_inference(last_conv=...)'s default)
@@ -279,10 +268,10 @@ def _forward(result: dict, kernels: str, which: int, key: str) -> float | None:
     return _get(rows, which, key) if rows else None
 
 
-def _choice(units: str, which: int, measure: str, key: str) -> Callable[[dict], float | None]:
-    """A reader of ``bench_forward --units``' figure ``key`` of ``measure`` under ``units`` at its first
-    (0) or last (-1) batch size."""
-    return lambda r: _get(r, "forward", which, "units", units, measure, key)
+def _choice(last_conv: str, which: int, measure: str, key: str) -> Callable[[dict], float | None]:
+    """A reader of ``bench_forward --last-conv``' figure ``key`` of ``measure`` under ``last_conv`` (``off``,
+    ``on``) at its first (0) or last (-1) batch size."""
+    return lambda r: _get(r, "forward", which, "last_conv", last_conv, measure, key)
 
 
 def _sum(result: dict, key: str, **where: Any) -> float | None:
@@ -345,24 +334,26 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("last batch x real time", lambda r: _get(r, "forward", -1, "ours", "x_realtime"), ",.0f"),
         ("transformers, last batch x", lambda r: _get(r, "forward", -1, "transformers", "x_realtime"), ",.0f"),
         ("guard holds (1 = yes)", lambda r: _get(r, "fidelity", "guard_holds"), ".0f"),
-        *(  # --units: each choice's forwards, timed in turns, and its guard
+        *(  # --last-conv: each choice's forwards, timed in turns, and its guard
             figure
-            for u in (*UNIT_CHOICES, "none+last-conv")
+            for u in ("off", "on")
             for figure in (
-                (f"[{u}] engine, last batch x", _choice(u, -1, "ours", "x_realtime"), ",.0f"),
-                (f"[{u}] eager, last batch x", _choice(u, -1, "eager", "x_realtime"), ",.0f"),
-                (f"[{u}] engine, batch 1 ms", _choice(u, 0, "ours", "ms"), ".2f"),
-                (f"[{u}] guard holds", lambda r, u=u: _get(r, "fidelity", "units", u, "guard_holds"), ".0f"),
+                (f"[last conv {u}] engine, last batch x", _choice(u, -1, "ours", "x_realtime"), ",.0f"),
+                (f"[last conv {u}] eager, last batch x", _choice(u, -1, "eager", "x_realtime"), ",.0f"),
+                (f"[last conv {u}] engine, batch 1 ms", _choice(u, 0, "ours", "ms"), ".2f"),
+                (
+                    f"[last conv {u}] guard holds",
+                    lambda r, u=u: _get(r, "fidelity", "last_conv", u, "guard_holds"),
+                    ".0f",
+                ),
             )
         ),
     ),
     "bench_units": (
         ("fused units, batch x real time", lambda r: _forward(r, "fused", 0, "x_realtime"), ",.0f"),
         ("layers, batch x real time", lambda r: _forward(r, "layers", 0, "x_realtime"), ",.0f"),
-        ("one-kernel units, batch x real time", lambda r: _forward(r, "one-kernel units", 0, "x_realtime"), ",.0f"),
         ("fused units, batch 1 ms", lambda r: _forward(r, "fused", -1, "ms"), ".2f"),
         ("layers, batch 1 ms", lambda r: _forward(r, "layers", -1, "ms"), ".2f"),
-        ("one-kernel units, batch 1 ms", lambda r: _forward(r, "one-kernel units", -1, "ms"), ".2f"),
     ),
     "bench_last_conv": (  # the output layer alone: the layers, the kernel's best setting, its ratio
         ("layers ms", lambda r: _get(r, "layers_ms"), ".3f"),

@@ -6,12 +6,11 @@
 Per residual unit after its first SnakeBeta (each stage ``kernels/conv_snake.py`` takes, each dilation):
 the layers (cuDNN convolution, SnakeBeta pass, in-place 1x1 GEMM; cuDNN's heuristic choice, then
 with ``cudnn.benchmark``), the fused convolution + SnakeBeta with the same GEMM at each
-``--configs`` tile setting, and the whole unit as one kernel (``kernels/residual_unit.py``) at each
-setting of its ``CANDIDATES``; the convolution alone both ways; a cuBLAS GEMM of the convolution's
+``--configs`` tile setting; the convolution alone both ways; a cuBLAS GEMM of the convolution's
 shape (``[rows, taps * C] x [taps * C, C]``, a ceiling for any implicit GEMM); the bandwidth and
 compute floors; each path's relative error against the layers. Then whole eager forwards (batch
-``--batch`` and 1) with the fused kernels, the layers, the reference and the one-kernel units, and the
-engine's graphed decode of the batch (all but the reference). Prints tables; writes JSON (``--out``).
+``--batch`` and 1) with the fused kernels, the layers and the reference, and the engine's graphed
+decode of the batch (all but the reference). Prints tables; writes JSON (``--out``).
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from workload import device_model, median_time, save
 from omni_lightning import Code2Wav, DecodeEngine
 from omni_lightning.kernels import Kernels
 from omni_lightning.kernels.conv_snake import Tiles, conv_snake_triton, launch_tiles, split_channels, widths_supported
-from omni_lightning.kernels.residual_unit import CANDIDATES, residual_unit_triton, unit_tiles
 from omni_lightning.models.code2wav import REFERENCE
 from omni_lightning.models.state import Step
 
@@ -67,12 +65,6 @@ def fused_unit(unit, x: torch.Tensor, a: torch.Tensor, **kw) -> torch.Tensor:
     c1, act2, channels = unit.conv1.conv, unit.act2, x.shape[2]
     h = conv_snake_triton(a, c1.weight, c1.bias, act2.alpha, act2.beta, c1.dilation[0], x.shape[1], **kw)
     return x.view(-1, channels).addmm_(h.reshape(-1, channels), unit.conv2.conv.weight.view(channels, -1).t())
-
-
-def one_kernel_unit(unit, x: torch.Tensor, a: torch.Tensor, **kw) -> torch.Tensor:
-    c1, act2 = unit.conv1.conv, unit.act2
-    return residual_unit_triton(x, a, c1.weight, c1.bias, act2.alpha, act2.beta, unit.conv2.conv.weight, c1.dilation[0],
-                                **kw)  # fmt: skip
 
 
 def with_benchmark(fn):
@@ -120,17 +112,6 @@ def bench_unit(unit, stage, channels, rows, layers, args, device, dtype, result)
         err = float((got - want).norm() / want.norm())
         row["fused"].append({"config": spec, "tiles": dataclasses.asdict(tiles), "unit_ms": ms,
                              "conv_snake_ms": conv_ms, "tflops": flops / ms / 1e9, "rel_err": err})  # fmt: skip
-    row["one_kernel"] = []  # the whole unit after its first SnakeBeta as one kernel, at each setting the report lists
-    for block_m, warps in CANDIDATES if device.type == "cuda" else CANDIDATES[:1]:
-        kw = dict(tiles=unit_tiles(channels, block_m, warps), precise=device.type != "cuda")
-        try:
-            got = one_kernel_unit(unit, x.clone(), a, **kw).float().reshape(want.shape)  # [B, T, C] in place
-            ms = 1e3 * t(functools.partial(one_kernel_unit, unit, scratch, a, **kw))
-        except Exception as err:  # a setting the GPU refuses: say so, go on
-            row["one_kernel"].append({"config": f"{block_m}:{warps}", "error": str(err)[:300]})
-            continue
-        row["one_kernel"].append({"config": f"{block_m}:{warps}", "unit_ms": ms, "tflops": flops / ms / 1e9,
-                                  "rel_err": float((got - want).norm() / want.norm())})  # fmt: skip
     result["units"].append(row)
     return row
 
@@ -164,10 +145,8 @@ def main() -> None:
     fused = Kernels.for_inference(device)
     layers = dataclasses.replace(fused, conv_snake=None, name=f"{fused.name}-layers")
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "units": [], "forward": []}
-    units = Kernels.for_inference(device, fused_units=True)  # the one-kernel unit wherever it takes the widths
     print(f"{'stage':>5} {'C':>4} {'d':>2} {'layers':>7} {'+bench':>7} {'fused':>7} {'config':>11} {'conv':>6} "
-          f"{'conv+sn':>7} {'cuBLAS':>6} {'floors c/b':>11} {'rel err':>8} {'1 kernel':>8} {'config':>6} "
-          f"{'rel err':>8}")  # fmt: skip
+          f"{'conv+sn':>7} {'cuBLAS':>6} {'floors c/b':>11} {'rel err':>8}")  # fmt: skip
     with torch.inference_mode():
         for stage, channels, rows in unit_rows(model, args.batch, args.seconds):
             if not widths_supported(channels, channels):
@@ -177,24 +156,22 @@ def main() -> None:
                 ok = [f for f in r["fused"] if "unit_ms" in f]
                 none = {"unit_ms": math.nan, "config": "-", "conv_snake_ms": math.nan, "rel_err": math.nan}
                 best = min(ok, key=lambda f: f["unit_ms"]) if ok else none
-                ok = [f for f in r["one_kernel"] if "unit_ms" in f]
-                one = min(ok, key=lambda f: f["unit_ms"]) if ok else none
                 print(f"{stage:>5} {channels:>4} {r['dilation']:>2} {r['layers_ms']:>7.3f} "
                       f"{r['layers_benchmark_ms']:>7.3f} {best['unit_ms']:>7.3f} {best['config']:>11} "
                       f"{r['conv_cudnn_ms']:>6.3f} {best['conv_snake_ms']:>7.3f} {r['cublas_gemm_ms']:>6.3f} "
-                      f"{r['compute_floor_ms']:>5.2f}/{r['bandwidth_floor_ms']:<5.2f} {best['rel_err']:>8.1e} "
-                      f"{one['unit_ms']:>8.3f} {one['config']:>6} {one['rel_err']:>8.1e}", flush=True)  # fmt: skip
+                      f"{r['compute_floor_ms']:>5.2f}/{r['bandwidth_floor_ms']:<5.2f} {best['rel_err']:>8.1e}",
+                      flush=True)  # fmt: skip
         frames = int(args.seconds * model.config.frame_rate)
         audio = model.output_length(frames) / model.config.sample_rate
         print(f"\n{'forward':>28} {'batch':>5} {'ms':>8} {'x real time':>11}")
         for batch in dict.fromkeys((args.batch, 1)):
             codes = torch.randint(0, model.config.codebook_size, (batch, 16, frames), device=device)
-            runs = [("fused", fused), ("layers", layers), ("reference", REFERENCE), ("one-kernel units", units)]
+            runs = [("fused", fused), ("layers", layers), ("reference", REFERENCE)]
             for name, kernels in runs:
                 fn = functools.partial(model, codes, kernels=kernels)
                 forward(result, name, batch, audio, median_time(fn, device, repeats=args.repeats))
             if device.type == "cuda":
-                for name, kernels in (runs[0], runs[1], runs[3]):
+                for name, kernels in runs[:2]:
                     engine = DecodeEngine(model, max_rows=batch, kernels=kernels)
                     fn = functools.partial(engine.decode, codes, [frames] * batch)
                     forward(result, f"engine {name}", batch, audio, median_time(fn, device, repeats=args.repeats))

@@ -3,16 +3,13 @@ shapes, compiled for Hopper (sm_90a), and what one audio second costs per decode
 
     python scripts/kernels/kernel_report.py                          # qwen3-omni, the default path
     python scripts/kernels/kernel_report.py --opt-in --json k.json   # the opt-in kernels too; JSON as well
-    python scripts/kernels/kernel_report.py --units per-width        # + what fused_units="per-width" launches
 
 Part one: each ``omni_lightning.kernels`` module that defines ``hopper_launches`` (the convention in
 ``kernels/launches.py``) lists its launches on the preset's layers (``models/shapes.layer_shapes``),
 bf16 and fp32; each distinct compile runs once (``kernels/hopper.py``) and the table gives its tiles,
 warps, stages, matrix instructions (wgmma, mma.sync or none), registers, spill bytes (stores / loads),
 shared memory against the 227 KB limit and the warps per SM they allow. The exit status is 1 when a
-default-path launch spills or exceeds shared memory, and with ``--units`` (``all``, ``per-width``:
-``kernels/unit_paths.NAMES``) when one that table of residual-unit paths launches does; other opt-in
-launches (``--opt-in``) are reported only.
+default-path launch spills or exceeds shared memory; opt-in launches (``--opt-in``) are reported only.
 Where Triton's NVIDIA backend or its ptxas is missing, part one is skipped with the reason (status 0).
 
 Part two: per stage, for each layer type, the tensor-core FLOPs and activation bytes one audio second
@@ -44,10 +41,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="qwen3-omni", help="the model config (a preset name)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
     p.add_argument("--opt-in", action="store_true", help="also compile the opt-in kernels' launches (slow)")
-    from omni_lightning.kernels.unit_paths import NAMES
-
-    p.add_argument("--units", default="none", choices=list(NAMES),
-                   help="also hold to the rule the launches this table of residual-unit paths makes")  # fmt: skip
     return p
 
 
@@ -68,25 +61,23 @@ def header() -> list[str]:
     ]
 
 
-def compile_all(layers, opt_in: bool, units: str = "none") -> tuple[list[dict], list[str]]:
-    """Every launch compiled: one row each (its ``path``: ``"default"``, ``"--units <units>"`` or
-    ``"opt-in"``), and the problems of those on the default path and on ``units``' table."""
+def compile_all(layers, opt_in: bool) -> tuple[list[dict], list[str]]:
+    """Every launch compiled: one row each, and the default path's problems."""
     from omni_lightning.kernels import hopper, launches
 
     rows, problems = [], []
     for launch in launches.all_launches(layers):
-        path = "default" if launch.default_path else f"--units {units}" if units in launch.choices else "opt-in"
-        if path == "opt-in" and not opt_in:
+        if not launch.default_path and not opt_in:
             continue
         began = time.perf_counter()
         compiled = hopper.compile_launch(launch)
         trouble = hopper.clean(launch, compiled)
-        if trouble and path != "opt-in":
+        if trouble and launch.default_path:
             problems.append(f"{launch.kernel} {launch.label} {launch.dtype}: {'; '.join(trouble)}")
         rows.append(dict(kernel=launch.kernel, label=launch.label, dtype=launch.dtype, tiles=launch.tiles,
                          num_warps=launch.num_warps, num_stages=launch.num_stages, default_path=launch.default_path,
-                         path=path, choices=list(launch.choices), notes=launch.notes,
-                         compile_s=round(time.perf_counter() - began, 2), **compiled.as_dict()))  # fmt: skip
+                         notes=launch.notes, compile_s=round(time.perf_counter() - began, 2),
+                         **compiled.as_dict()))  # fmt: skip
     return rows, problems
 
 
@@ -96,11 +87,10 @@ def launch_table(rows: list[dict]) -> list[str]:
     lines = ["| kernel | stage / shape | dtype | tiles | warps | stages | MMA | registers | spills (st / ld B) "
              "| shared (KB of 227) | occupancy (warps/SM of 64) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for path in dict.fromkeys(["default", *(r["path"] for r in rows if r["path"] != "opt-in"), "opt-in"]):
-        part = [r for r in rows if r["path"] == path]
-        if path != "default" and part:
-            title = "opt-in (not on the default path)" if path == "opt-in" else f"on with {path}"
-            lines.append(f"| **{title}** | | | | | | | | | | |")
+    for default in (True, False):
+        part = [r for r in rows if r["default_path"] is default]
+        if not default and part:
+            lines.append("| **opt-in (not on the default path)** | | | | | | | | | | |")
         for r in part:
             kb = f"{r['shared'] / 1024:.1f}" + (" **over**" if r["shared"] > SHARED_LIMIT else "")
             spills = f"{r['spill_stores']} / {r['spill_loads']}"
@@ -174,12 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         report["skipped"] = f"kernel table skipped: {why}"
         print(report["skipped"], end="\n\n")
     else:
-        rows, problems = compile_all(layers, args.opt_in, args.units)
-        report.update(launches=rows, problems=problems, units=args.units)
+        rows, problems = compile_all(layers, args.opt_in)
+        report.update(launches=rows, problems=problems)
         print("\n".join(launch_table(rows)), end="\n\n")
-        where = "default path" + (f" and --units {args.units}" if args.units != "none" else "")
         for problem in problems:
-            print(f"{where}: {problem}")
+            print(f"default path: {problem}")
     report["costs"] = cost_rows(layers)
     report["weight_mb"] = weight_bytes(args.preset) / 1e6
     print(f"One audio second of {args.preset} in bf16, per stage and layer type (activations only; the weights, "
