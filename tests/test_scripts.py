@@ -380,3 +380,24 @@ def test_recipe_sweeps_shifted_pairs_are_the_same_audio_late_by_at_most_a_millis
         lates.append(late)
     assert SHIFT == 24 and len(set(lates)) > 10 and max(lates) <= SHIFT  # up to 1 ms at 24 kHz, spread
     assert shifted_pairs(train) == out
+
+
+@pytest.mark.parametrize("slowdown", [0.0, 1.0])
+def test_a_simulated_lanes_forward_beside_bulk_work_takes_its_slowdown_and_alone_its_cost(slowdown):
+    """``sim_device --lane-slowdown``: a high-priority forward that starts while a normal one runs shares the SMs
+    (1 + slowdown times its cost) and pushes the normal one back by its cost; on an idle device it takes its cost."""
+    import time
+
+    from sim_device import SimDevice
+
+    device = SimDevice(0.0, 0.05, 0.0, 0.0, graph_frames=1 << 20, lane_slowdown=slowdown)
+    device.charging = lambda: False
+    start = time.perf_counter()
+    device.forward(1, 1, 4)  # the bulk's: 50 ms from now
+    device.forward(1, 1, 4, high=True)  # a lane's, beside it
+    assert device.last[True].end - start == pytest.approx(0.05 * (1 + slowdown), abs=0.01)
+    assert device.last[False].end - start == pytest.approx(0.1, abs=0.01)
+    device.wait()
+    alone = time.perf_counter()
+    device.forward(1, 1, 4, high=True)
+    assert device.last[True].end - alone == pytest.approx(0.05, abs=0.01)

@@ -96,7 +96,7 @@ def parser() -> argparse.ArgumentParser:
     return add_device_arguments(p)
 
 
-DEVICE_OPTIONS = ("frame-us", "forward-us", "eager-ms", "capture-ms", "graph-frames", "budget-frames")
+DEVICE_OPTIONS = ("frame-us", "forward-us", "eager-ms", "capture-ms", "graph-frames", "budget-frames", "lane-slowdown")
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:

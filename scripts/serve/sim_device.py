@@ -46,12 +46,17 @@ class SimDevice:
     """A device queue in simulated time (see the module docstring); ``charging()``: whether a shape first run
     now costs a capture (after the warm-up). A forward booked ``high`` (a stream lane's, on a CUDA stream of
     the greatest priority) starts when it is launched, or after the high-priority work before it, and every
-    normal forward not done by then ends that much later: the device runs the high-priority blocks first
-    (exactly so: a real device finishes the blocks it started, and shares its SMs meanwhile)."""
+    normal forward not done by then ends that much later: the device runs the high-priority blocks first.
+    A real device finishes the blocks it started and shares its SMs meanwhile, so a high-priority forward that
+    starts while normal work runs takes ``1 + lane_slowdown`` times its cost (0: exactly its cost; an H200,
+    2026-12-07: a lane's decode 3.9 ms beside the bulk against ~2 ms alone, about 1)."""
 
-    def __init__(self, frame_s: float, forward_s: float, eager_s: float, capture_s: float, graph_frames: int) -> None:
+    def __init__(
+        self, frame_s: float, forward_s: float, eager_s: float, capture_s: float, graph_frames: int,
+        lane_slowdown: float = 0.0,
+    ) -> None:  # fmt: skip
         self.frame_s, self.forward_s, self.eager_s, self.capture_s = frame_s, forward_s, eager_s, capture_s
-        self.graph_frames, self.seen = graph_frames, set()
+        self.graph_frames, self.seen, self.lane_slowdown = graph_frames, set(), lane_slowdown
         self.last = {False: Booking(0.0), True: Booking(0.0)}  # the last forward booked, normal and high
         self.pending: list[Booking] = []  # normal forwards booked, perhaps not done
         self.charging: Callable[[], bool] = lambda: True
@@ -83,7 +88,8 @@ class SimDevice:
                 self.pending = [b for b in self.pending if b.end > start]
                 for booked in self.pending:  # not done when the high-priority work starts: it waits for it
                     booked.end += cost
-                self.last[True] = Booking(max(start + cost, now))
+                span = cost * (1 + self.lane_slowdown) if self.pending else cost  # sharing the SMs with them
+                self.last[True] = Booking(max(start + span, now))
             else:
                 start = max(launched, self.last[False].end, self.last[True].end)
                 self.last[False] = Booking(max(start + cost, now))
@@ -132,7 +138,8 @@ def book_copies(host, device: SimDevice, high: bool) -> None:
 def device_from(args: argparse.Namespace, graph_frames: int | None = None) -> SimDevice:
     """The device of the options below (``graph_frames``: instead of ``--graph-frames``)."""
     graphs = args.graph_frames if graph_frames is None else graph_frames
-    return SimDevice(args.frame_us / 1e6, args.forward_us / 1e6, args.eager_ms / 1e3, args.capture_ms / 1e3, graphs)
+    return SimDevice(args.frame_us / 1e6, args.forward_us / 1e6, args.eager_ms / 1e3, args.capture_ms / 1e3, graphs,
+                     getattr(args, "lane_slowdown", 0.0))  # fmt: skip
 
 
 def sim_loop(args: argparse.Namespace):
@@ -189,6 +196,9 @@ def add_device_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--capture-ms", type=float, default=300.0, help="host time a capture")
     p.add_argument("--graph-frames", type=int, default=1024, help="the server's largest graphed forward (rows x chunk)")
     p.add_argument("--budget-frames", type=int, default=1024, help="the server's frames a forward at most")
+    slow = "a lane's forward that starts beside bulk work takes 1 + this times its cost (its kernels wait for the"
+    slow += " bulk's blocks to retire); 0: none; about 1 on an H200 (docs/performance.md#serving)"
+    p.add_argument("--lane-slowdown", type=float, default=0.0, help=slow)
     lane = "serve's --stream_lane: the flag alone or true, false; not given, the server's default (a lane;"
     lane += " the simulated device: none). A lane's forwards are booked at a high priority"
     p.add_argument("--stream-lane", nargs="?", const="true", choices=("true", "false"), help=lane)
