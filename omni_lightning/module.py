@@ -71,7 +71,7 @@ class Code2WavModule(pl.LightningModule):
         warmup_steps: linear warm-up steps before the cosine decay (at most a tenth of the run's steps).
         min_lr_ratio: the cosine decay's floor, as a fraction of the learning rate.
         decay_fraction: the last fraction of the steps after warm-up the decay spans (1.0: all of them;
-            0.3: the peak rate until 70 % of the way, then the cosine).
+            0.3: the peak rate for the first seven tenths, then the cosine).
         total_steps: steps of the schedule; None: the trainer's estimated stepping batches.
         grad_clip: gradient norm clip (None or 0: none); the Trainer's gradient_clip_val wins.
         mel_weight: weight of the multi-resolution mel L1 loss.

@@ -63,8 +63,7 @@ HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "fit": (
         ("--data.train", "--data.val", "--model.checkpoint", "--ckpt_path", "--model.config", "--trainer.max_steps",
          "--model.learning_rate", "--data.batch_size", "--data.crop_frames", *_DEVICE),
-        ("--model.warmup_steps", "--model.min_lr_ratio", "--model.decay_fraction", "--model.total_steps",
-         "--model.betas", "--model.weight_decay",
+        ("--model.warmup_steps", "--model.min_lr_ratio", "--model.total_steps", "--model.betas", "--model.weight_decay",
          "--model.grad_clip", "--model.mel_weight", "--model.stft_weight", "--model.freeze", "--model.train_only",
          "--model.ema_decay", "--model.adversarial", "--model.adversarial_weight", "--model.feature_matching_weight",
          "--model.discriminator_lr", "--model.fast_training", "--model.log_samples", *_QUALITY, "--data.num_workers",
