@@ -24,9 +24,7 @@ class WarmupCosine:
     of the steps after warm-up, then cosine from 1 down to ``min_ratio`` at ``total`` steps (and ``min_ratio``
     after). ``decay_fraction`` 1.0 is a plain warm-up-cosine; below it, the rate stays at its peak longer
     (warm-up, stable, decay). A class, not a closure, so a scheduler holding it pickles into a Lightning
-    checkpoint (one saved before ``decay_fraction`` existed loads as 1.0)."""
-
-    decay_fraction = 1.0  # a checkpoint's state from before the setting leaves the class's value
+    checkpoint (one saved before ``decay_fraction`` existed resumes with the module's, 1.0 by default)."""
 
     def __init__(self, warmup_steps: int, total_steps: int, min_ratio: float, decay_fraction: float = 1.0) -> None:
         self.warmup_steps, self.total_steps, self.min_ratio = warmup_steps, max(total_steps, 1), min_ratio

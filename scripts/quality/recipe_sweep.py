@@ -88,16 +88,7 @@ RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "768-pairs-config-lr-2e-3": ({**CONFIG, "learning_rate": 2e-3}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-constant": ({**CONFIG, "min_lr_ratio": 1.0}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-decay-0.3": ({**CONFIG, "decay_fraction": 0.3}, {"train_pairs": 768, **CONFIG_DATA}),
-    "768-pairs-config-decay-0.5": ({**CONFIG, "decay_fraction": 0.5}, {"train_pairs": 768, **CONFIG_DATA}),
-    "768-pairs-config-decay-0.3-lr-2e-3": (
-        {**CONFIG, "decay_fraction": 0.3, "learning_rate": 2e-3},
-        {"train_pairs": 768, **CONFIG_DATA},
-    ),
     "768-pairs-config-batch-16": (CONFIG, {"train_pairs": 768, **CONFIG_DATA, "batch_size": 16}),
-    "768-pairs-config-batch-16-decay-0.3": (
-        {**CONFIG, "decay_fraction": 0.3},
-        {"train_pairs": 768, **CONFIG_DATA, "batch_size": 16},
-    ),
     "768-pairs-config-no-ema": ({**CONFIG, "ema_decay": None}, {"train_pairs": 768, **CONFIG_DATA}),
     "768-pairs-config-gan": ({**CONFIG, "adversarial": True}, {"train_pairs": 768, **CONFIG_DATA}),
     "frozen-embedding": ({"freeze": ["code_embedding"]}, {}),

@@ -139,7 +139,7 @@ def device_from(args: argparse.Namespace, graph_frames: int | None = None) -> Si
     """The device of the options below (``graph_frames``: instead of ``--graph-frames``)."""
     graphs = args.graph_frames if graph_frames is None else graph_frames
     return SimDevice(args.frame_us / 1e6, args.forward_us / 1e6, args.eager_ms / 1e3, args.capture_ms / 1e3, graphs,
-                     getattr(args, "lane_slowdown", 0.0))  # fmt: skip
+                     args.lane_slowdown)  # fmt: skip
 
 
 def sim_loop(args: argparse.Namespace):
