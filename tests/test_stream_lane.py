@@ -250,3 +250,48 @@ def test_serve_with_a_stream_lane_answers_every_client_exactly_and_says_so():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_chunk_that_comes_while_the_lanes_decode_computes_queues_behind_it_and_every_talker_equals_decode(seed):
+    """The lane's decodes are pipelined: a chunk that comes while the lane's decode is still computing (its copy
+    held back, as a device's) is launched behind it at once, not after its audio is handed out; two in flight at
+    most (the host buffers), no bulk slice launched while one computes, and each talker's audio, in order, is
+    still ``decode`` of its codes (a whole request beside them too)."""
+    rng = random.Random(seed)
+    module = tiny_on(seed, "cpu")
+    loop, _ = _lane_loop(module, "cpu", request_frames=8, warmup=(), pipeline=True)
+    HeldCopies(loop.lane.decodes.host, polls=rng.randint(3, 8))
+    HeldCopies(loop.decodes.host, polls=rng.randint(2, 6))
+    in_flight, launch = [], loop.lane.launch
+    loop.lane.launch = lambda pushed: (launch(pushed), in_flight.append(len(loop.lane.talking)))
+    beside, bulk_launch = [], loop.decodes.launch  # the lane's decodes in flight at each bulk launch
+    loop.decodes.launch = lambda pushed, bulk: (beside.append(len(loop.lane.talking)), bulk_launch(pushed, bulk))[1]
+    q, size = module.config.num_quantizers, module.config.codebook_size
+    talkers = [[torch.randint(0, size, (q, rng.randint(1, 9))) for _ in range(rng.randint(2, 5))] for _ in range(3)]
+    whole = torch.randint(0, size, (q, rng.randint(20, 60)))
+    answers = [[] for _ in range(len(talkers) + 1)]
+    order = {i: iter(chunks) for i, chunks in enumerate(talkers)}  # each talker's chunks, in its order
+
+    def between():  # the socket read while the device computes: now and then a talker's next chunk comes
+        if rng.random() < 0.5 and (ready := [i for i in order if order[i] is not None]):
+            i = rng.choice(ready)
+            chunk = next(order[i], None)
+            if chunk is None:
+                order[i] = None
+                loop.finish(jobs[i])
+            else:
+                loop.push(jobs[i], chunk)
+
+    with torch.no_grad():
+        jobs = [loop.open_stream(f"s{i}", sink_into(answers[i])) for i in range(len(talkers))]
+        loop.submit("w", whole, sink_into(answers[-1]))
+        for _ in range(2000):
+            if not loop.has_work() and all(o is None for o in order.values()):
+                break
+            loop.run_step(between)
+    assert max(in_flight) == 2, "no chunk was launched behind the lane's decode in flight"  # and never 3
+    assert beside and max(beside) == 0, "a bulk slice was launched while a lane decode computed"
+    for got, chunks in zip(answers, talkers):
+        check_decode(audio_of(got), module, torch.cat(chunks, dim=1))
+    check_decode(audio_of(answers[-1]), module, whole)
