@@ -11,7 +11,7 @@ remains; the loop sleeps only when idle. With ``pipeline`` (CUDA), a step's bulk
 next step, after that step's first launch (the streams' chunks, else the next bulk slice), so the device need
 not wait for the host between them. With a ``stream_lane`` (``stream_lane.py``) the streams are a second
 decoder's, on a high-priority CUDA stream: their chunks are launched as they come, also while the loop waits
-for a bulk slice or a lane decode to land, and on CUDA the bulk is not capped to a slice.
+for a bulk slice to land, and on CUDA the bulk is not capped to a slice.
 
 Slots are the decoder's ``max_streams`` (``slots.py``): a stream takes one when it opens (none free:
 ``Overloaded``), a whole request when one frees, waiting in a queue of at most ``max_queue``. A client that
@@ -102,10 +102,11 @@ class DecodeLoop(Slots):
                 seconds = self.decoder.warmup(chunk_sizes=self.warmup, batch_sizes=self.warmup_rows)
                 log.info("serve: warm-up (chunks of %s frames, %s streams) took %.2f s", self.warmup,
                          self.warmup_rows, seconds)  # fmt: skip
-            if self.lane is not None and (seconds := self.lane.build(self.warmup, self.warmup_rows)) is None:
-                self.lane = None  # its memory did not hold one (the lane warned)
-            elif self.lane is not None:
-                log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
+            if self.lane is not None:
+                if (seconds := self.lane.build(self.warmup, self.warmup_rows)) is None:
+                    self.lane = None  # its memory did not hold one (the lane warned)
+                else:
+                    log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
         except Exception as err:  # the server answers /health 503 with this
             self.warmup_error = f"{type(err).__name__}: {err}"
             log.exception("serve: warm-up failed")
@@ -138,8 +139,6 @@ class DecodeLoop(Slots):
         if self._in_flight is not None:
             self.decodes.land(self._in_flight, None)
             self._in_flight = None
-        if self.lane is not None:
-            self.lane.land_done(every=True)
         with self._lock:
             left = self._active + list(self._waiting)
             self._active, self._waiting = [], deque()
@@ -193,9 +192,9 @@ class DecodeLoop(Slots):
         self._close_ended(jobs)
 
     def _lanes_step(self, bulk: list[Job], takes: list[int], between: Callable[[], None] | None) -> None:
-        """With a stream lane: the streams' chunks first (``_talk``), then the next bulk slice launched and the
-        last one landed (pipelined: the one before it); while it computes, a chunk that comes goes on the lane."""
-        self._talk(between)
+        """With a stream lane: the streams' chunks at once, the next bulk slice launched, the last one landed
+        (pipelined: the one before it), any chunk that comes while it computes launched on the lane meanwhile."""
+        self._talk()
         pushed = self._push_all(list(zip(bulk, takes)))
         launched = self.decodes.launch(pushed, True) if pushed else None
         landing, self._in_flight = (self._in_flight, launched) if self.pipeline else (launched, None)
@@ -204,33 +203,22 @@ class DecodeLoop(Slots):
                 between()  # nothing decoded: the socket is read all the same
             return
         while not landing.copy.ready():  # the device computes the slice: chunks that come go on the lane
-            self._poll(between)
-            self._talk(between)
+            if between is not None:
+                between()
+                time.sleep(5e-5)
+            else:
+                self._wake.wait(5e-4)
+                self._wake.clear()
+            self._talk()
         self.decodes.land(landing, None)
 
-    def _talk(self, between: Callable[[], None] | None) -> None:
-        """The stream lane until idle: chunks waiting launched, decodes handed out as they land, a chunk that
-        comes meanwhile launched behind the one in flight; no bulk work meanwhile (``stream_lane.py``)."""
-        lane = self.lane
-        while True:
-            lane.land_done()
-            with self._lock:
-                streams = [j for j in self._active if j.is_stream and not j.aborted and not j.done]
-            waiting = lane.has_room and any(j.chunks for j in streams)
-            if waiting and (pushed := self._push_all([(j, None) for j in streams])):
-                lane.launch(pushed)
-            if not lane.talking:
-                return
-            self._poll(between)
-
-    def _poll(self, between: Callable[[], None] | None) -> None:
-        """While the device computes: the socket read (``between``), else (one process) a wait for a push."""
-        if between is not None:
-            between()
-            time.sleep(5e-5)
-        else:
-            self._wake.wait(5e-4)
-            self._wake.clear()
+    def _talk(self) -> None:
+        """The streams' chunks waiting, on the stream lane: launched and landed (their own decode only)."""
+        with self._lock:
+            streams = [j for j in self._active if j.is_stream and not j.aborted and not j.done]
+        pushed = self._push_all([(j, None) for j in streams]) if any(j.chunks for j in streams) else {}
+        if pushed and (talked := self.lane.decodes.launch(pushed, False)) is not None:
+            self.lane.decodes.land(talked, None)
 
     def _close_ended(self, jobs: list[Job]) -> None:
         for job in jobs:

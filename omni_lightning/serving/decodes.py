@@ -35,13 +35,11 @@ from omni_lightning.serving.schedule import FrameCost
 
 @dataclass
 class Decode:
-    """A decode launched: each job's frames per chunk pushed (and whether they start it, and when a stream's
-    chunks came), its outputs' sizes, their copy to the host, when it was launched, and whether it was the
-    bulk slice."""
+    """A decode launched: each job's frames per chunk pushed (and whether they start it), its outputs'
+    sizes, their copy to the host, when it was launched, and whether it was the bulk slice."""
 
     pushed: dict[Job, list[int]]
     firsts: list[bool]
-    came: list[list[float]]
     sizes: list[int]
     copy: HostCopy
     start: float
@@ -81,8 +79,7 @@ class Decodes:
         if before is not None and self.metrics is not None:
             self._count(before, work)
         firsts = [job.sent_frames == sum(frames) for job, frames in pushed.items()]
-        came = [job.pushed_at for job in pushed]  # (a stream's next push makes a new list: two decodes in flight)
-        return Decode(pushed, firsts, came, [o.shape[-1] for o in outs], copy, start, bulk)
+        return Decode(pushed, firsts, [o.shape[-1] for o in outs], copy, start, bulk)
 
     def _count(self, before: dict, work: dict) -> None:
         """The engine's counters' growth over one decode, into ``/metrics``."""
@@ -117,17 +114,16 @@ class Decodes:
             if not d.bulk:
                 self.metrics.stream_step_seconds.observe(seconds)
         timed = self.metrics is not None and not d.bulk
-        parts = zip(d.pushed.items(), d.firsts, d.came, host.split(d.sizes, dim=-1))
-        for (job, frames), first, came, samples in parts:
+        for (job, frames), first, samples in zip(d.pushed.items(), d.firsts, host.split(d.sizes, dim=-1)):
             if not job.aborted and not job.done:
                 opening = job.first_audio is None
                 self._deliver(job, self._split(samples, frames, first))
                 if timed:  # each chunk from its arrival in the loop
                     now = time.perf_counter()
-                    for at in came:
-                        self.metrics.stream_chunk_seconds.observe(now - at)
-                    if opening and came:
-                        self.metrics.stream_first_chunk_seconds.observe(now - came[0])
+                    for came in job.pushed_at:
+                        self.metrics.stream_chunk_seconds.observe(now - came)
+                    if opening and job.pushed_at:
+                        self.metrics.stream_first_chunk_seconds.observe(now - job.pushed_at[0])
 
     def _split(self, samples: torch.Tensor, frames: list[int], first: bool) -> list[torch.Tensor]:
         """A decode's samples of one stream, cut per chunk pushed (``output_length`` of each)."""

@@ -34,7 +34,7 @@ class Job:
     sink: Sink
     codes: torch.Tensor | None = None  # a whole request's codes, pushed ``request_frames`` at a time
     chunks: deque = field(default_factory=deque)  # a stream's chunks not yet pushed, (when it came, codes) each
-    pushed_at: list = field(default_factory=list)  # when the chunks of its last push came
+    pushed_at: list = field(default_factory=list)  # when the chunks of its decode in flight came
     finishing: bool = False  # no more chunks: close after the last is decoded
     aborted: bool = False  # the client went away: close now
     sid: int | None = None  # its stream in the decoder, once opened

@@ -11,13 +11,9 @@ for the slice the pipelined loop queued behind it. With a lane:
   which nothing writes while serving;
 - its decodes are launched on a CUDA stream of the greatest priority: the device schedules their blocks
   ahead of the bulk kernels' next ones, so a chunk computes beside the bulk slice, not after it;
-- the decode loop launches a chunk as it comes, also while it waits for a bulk slice or the lane's decode to
-  land (it polls their copies and its socket: ``DecodeLoop``): queued behind the lane's decode in flight, it
-  starts on the device as soon as that one ends, not after the host has handed that one's audio out (two in
-  flight at most: ``HostAudio``'s two buffers). While a lane decode computes the loop launches no bulk work
-  (kernels launched beside it take the SMs its blocks wait for: on an H200 a lane decode took 4.7-4.9 ms when
-  the bulk went on launching, 3.9 when it waited); on CUDA whole requests are not capped to a slice while
-  streams are open (``schedule.py``'s cap bounds a chunk's wait behind bulk work, which a lane removes).
+- the decode loop launches a chunk as it comes, also while it waits for a bulk slice to land (it polls the
+  slice's copy and its socket: ``DecodeLoop``), and on CUDA whole requests are not capped to a slice while streams
+  are open (``schedule.py``'s cap bounds a chunk's wait behind bulk work, which a lane removes).
 
 Memory: the lane's decoder is built after the bulk decoder's warm-up, so under a cap
 (``gpu_memory_utilization``) its budget is what the bulk decoder left; with too little left it raises
@@ -37,14 +33,13 @@ import contextlib
 import gc
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from omni_lightning.engine.streaming import StreamingDecoder
-from omni_lightning.serving.decodes import Decode, Decodes
+from omni_lightning.serving.decodes import Decodes
 
 log = logging.getLogger("omni_lightning.serving")
 
@@ -75,7 +70,6 @@ class StreamLane:
         self.decodes: Decodes | None = None
         self.stream: torch.cuda.Stream | None = None
         self.inside = 0
-        self.talking: deque[Decode] = deque()  # its decodes launched, their audio not yet handed out
         self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
     def build(self, chunk_sizes: tuple[int, ...], batch_sizes: tuple[int, ...]) -> float | None:
@@ -108,23 +102,6 @@ class StreamLane:
         if self.stream is not None:
             self.stream.synchronize()
         return time.perf_counter() - start
-
-    @property
-    def has_room(self) -> bool:
-        """Whether a decode can be launched now (each in flight holds one of ``HostAudio``'s two buffers)."""
-        return len(self.talking) < 2
-
-    def launch(self, pushed: dict) -> None:
-        """Decodes the streams' chunks ``pushed`` (``DecodeLoop._push_all``), behind the lane's decode in flight;
-        hands it out at once where it is done already (a CPU: before the loop computes a bulk slice)."""
-        if (talked := self.decodes.launch(pushed, False)) is not None:
-            self.talking.append(talked)
-        self.land_done()
-
-    def land_done(self, every: bool = False) -> None:
-        """Hands out the lane's decodes that are done, in order (``every``: all, waiting for them)."""
-        while self.talking and (every or self.talking[0].copy.ready()):
-            self.decodes.land(self.talking.popleft(), None)
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:

@@ -114,6 +114,16 @@ STEPS = (
         (*SERVE_SMOKE, "--stream-lane", "false"),
         90,
     ),
+    # a stream lane's decode alone and beside bulk decodes: what its priority, the bulk's launches, its kernels and
+    # a green context for the bulk change (this tree only)
+    Step(
+        "lane",
+        "serve",
+        "bench_lane",
+        ("--device", "cuda"),
+        ("--preset", "tiny", "--device", "cpu", "--trials", "3"),
+        120,
+    ),
     # every CUDA test on the GPU
     Step("gpu-tests", "tests", "pytest", ("-m", "gpu", "-q", "-p", "no:cacheprovider", "--durations=10"), (), 420),
     # forward and fine-tuning throughput, the long-tailed job
@@ -317,6 +327,17 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("padding (served)", lambda r: _get(r, "padding_share"), ".1%"),
         ("lost", lambda r: _get(r, "lost"), ".0f"),
         ("wrong", lambda r: _get(r, "wrong"), ".0f"),
+    ),
+    "bench_lane": (
+        ("lane decode alone ms", lambda r: _get(r, "scenarios", "alone", "lane_ms_median"), ".2f"),
+        ("beside bulk, bulk held ms", lambda r: _get(r, "scenarios", "held", "lane_ms_median"), ".2f"),
+        ("beside bulk, bulk launching ms", lambda r: _get(r, "scenarios", "launching", "lane_ms_median"), ".2f"),
+        ("normal priority ms", lambda r: _get(r, "scenarios", "held_normal_priority", "lane_ms_median"), ".2f"),
+        ("torch's kernels ms", lambda r: _get(r, "scenarios", "held_reference_kernels", "lane_ms_median"), ".2f"),
+        ("bulk on 112 SMs ms", lambda r: _get(r, "scenarios", "held_green_112", "lane_ms_median"), ".2f"),
+        ("bulk on 96 SMs ms", lambda r: _get(r, "scenarios", "held_green_96", "lane_ms_median"), ".2f"),
+        ("bulk frames/s alone", lambda r: _get(r, "bulk_alone_frames_per_s"), ",.0f"),
+        ("bulk frames/s beside (held)", lambda r: _get(r, "scenarios", "held", "bulk_frames_per_s"), ",.0f"),
     ),
     "bench_stream": (
         ("first audio ms", lambda r: _get(r, "ttfa_ms", "stream"), ".2f"),
