@@ -336,6 +336,8 @@ FIGURES: dict[str, tuple[Figure, ...]] = {
         ("torch's kernels ms", lambda r: _get(r, "scenarios", "held_reference_kernels", "lane_ms_median"), ".2f"),
         ("bulk on 112 SMs ms", lambda r: _get(r, "scenarios", "held_green_112", "lane_ms_median"), ".2f"),
         ("bulk on 96 SMs ms", lambda r: _get(r, "scenarios", "held_green_96", "lane_ms_median"), ".2f"),
+        ("kernels in a lane decode (Triton's)", lambda r: _get(r, "lane_kernels_triton"), ",.0f"),
+        ("kernels in a lane decode (torch's)", lambda r: _get(r, "lane_kernels_torch"), ",.0f"),
         ("bulk frames/s alone", lambda r: _get(r, "bulk_alone_frames_per_s"), ",.0f"),
         ("bulk frames/s beside (held)", lambda r: _get(r, "scenarios", "held", "bulk_frames_per_s"), ",.0f"),
     ),

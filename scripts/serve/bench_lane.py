@@ -19,7 +19,8 @@ random pause (0-8 ms, the bulk kept going) each scenario times ``--trials`` of t
 - ``held_green_<n>``: ``held``, the bulk launched on a green context of ``n`` SMs (torch's
   ``torch.cuda.green_contexts``, CUDA 12.8+: where it is missing or fails, the reason is kept instead).
 
-Also the bulk's step alone and beside the lane's decodes (its frames per second: what the lane costs it).
+Also the bulk's step alone and beside the lane's decodes (its frames per second: what the lane costs it), and the
+kernels one lane decode runs (``lane_kernels_triton``, ``_torch``: the profiler's, a CUDA graph's included).
 On a CPU every decode runs in turn (no streams): the smoke run checks the script, not the device.
 """
 
@@ -113,6 +114,16 @@ def pause(bulk: Bulk | None, rng: random.Random) -> None:
         bulk.keep_going()
 
 
+def kernels_in(fn, *args) -> int:
+    """How many kernels the device ran in ``fn(*args)`` (the profiler's CUDA kernel events, a graph's included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args)
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def green_stream(sms: int, device: torch.device):
     """A stream of a green context of ``sms`` SMs (torch's API differs by release), or the reason for none."""
     try:
@@ -176,6 +187,9 @@ def run(args: argparse.Namespace) -> dict:
                     lane.warmup(chunk_sizes=(args.chunk,), batch_sizes=(args.lane_rows,))
                     sids = [lane.open() for _ in range(args.lane_rows)]
                 host = HostAudio()
+                if graphs and priority == "greatest":  # the device's kernels in one lane decode (graphs' too)
+                    key = f"lane_kernels_{'torch' if kernels is not None else 'triton'}"
+                    res[key] = kernels_in(lane_decode, lane, sids, chunk_codes, host, stream, None)
                 modes = ["alone", "held", "launching"] if kernels is None and priority == "greatest" else ["held"]
                 for mode in modes:
                     name = mode + ("_normal_priority" if priority == "normal" else "") + (
@@ -207,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
                 with on(stream):
                     for sid in sids:
                         lane.close(sid)
-            del lane
+            del lane  # its graphs' memory, before the next lane's
     return res
 
 
