@@ -118,9 +118,13 @@ def kernels_in(fn, *args) -> int:
     """How many kernels the device ran in ``fn(*args)`` (the profiler's CUDA kernel events, a graph's included)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(*args)
-        torch.cuda.synchronize()
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn(*args)
+            torch.cuda.synchronize()
+    except Exception as err:  # no CUPTI: say so, time the rest
+        print(f"  kernels not counted: {err}", file=sys.stderr, flush=True)
+        return -1
     return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
 
 
@@ -168,6 +172,14 @@ def run(args: argparse.Namespace) -> dict:
     bulk_decoder = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=graphs)
     bulk_decoder.warmup(chunk_sizes=(args.bulk_frames,), batch_sizes=(args.bulk_rows,))
     res: dict = {"preset": args.preset, "device": str(device), "scenarios": {}}
+    # (name, the lane's kernels, its stream's priority, the bulk's mode, the bulk's green context SMs): the green
+    # contexts last, as a failure there may leave the device unusable
+    plans = [("alone", "triton", "greatest", "alone", None), ("held", "triton", "greatest", "held", None),
+             ("launching", "triton", "greatest", "launching", None),
+             ("held_normal_priority", "triton", "normal", "held", None),
+             ("held_reference_kernels", "torch", "greatest", "held", None),
+             *((f"held_green_{n}", "triton", "greatest", "held", n) for n in args.green_sms if graphs)]  # fmt: skip
+    lanes: dict[str, StreamingDecoder] = {}
     with torch.no_grad():
         bulk = Bulk(bulk_decoder, args, bulk_codes, None)
         t0 = time.perf_counter()
@@ -176,52 +188,39 @@ def run(args: argparse.Namespace) -> dict:
             time.sleep(5e-5)
         bulk.drain()
         res["bulk_alone_frames_per_s"] = bulk.frames / (time.perf_counter() - t0)
-        for kernels in (None, Kernels.for_inference(device, fused=False)):  # the lane's: Triton's, torch's
-            lane = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=graphs)
-            if kernels is not None:
-                lane.engine.kernels = kernels
-            for priority in ("greatest", "normal") if kernels is None else ("greatest",):
-                normal = torch.cuda.Stream(device) if graphs else None
-                stream = lane_stream(device) if priority == "greatest" else normal
+        for name, kernels, priority, mode, sms in plans:
+            stream = lane_stream(device) if priority == "greatest" or not graphs else torch.cuda.Stream(device)
+            if kernels not in lanes:  # built and warmed up once, on the lane's stream
+                lanes[kernels] = lane = StreamingDecoder(model, max_streams=args.streams, cuda_graphs=graphs)
+                if kernels == "torch":
+                    lane.engine.kernels = Kernels.for_inference(device, fused=False)
                 with on(stream):
                     lane.warmup(chunk_sizes=(args.chunk,), batch_sizes=(args.lane_rows,))
-                    sids = [lane.open() for _ in range(args.lane_rows)]
-                host = HostAudio()
-                if graphs and priority == "greatest":  # the device's kernels in one lane decode (graphs' too)
-                    key = f"lane_kernels_{'torch' if kernels is not None else 'triton'}"
-                    res[key] = kernels_in(lane_decode, lane, sids, chunk_codes, host, stream, None)
-                modes = ["alone", "held", "launching"] if kernels is None and priority == "greatest" else ["held"]
-                for mode in modes:
-                    name = mode + ("_normal_priority" if priority == "normal" else "") + (
-                        "_reference_kernels" if kernels is not None else "")  # fmt: skip
-                    b = None if mode == "alone" else Bulk(bulk_decoder, args, bulk_codes, None)
-                    res["scenarios"][name] = scenario(name, lane, sids, chunk_codes, host, stream, b, mode, args, rng)
-                    if b is not None:
-                        with on(None):
-                            for sid in b.sids:
-                                bulk_decoder.close(sid)
-                if kernels is None and priority == "greatest" and graphs:
-                    for sms in args.green_sms:
-                        ctx, green = green_stream(sms, device)
-                        if ctx is None:
-                            res["scenarios"][f"held_green_{sms}"] = {"error": green}
-                            print(f"  held_green_{sms}: {green}", file=sys.stderr, flush=True)
-                            continue
-                        try:
-                            b = Bulk(bulk_decoder, args, bulk_codes, green)
-                            name = f"held_green_{sms}"
-                            res["scenarios"][name] = scenario(name, lane, sids, chunk_codes, host, stream, b, "held",
-                                                              args, rng)  # fmt: skip
-                            for sid in b.sids:
-                                bulk_decoder.close(sid)
-                        except Exception as err:
-                            res["scenarios"][f"held_green_{sms}"] = {"error": f"{type(err).__name__}: {err}"}
-                            print(f"  held_green_{sms}: {err}", file=sys.stderr, flush=True)
-                            torch.cuda.synchronize(device)
-                with on(stream):
-                    for sid in sids:
-                        lane.close(sid)
-            del lane  # its graphs' memory, before the next lane's
+            green, bulk_stream = green_stream(sms, device) if sms is not None else (None, None)  # (kept: in use)
+            if isinstance(bulk_stream, str):  # no green context: why
+                res["scenarios"][name] = {"error": bulk_stream}
+                print(f"  {name}: {bulk_stream}", file=sys.stderr, flush=True)
+                continue
+            lane, host = lanes[kernels], HostAudio()
+            with on(stream):
+                sids = [lane.open() for _ in range(args.lane_rows)]
+            if graphs and f"lane_kernels_{kernels}" not in res:  # the kernels of one lane decode, its graph's too
+                res[f"lane_kernels_{kernels}"] = kernels_in(lane_decode, lane, sids, chunk_codes, host, stream, None)
+            try:
+                b = None if mode == "alone" else Bulk(bulk_decoder, args, bulk_codes, bulk_stream)
+                res["scenarios"][name] = scenario(name, lane, sids, chunk_codes, host, stream, b, mode, args, rng)
+                for sid in b.sids if b is not None else ():
+                    bulk_decoder.close(sid)
+            except Exception as err:  # a green context whose stream the graphs cannot replay on
+                if sms is None:
+                    raise
+                res["scenarios"][name] = {"error": f"{type(err).__name__}: {err}"}
+                print(f"  {name}: {err}", file=sys.stderr, flush=True)
+            with on(stream):
+                for sid in sids:
+                    lane.close(sid)
+            if graphs:
+                torch.cuda.synchronize(device)  # the slots zeroed before the next scenario's streams use them
     return res
 
 
