@@ -21,7 +21,9 @@ The teacher is ``make_teacher("tiny", seed=21)``; ``make_demo_data`` makes 24 tr
 
 A recipe's ``train_pairs`` (``768-pairs*``) makes the training set larger: the 24 pairs, then more of the
 same kind (made once per ``--work`` folder); ``768-pairs-config*`` also take ``configs/finetune.yaml``'s
-recipe (``CONFIG``: warm-up, EMA; ``CONFIG_DATA``: batch 8, 4 s crops). Each variant is a
+recipe (``CONFIG``: warm-up, EMA; ``CONFIG_DATA``: batch 8, 4 s crops, the config's until 2026-12-07, kept so
+that the results named ``768-pairs-config`` keep their meaning; the config's batch is now 16:
+``768-pairs-config-batch-16``). Each variant is a
 ``Code2WavModule`` recipe (the module's defaults overridden by its settings) and the data's batch and crop;
 ``--set`` overrides settings for every variant named, ``--tag`` names such a run; ``--seed`` (0 by default) is
 the training run's (batch order, crops; the pairs and the student stay), a result per seed. Results are written to
@@ -54,7 +56,7 @@ import torch
 # a recipe: module settings over Code2WavModule's defaults, and data settings; each variant changes one thing
 OLD = dict(learning_rate=1e-4, warmup_steps=0, ema_decay=None)  # the module's defaults before the first sweep
 CONFIG = dict(warmup_steps=100, ema_decay=0.999)  # configs/finetune.yaml's settings over the module's defaults
-CONFIG_DATA = dict(batch_size=8, crop_frames=50)  # and its data's
+CONFIG_DATA = dict(batch_size=8, crop_frames=50)  # and its data's before batch 16 (the module docstring)
 RECIPES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "default": ({}, {}),
     "old-default": (OLD, {}),
