@@ -329,7 +329,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    rows = math.ceil(len(results) / 4)  # the legend's, four names a row (long names: seven overflowed the figure)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.0 + 0.22 * rows))
     for ax in axes:  # more variants than the default cycle's 10 colours
         ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for r in results.values():
@@ -343,8 +344,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=7, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.14, 1, 1))
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=4, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.22 * rows / (4.0 + 0.22 * rows) + 0.03, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
 
