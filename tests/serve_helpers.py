@@ -119,15 +119,19 @@ def clients_exact(url: str, n: int, seed: int) -> None:
 
 
 class RecordingDecoder(StreamingDecoder):
-    """The real decoder; each ``step`` records which streams it advanced (to see what shared a forward)."""
+    """The real decoder; each ``step`` records which streams it advanced (to see what shared a forward), and on
+    CUDA the stream it launched on (``launched_on``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.steps: list[set] = []
+        self.launched_on: list[torch.cuda.Stream | None] = []
 
     def step(self, chunks=None):
         out = super().step(chunks)
         self.steps.append({sid for sid, samples in out.items() if samples.shape[-1]})
+        cuda = self.engine.device.type == "cuda"
+        self.launched_on.append(torch.cuda.current_stream(self.engine.device) if cuda else None)
         return out
 
 

@@ -41,14 +41,19 @@ def _lane_loop(module, device: str, **settings) -> tuple[DecodeLoop, RecordingDe
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pipeline", [False, True])
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("lane_sms", [0, 16])
 def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_client_equals_decode(
-    seed, pipeline, device, no_tf32
+    lane_sms, seed, pipeline, device, no_tf32
 ):
+    """``lane_sms``: on CUDA the bulk decodes launched while a stream is open run on a green context's stream of
+    the SMs left (every client still exact); with none open, on the loop's; on a CPU the option does nothing."""
     rng = random.Random(seed)
     module = tiny_on(seed, device)
     # a slice of a nanosecond: without a lane, the bulk would send its least (8 frames, oldest first) a step
     loop, lane = _lane_loop(module, device, request_frames=rng.choice([4, 8]), warmup=(), bulk_slice_s=1e-9,
-                            pipeline=pipeline)  # fmt: skip
+                            pipeline=pipeline, lane_sms=lane_sms)  # fmt: skip
+    green = loop.lane.bulk_stream
+    assert (green is not None) == (device == "cuda" and lane_sms > 0), green
     q, size = module.config.num_quantizers, module.config.codebook_size
     wholes = [torch.randint(0, size, (q, rng.randint(9, 60))) for _ in range(3)]
     streams = [[torch.randint(0, size, (q, rng.randint(1, 12))) for _ in range(rng.randint(2, 5))] for _ in range(2)]
@@ -74,6 +79,15 @@ def test_streams_decode_on_their_lane_whole_requests_uncapped_on_cuda_and_every_
     # on CUDA every whole request in the first step (no slice cap: the lane runs beside); on a CPU the lane's
     # decodes run in turn with the bulk's, which stay capped (the least: 8 frames, oldest first, of 12-24)
     assert len(bulk.steps[0]) == len(wholes) if device == "cuda" else len(bulk.steps[0]) < len(wholes)
+    if green is not None:  # the first bulk step ran beside open streams; one after they all ended does not
+        assert bulk.launched_on[0] == green, bulk.launched_on
+        late, codes = [], torch.randint(0, size, (q, 9))
+        with torch.no_grad():
+            loop.submit("late", codes, sink_into(late))
+            while loop.has_work():
+                loop.run_step()
+        check_decode(audio_of(late), module, codes)
+        assert bulk.launched_on[-1] != green, bulk.launched_on
 
 
 @pytest.mark.parametrize("device", DEVICES)

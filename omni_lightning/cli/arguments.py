@@ -187,7 +187,7 @@ def section_for(path: str, sub: str) -> dict[str, Any]:
 TOP_LEVEL = ("config", "print_config", "seed_everything", "out_dir", "format", "subtype", "timings", "debug", "help")
 # serve's own options (serve.py)
 SERVE_ARGS = ("ckpt_path", "host", "port", "max_streams", "max_queue", "max_body_bytes", "request_frames",
-              "devices", "drain_timeout", "front_processes", "bulk_slice_ms", "stream_lane")  # fmt: skip
+              "devices", "drain_timeout", "front_processes", "bulk_slice_ms", "stream_lane", "lane_sms")  # fmt: skip
 # each subcommand's Trainer method arguments the parser adds (LightningCLI skips model, data and loaders)
 METHOD_ARGS = {
     "fit": ("ckpt_path", "weights_only"),

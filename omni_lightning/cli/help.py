@@ -78,7 +78,8 @@ HELP_OPTIONS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "test": (("--data.test", *_WEIGHTS, *_DEVICE), ("--trainer.limit_test_batches", *_EVALUATE)),
     "serve": (
         ("--host", "--port", "--max_streams", *_WEIGHTS, "--trainer.accelerator", "--trainer.precision", "--config"),
-        ("--max_queue", "--max_body_bytes", "--request_frames", "--bulk_slice_ms", "--stream_lane", "--drain_timeout",
+        ("--max_queue", "--max_body_bytes", "--request_frames", "--bulk_slice_ms", "--stream_lane", "--lane_sms",
+         "--drain_timeout",
          "--devices", "--front_processes",
          "--trainer.gpu_memory_utilization", "--model.fast_path", "--model.graph_frames", "--seed_everything",
          "--debug"),

@@ -180,7 +180,7 @@ def decode_loop_for(module: Any, trainer: Any, config: Any, ckpt_path: str | Non
         return module.streaming_decoder(config.max_streams, cuda_graphs, share, step_frames=config.request_frames)
 
     chunks, rows = warmup_shapes(device.type == "cuda", config.request_frames)
-    lane = lane_arguments(config.stream_lane, decoder)
+    lane = lane_arguments(config.stream_lane, decoder, config.lane_sms)
     loop = DecodeLoop(decoder(), config.max_queue, config.request_frames, plugin.forward_context, ServeMetrics(),
                       warmup=chunks, bulk_slice_s=config.bulk_slice_ms / 1000, warmup_rows=rows, **lane)  # fmt: skip
     limits = f"{config.max_streams} streams at once, {config.max_queue} requests queued"

@@ -25,6 +25,13 @@ OPTIONS = (
         "for whole requests' work (a second decoder's memory; on a GPU no slice cap). null (default): on where "
         "its memory holds, else a warning; true: else an error",
     ),
+    (
+        "lane_sms",
+        int,
+        0,
+        "SMs the whole requests' decodes leave to the stream lane while a stream is open (a green context, "
+        "CUDA 12.8+): a talker's chunk need not wait for bulk blocks to retire. 0 (default): none",
+    ),
     ("drain_timeout", float, 30.0, "on SIGTERM, seconds to finish what is in flight before exiting"),
     ("devices", int, 1, "engine processes, each its own engine on its own GPU (on a CPU: CPU engines)"),
     (
@@ -37,7 +44,7 @@ OPTIONS = (
 )
 
 # counts: the least each takes
-LEAST = {"port": 0, "max_streams": 1, "max_queue": 0, "request_frames": 1, "max_body_bytes": 1}
+LEAST = {"lane_sms": 0, "port": 0, "max_streams": 1, "max_queue": 0, "request_frames": 1, "max_body_bytes": 1}
 
 
 def check_serve_values(values: dict[str, Any]) -> None:

@@ -78,6 +78,7 @@ def build_app(
     warmup: tuple[int, ...] = (1, 8),
     bulk_slice_s: float = 0.01,
     stream_lane: bool | None = None,
+    lane_sms: int = 0,
 ) -> FastAPI:
     """The app serving ``module`` (a ``Code2WavModule``, e.g. one fine-tuned in this process, or a bare
     ``Code2Wav``) on the device and in the dtype it has now.
@@ -88,7 +89,8 @@ def build_app(
     decode thread (autocast for a mixed precision); ``warmup``: chunk sizes run before ``/health`` says ready;
     ``bulk_slice_s``: while a stream is open, the engine time a step gives whole requests (``schedule.py``);
     ``stream_lane``: the streams on a decoder of their own, on a high-priority CUDA stream (``stream_lane.py``;
-    None: where its memory holds one, else a warning; True: else the warm-up fails; False: none).
+    None: where its memory holds one, else a warning; True: else the warm-up fails; False: none); ``lane_sms``:
+    the SMs the bulk decodes leave to the lane while a stream is open (``stream_lane.py``; 0: none).
     A module's decoder is retired when ``trainer.fit`` starts on it: every request then fails with a 500
     saying so (build a new app after a fit).
     """
@@ -96,7 +98,7 @@ def build_app(
     from omni_lightning.errors import check_count
 
     for name, value, least in (("max_queue", max_queue, 0), ("max_body_bytes", max_body_bytes, 1),
-                               ("request_frames", request_frames, 1)):  # fmt: skip
+                               ("request_frames", request_frames, 1), ("lane_sms", lane_sms, 0)):  # fmt: skip
         check_count(name, value, least)  # (max_streams: the decoder checks it)
 
     def decoder() -> StreamingDecoder:
@@ -106,7 +108,7 @@ def build_app(
 
     metrics = ServeMetrics()
     loop = DecodeLoop(decoder(), max_queue, request_frames, context, metrics, warmup, bulk_slice_s,
-                      **lane_arguments(stream_lane, decoder))  # fmt: skip
+                      **lane_arguments(stream_lane, decoder, lane_sms))  # fmt: skip
     return app_over(loop, metrics, max_body_bytes)
 
 

@@ -54,7 +54,8 @@ class DecodeLoop(Slots):
     the engine time a step gives whole requests (``schedule.py``); ``pipeline`` (None: on CUDA): a step
     launches its decodes before handing out the last step's bulk audio (so the device need not wait for the
     host between them); ``stream_lane``: makes the streams' own decoder (``stream_lane.py``), None: no lane;
-    ``lane_required``: False, a lane whose memory does not hold is dropped with a warning, not an error."""
+    ``lane_required``: False, a lane whose memory does not hold is dropped with a warning, not an error;
+    ``lane_sms``: the SMs the bulk decodes leave to the lane while a stream is open (``stream_lane.py``)."""
 
     def __init__(
         self,
@@ -69,13 +70,14 @@ class DecodeLoop(Slots):
         pipeline: bool | None = None,
         stream_lane: Callable[[], StreamingDecoder] | None = None,
         lane_required: bool = True,
+        lane_sms: int = 0,
     ) -> None:
         super().__init__(decoder.max_streams, max_queue, metrics)
         self.decoder, self.request_frames, self.context, self.warmup = decoder, request_frames, context, warmup
         self.config, self.bulk_slice_s = decoder.config, bulk_slice_s
         self.warmup_rows = tuple(r for r in warmup_rows if r <= self.max_streams) or (1,)
-        self.decodes = Decodes(decoder, metrics, self._fail)
-        self.lane = StreamLane(stream_lane, metrics, self._fail, lane_required) if stream_lane is not None else None
+        self.decodes = Decodes(decoder, metrics, self._fail, self._bulk_side)
+        self.lane = StreamLane(stream_lane, metrics, self._fail, lane_required, lane_sms) if stream_lane else None
         self.pipeline = decoder.engine.device.type == "cuda" if pipeline is None else pipeline
         self._in_flight: Decode | None = None  # a bulk decode launched, its audio not yet handed out
         self.ready = threading.Event()
@@ -275,6 +277,10 @@ class DecodeLoop(Slots):
         decode is not capped to a slice while streams are open. On a CPU a lane's decodes run in turn with
         the bulk's, and the cap bounds a chunk's wait as without one."""
         return self.lane is not None and self.lane.overlaps
+
+    def _bulk_side(self) -> contextlib.AbstractContextManager:
+        """Where a bulk decode launches: beside a lane with reserved SMs, on the SMs left (``StreamLane.bulk_side``)."""
+        return self.lane.bulk_side() if self.lane is not None else contextlib.nullcontext()
 
     def _decoder_of(self, job: Job) -> StreamingDecoder:
         return self.lane.decoder if self.lane is not None and job.is_stream else self.decoder

@@ -23,6 +23,13 @@ streams share the bulk decoder. Without a cap it takes the default budget, as th
 a lane has no stream of its own: its decodes run in turn with the bulk ones, which stay capped to a slice (the
 same logic, no overlap: how the tests run it; there too it cut the talkers' waits beside bulk clients,
 ``docs/serving.md``).
+Reserved SMs (``serve --lane_sms N``): a high priority orders blocks waiting for an SM, it does not free one,
+so each of a lane decode's few hundred kernels still waits for a bulk block to retire (on an H100 a lane decode
+took 2.4 ms alone and 6.8 ms beside a busy bulk decoder, ``scripts/serve/bench_lane.py``). With ``N`` > 0, while
+the lane holds a stream the bulk decodes launch on a CUDA stream of a green context (CUDA 12.8+) of the device's
+SMs less ``N``: those ``N`` are the lane's alone, the rest it shares at its priority. With no stream open the
+bulk has every SM. Where torch or the driver has no green contexts, a warning says so and the lane goes on
+without reserved SMs; on a CPU the option does nothing.
 Not done: a lane per priority class (all streams share one), preempting a bulk kernel already running
 (the device finishes the blocks it started).
 """
@@ -52,10 +59,28 @@ def lane_stream(device: torch.device) -> torch.cuda.Stream | None:
     return torch.cuda.Stream(device, priority=greatest)
 
 
-def lane_arguments(setting: bool | None, make: Callable[[], StreamingDecoder]) -> dict[str, Any]:
+def green_stream(device: torch.device, sms: int) -> tuple[Any, torch.cuda.Stream]:
+    """A green context of ``sms`` of ``device``'s SMs and a CUDA stream of it: its kernels run on those SMs
+    only (keep the context while the stream is used). RuntimeError saying why where there is none. torch 2.14
+    builds the context with keywords; 2.11's class is a factory (``create``) whose constructor raises TypeError."""
+    try:
+        from torch.cuda.green_contexts import GreenContext
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        try:
+            ctx = GreenContext(num_sms=sms, device_id=index)
+        except TypeError:
+            ctx = GreenContext.create(sms, index)
+        return ctx, ctx.Stream()
+    except Exception as err:  # torch, the driver or the CUDA bindings have none
+        raise RuntimeError(f"no green context of {sms} SMs ({type(err).__name__}: {err})") from err
+
+
+def lane_arguments(setting: bool | None, make: Callable[[], StreamingDecoder], sms: int = 0) -> dict[str, Any]:
     """``serve --stream_lane`` (``build_app(stream_lane=...)``) as ``DecodeLoop``'s arguments: null, a lane
-    where its memory holds one, else a warning; true, a lane or the server does not start; false, none."""
-    return {"stream_lane": make if setting is not False else None, "lane_required": setting is True}
+    where its memory holds one, else a warning; true, a lane or the server does not start; false, none.
+    ``sms``: ``--lane_sms``, the SMs kept from the bulk decodes while a stream is open (0: none)."""
+    return {"stream_lane": make if setting is not False else None, "lane_required": setting is True, "lane_sms": sms}
 
 
 class StreamLane:
@@ -63,12 +88,14 @@ class StreamLane:
     decodes (``Decodes`` on the lane's CUDA stream) and its warm-up."""
 
     def __init__(
-        self, make: Callable[[], StreamingDecoder], metrics: Any, fail: Callable, required: bool = True
+        self, make: Callable[[], StreamingDecoder], metrics: Any, fail: Callable, required: bool = True, sms: int = 0
     ) -> None:
-        self.make, self.metrics, self.fail, self.required = make, metrics, fail, required
+        self.make, self.metrics, self.fail, self.required, self.sms = make, metrics, fail, required, sms
         self.decoder: StreamingDecoder | None = None
         self.decodes: Decodes | None = None
         self.stream: torch.cuda.Stream | None = None
+        self.bulk_stream: torch.cuda.Stream | None = None  # the bulk's while a stream is open (``sms``)
+        self._green: Any = None  # the green context of ``bulk_stream``, kept alive with it
         self.inside = 0
         self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
@@ -101,7 +128,38 @@ class StreamLane:
                 self.decoder.warmup(chunk_sizes=chunk_sizes, batch_sizes=batch_sizes)
         if self.stream is not None:
             self.stream.synchronize()
+            self._reserve(self.decoder.engine.device)
         return time.perf_counter() - start
+
+    def _reserve(self, device: torch.device) -> None:
+        """``bulk_stream``: a green context's of the device's SMs less ``sms`` (none asked: nothing)."""
+        if not self.sms:
+            return
+        total = torch.cuda.get_device_properties(device).multi_processor_count
+        if self.sms >= total:
+            raise ValueError(f"--lane_sms {self.sms}: the device has {total} SMs; the bulk decodes need some left")
+        try:
+            self._green, self.bulk_stream = green_stream(device, total - self.sms)
+        except RuntimeError as err:
+            log.warning("serve: --lane_sms %d: the stream lane goes on without reserved SMs: %s", self.sms, err)
+            return
+        log.info("serve: while a stream is open the bulk decodes run on %d of %d SMs", total - self.sms, total)
+
+    @contextlib.contextmanager
+    def bulk_side(self) -> Iterator[None]:
+        """Entered around each bulk launch: while the lane holds a stream and SMs are reserved, the bulk's CUDA
+        stream is the green context's, ordered after the current stream's work and before what follows it
+        there (so its inputs and outputs are used in the order the loop launched them); else nothing."""
+        if self.bulk_stream is None or self.decoder is None or not self.decoder.streams:
+            yield
+            return
+        here = torch.cuda.current_stream(self.bulk_stream.device)
+        self.bulk_stream.wait_stream(here)
+        try:
+            with torch.cuda.stream(self.bulk_stream):
+                yield
+        finally:
+            here.wait_stream(self.bulk_stream)
 
     @contextlib.contextmanager
     def on_stream(self) -> Iterator[None]:

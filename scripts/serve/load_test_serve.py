@@ -81,6 +81,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--max-streams", type=int, default=64)
     p.add_argument("--request-frames", type=int, default=32)
     p.add_argument("--bulk-slice-ms", type=float, default=None, help="serve's --bulk_slice_ms (default: its own)")
+    p.add_argument("--lane-sms", type=int, default=None, help="serve's --lane_sms (default: its own; a GPU's server)")
     p.add_argument("--free-decode", action="store_true", help="a decode that costs nothing (the edge's ceiling)")
     p.add_argument(
         "--sim-device",
@@ -116,6 +117,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
                   "--max_queue", str(4 * total_clients(args)))  # fmt: skip
         cmd += ["--front_processes", str(args.front_processes)] if args.front_processes is not None else []
         cmd += ["--trainer.gpu_memory_utilization", str(args.share)] if args.share else []
+        cmd += ["--lane_sms", str(args.lane_sms)] if args.lane_sms is not None else []
     if args.bulk_slice_ms is not None:
         cmd += ["--bulk_slice_ms" if script is None else "--bulk-slice-ms", str(args.bulk_slice_ms)]
     if args.stream_lane is not None and script is None:  # not given: the server's default (a lane on a GPU)
@@ -363,6 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
         args.client_processes = max(1, min(8, (os.cpu_count() or 2) // 2, total_clients(args)))
     if args.client_processes < 1:
         p.error(f"--client-processes must be >= 1, got {args.client_processes}")
+    if args.lane_sms is not None and (args.free_decode or args.sim_device):
+        p.error(f"--lane-sms {args.lane_sms} is a GPU server's: the free and simulated decodes have no SMs to keep")
     if args.free_decode and args.stream_lane == "true":
         p.error("--stream-lane with --free-decode: a free decode has no device to share")
     engine = None if args.free_decode else offline_engine(args)
