@@ -109,6 +109,7 @@ class DecodeLoop(Slots):
                     self.lane = None  # its memory did not hold one (the lane warned)
                 else:
                     log.info("serve: the stream lane's decoder built and warmed up in %.2f s", seconds)
+                    self.lane.check_bulk_side(self.decoder, min(self.warmup or (1,)))
         except Exception as err:  # the server answers /health 503 with this
             self.warmup_error = f"{type(err).__name__}: {err}"
             log.exception("serve: warm-up failed")

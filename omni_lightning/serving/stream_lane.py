@@ -96,6 +96,7 @@ class StreamLane:
         self.stream: torch.cuda.Stream | None = None
         self.bulk_stream: torch.cuda.Stream | None = None  # the bulk's while a stream is open (``sms``)
         self._green: Any = None  # the green context of ``bulk_stream``, kept alive with it
+        self._split = (0, 0)  # the bulk's SMs while a stream is open, the device's
         self.inside = 0
         self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
@@ -143,7 +144,7 @@ class StreamLane:
         except RuntimeError as err:
             log.warning("serve: --lane_sms %d: the stream lane goes on without reserved SMs: %s", self.sms, err)
             return
-        log.info("serve: while a stream is open the bulk decodes run on %d of %d SMs", total - self.sms, total)
+        self._split = (total - self.sms, total)
 
     @contextlib.contextmanager
     def bulk_side(self) -> Iterator[None]:
@@ -153,6 +154,26 @@ class StreamLane:
         if self.bulk_stream is None or self.decoder is None or not self.decoder.streams:
             yield
             return
+        with self._on_bulk_stream():
+            yield
+
+    def check_bulk_side(self, bulk: StreamingDecoder, chunk: int) -> None:
+        """Runs ``bulk``'s warm step of one stream of ``chunk`` frames (a CUDA graph replayed) on ``bulk_stream``:
+        where the device refuses it, a warning and no reserved SMs, before any client's decode could fail."""
+        if self.bulk_stream is None:
+            return
+        try:
+            with self._on_bulk_stream():
+                bulk.warmup(chunk_sizes=(chunk,), batch_sizes=(1,))
+            self.bulk_stream.synchronize()
+            log.info("serve: while a stream is open the bulk decodes run on %d of %d SMs", *self._split)
+        except Exception as err:  # e.g. a graph captured in the device's context, refused in the green one
+            log.warning("serve: --lane_sms %d: the bulk decodes could not run on the SMs left (%s: %s); the stream "
+                        "lane goes on without reserved SMs", self.sms, type(err).__name__, err)  # fmt: skip
+            self.bulk_stream = self._green = None
+
+    @contextlib.contextmanager
+    def _on_bulk_stream(self) -> Iterator[None]:
         here = torch.cuda.current_stream(self.bulk_stream.device)
         self.bulk_stream.wait_stream(here)
         try:
