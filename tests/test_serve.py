@@ -246,12 +246,21 @@ def test_a_decode_that_raises_fails_only_its_step(server):
 
 
 @pytest.mark.parametrize("setting, value", [("max_streams", 0), ("max_queue", -1), ("request_frames", 0),
-                                            ("max_body_bytes", "8M")])  # fmt: skip
+                                            ("max_body_bytes", "8M"), ("lane_sms", -8)])  # fmt: skip
 def test_build_app_names_a_bad_setting(setting, value):
     from omni_lightning.serving import build_app
 
     with pytest.raises(ValueError, match=f"{setting} must be an integer >= ., got {value!r}"):
         build_app(tiny_module(), **{setting: value})
+
+
+def test_build_app_refuses_sms_kept_for_a_lane_it_turns_off():
+    from omni_lightning.serving import build_app
+
+    with pytest.raises(
+        ValueError, match="lane_sms=16 keeps SMs for the stream lane, which stream_lane=False turns off"
+    ):
+        build_app(tiny_module(), stream_lane=False, lane_sms=16)
 
 
 def test_a_client_that_closes_a_streamed_response_frees_its_slot(server):

@@ -54,6 +54,10 @@ def test_serve_help_is_short_and_lists_what_serve_uses(capsys):
         (["--model.random_weights", "true", "--stream_lane", "None"], "error: --stream_lane takes true, false or null"),
         (["--model.random_weights", "true", "--lane_sms", "-8"], "error: --lane_sms must be an integer >= 0, got -8"),
         (
+            ["--model.random_weights", "true", "--stream_lane", "false", "--lane_sms", "16"],
+            "error: --lane_sms 16 keeps SMs for the stream lane, which --stream_lane false turns off",
+        ),
+        (
             ["--model.random_weights", "true", "--bulk_slice_ms", "1e"],
             "error: --bulk_slice_ms takes a number, got '1e'",
         ),

@@ -66,3 +66,6 @@ def check_serve_values(values: dict[str, Any]) -> None:
                 raise UsageError(f"--{name} must be an integer >= {LEAST[name]}, got {value}") from None
             taken = {int: "an integer", float: "a number", str: "text"}.get(kind, "true, false or null")
             raise UsageError(f"--{name} takes {taken}, got {value!r}") from None
+    if str(values.get("stream_lane")).strip().lower() == "false" and int(values.get("lane_sms") or 0) > 0:
+        raise UsageError(f"--lane_sms {values['lane_sms']} keeps SMs for the stream lane, which --stream_lane false "
+                         "turns off: drop one of them")  # fmt: skip

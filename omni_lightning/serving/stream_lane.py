@@ -80,6 +80,8 @@ def lane_arguments(setting: bool | None, make: Callable[[], StreamingDecoder], s
     """``serve --stream_lane`` (``build_app(stream_lane=...)``) as ``DecodeLoop``'s arguments: null, a lane
     where its memory holds one, else a warning; true, a lane or the server does not start; false, none.
     ``sms``: ``--lane_sms``, the SMs kept from the bulk decodes while a stream is open (0: none)."""
+    if setting is False and sms:
+        raise ValueError(f"lane_sms={sms} keeps SMs for the stream lane, which stream_lane=False turns off")
     return {"stream_lane": make if setting is not False else None, "lane_required": setting is True, "lane_sms": sms}
 
 
