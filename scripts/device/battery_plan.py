@@ -114,6 +114,16 @@ STEPS = (
         (*SERVE_SMOKE, "--stream-lane", "false"),
         90,
     ),
+    # the same mix with SMs kept from the bulk for the lane while talkers are open (serve --lane_sms; this tree
+    # only: against serve-mix's after, in the same call); the CPU smoke passes it to a CPU server, which ignores it
+    Step(
+        "serve-mix-lane-sms",
+        "serve",
+        "load_test_serve",
+        (*SERVE, "--clients", "16", "--paced", "64", "--stream-lane", "true", "--lane-sms", "20"),
+        (*SERVE_SMOKE, "--lane-sms", "20"),
+        90,
+    ),
     # a stream lane's decode alone and beside bulk decodes: what its priority, the bulk's launches, its kernels and
     # a green context for the bulk change (this tree only)
     Step(
