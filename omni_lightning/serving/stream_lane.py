@@ -98,7 +98,6 @@ class StreamLane:
         self.stream: torch.cuda.Stream | None = None
         self.bulk_stream: torch.cuda.Stream | None = None  # the bulk's while a stream is open (``sms``)
         self._green: Any = None  # the green context of ``bulk_stream``, kept alive with it
-        self._split = (0, 0)  # the bulk's SMs while a stream is open, the device's
         self.inside = 0
         self.overlaps = False  # whether its decodes run beside the bulk's (a CUDA stream of its own: build)
 
@@ -145,8 +144,6 @@ class StreamLane:
             self._green, self.bulk_stream = green_stream(device, total - self.sms)
         except RuntimeError as err:
             log.warning("serve: --lane_sms %d: the stream lane goes on without reserved SMs: %s", self.sms, err)
-            return
-        self._split = (total - self.sms, total)
 
     @contextlib.contextmanager
     def bulk_side(self) -> Iterator[None]:
@@ -168,7 +165,8 @@ class StreamLane:
             with self._on_bulk_stream():
                 bulk.warmup(chunk_sizes=(chunk,), batch_sizes=(1,))
             self.bulk_stream.synchronize()
-            log.info("serve: while a stream is open the bulk decodes run on %d of %d SMs", *self._split)
+            total = torch.cuda.get_device_properties(self.bulk_stream.device).multi_processor_count
+            log.info("serve: while a stream is open the bulk decodes run on %d of %d SMs", total - self.sms, total)
         except Exception as err:  # e.g. a graph captured in the device's context, refused in the green one
             log.warning("serve: --lane_sms %d: the bulk decodes could not run on the SMs left (%s: %s); the stream "
                         "lane goes on without reserved SMs", self.sms, type(err).__name__, err)  # fmt: skip
